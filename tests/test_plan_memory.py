@@ -218,6 +218,12 @@ TWO_RANKS = [  # every parallel layout on two processes: dp x ZeRO 0-3 (+ offloa
     {"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "model.n_layers": 4},
     {"parallel.pp": 2, "parallel.schedule": "zb-h1", "train.dtype": "bf16", "model.tie_embeddings": False},
     {"model.moe.experts": 4, "parallel.dp": 2, "parallel.ep": 2},
+    # Adafactor / SM3 under ZeRO: replicated factored statistics, sharded element-wise states
+    {"parallel.dp": 2, "parallel.zero": 1, "optim.name": "adafactor", "optim.use_beta1": True, "train.dtype": "bf16"},
+    {"parallel.dp": 2, "parallel.zero": 2, "optim.name": "adafactor", "parallel.bucket_mb": 0.01,
+     "model.d_model": 36, "model.n_heads": 3},
+    {"parallel.dp": 2, "parallel.zero": 3, "optim.name": "sm3", "optim.momentum": 0.9},
+    {"parallel.dp": 2, "parallel.zero": 3, "optim.name": "sm3", "parallel.offload": "optimizer", "train.dtype": "bf16"},
 ]
 
 
@@ -231,3 +237,22 @@ def test_predict_run_equals_trainer_measurement_two_processes():
              for key, (measured, planned) in got.items()
              if planned != measured]
     assert not wrong, wrong  # MoE activations too (tests/test_plan_moe.py covers the routers and layouts)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"model.mlp": "swiglu", "model.position": "rope", "model.bias": False},
+                                       {"model.tie_embeddings": False}])
+def test_planner_factored_statistics_equal_the_models_rows_and_columns(overrides):
+    """Adafactor / SM3 keep rows + columns per matrix: the planner's count from the dims equals the count
+    over our GPT's actual parameter shapes (MoE excluded)."""
+    import math
+
+    from harness import make_config
+
+    from scaletrain.plan.catalog import from_model_config
+    from scaletrain.plan.costs import factored_statistics
+    from scaletrain.plan.run_memory import engine_module_on_meta
+
+    cfg = make_config({**SMALL, **overrides})
+    shapes = [tuple(p.shape) for p in engine_module_on_meta(cfg).parameters()]
+    exact = sum(math.prod(s[:-1]) + s[-1] for s in shapes if len(s) >= 2) / sum(math.prod(s) for s in shapes)
+    assert factored_statistics(from_model_config(cfg.model)) == pytest.approx(exact, rel=1e-12)

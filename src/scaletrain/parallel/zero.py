@@ -510,10 +510,15 @@ def group_params(module: nn.Module, stage: int, bucket_mb: float, units=None) ->
 
 
 def predict_bytes(module: nn.Module, stage: int, n: int, bucket_mb: float = 25.0, offload: str = "none",
-                  units=None) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state (AdamW) that ZeroOptimizer holds on its
-    fullest rank after a step, per category (each the max over ranks, as the trainer reports them),
-    computed from the same grouping, padding and pieces as the optimizer. `module` may be on meta."""
+                  units=None, optimizer: str = "adamw", beta1: bool = False, momentum: bool = False) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that ZeroOptimizer holds on its fullest rank
+    after a step, per category (each the max over ranks, as the trainer reports them), computed from the
+    same grouping, padding and pieces as the optimizer. `module` may be on meta. `optimizer` is adamw
+    (two moments per owned element and a step counter per piece) or adafactor / sm3 (their replicated
+    factored statistics plus the owned elements of the element-wise states; `beta1` / `momentum` say
+    whether the first moment exists)."""
+    from scaletrain.parallel.zero_factored import state_sizes
+
     params = [p for p in module.parameters() if p.requires_grad]
     elem = params[0].element_size()
     low = params[0].dtype in (torch.bfloat16, torch.float16)
@@ -527,15 +532,22 @@ def predict_bytes(module: nn.Module, stage: int, n: int, bucket_mb: float = 25.0
             numel = sum(p.numel() for p in group)
             shard = max(1, math.ceil(numel / n))
             lo, hi, off, pieces, piece_numel = rank * shard, (rank + 1) * shard, 0, 0, 0
+            factored = 0
             for p in group:
                 a, b = max(off, lo), min(off + p.numel(), hi)
                 if a < b:
                     pieces += 1
                     piece_numel += b - a
+                if optimizer != "adamw":
+                    sizes = state_sizes(optimizer, tuple(p.shape), max(b - a, 0), beta1=beta1, momentum=momentum)
+                    factored += sum(sizes.values())
                 off += p.numel()
             tot["params"] += (shard if stage == 3 else shard * n) * elem
             tot["grads"] += (shard * n if stage == 1 else shard) * grad_elem
-            tot["optim"] += 2 * piece_numel * master_elem + pieces * step_bytes
+            if optimizer == "adamw":
+                tot["optim"] += 2 * piece_numel * master_elem + pieces * step_bytes
+            else:
+                tot["optim"] += factored * master_elem
             if low or offload != "none":
                 separate = not (stage == 3 and offload == "params" and not low)
                 tot["optim"] += shard * master_elem * separate + (shard * master_elem if offload != "none" else 0)

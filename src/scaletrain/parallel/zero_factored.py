@@ -26,6 +26,28 @@ import torch
 import torch.distributed as dist
 
 
+def state_sizes(name: str, shape: tuple[int, ...], piece_numel: int, beta1: bool = False,
+                momentum: bool = False) -> dict[str, int]:
+    """Elements of each state tensor a rank holds for one parameter of `shape` of which it owns
+    `piece_numel` elements (maybe 0): the replicated factored statistics plus the sharded element-wise
+    ones. The planner counts `mem_optim` under ZeRO from this (`parallel.zero.predict_bytes`)."""
+    sizes: dict[str, int] = {}
+    if name == "adafactor":
+        if len(shape) >= 2:
+            sizes["row"] = math.prod(shape[:-1])
+            sizes["col"] = math.prod(shape[:-2]) * shape[-1]
+        else:
+            sizes["v"] = piece_numel
+        if beta1:
+            sizes["m"] = piece_numel
+    else:
+        for d, size in enumerate(shape if len(shape) else (1,)):
+            sizes[f"acc{d}"] = size
+        if momentum:
+            sizes["m"] = piece_numel
+    return sizes
+
+
 class ShardedFactored:
     """`name` in {adafactor, sm3} over `pieces`: (param shape, flat start a, master view, grad view, decay)."""
 
@@ -38,23 +60,9 @@ class ShardedFactored:
         self.t = 0
         self.state: dict[int, dict[str, torch.Tensor]] = {}
         for i, p in enumerate(params):
-            shape, dev = p["shape"], p["device"]
-            st: dict[str, torch.Tensor] = {}
-            n_el = p["b"] - p["a"]
-            if name == "adafactor":
-                if len(shape) >= 2:
-                    st["row"] = torch.zeros(math.prod(shape[:-1]), dtype=p["dtype"], device=dev)
-                    st["col"] = torch.zeros(math.prod(shape[:-2]) * shape[-1], dtype=p["dtype"], device=dev)
-                else:
-                    st["v"] = torch.zeros(n_el, dtype=p["dtype"], device=dev)
-                if self.hyper.get("beta1") is not None:
-                    st["m"] = torch.zeros(n_el, dtype=p["dtype"], device=dev)
-            else:
-                dims = shape if len(shape) else (1,)
-                for d, size in enumerate(dims):
-                    st[f"acc{d}"] = torch.zeros(size, dtype=p["dtype"], device=dev)
-                if self.hyper.get("momentum", 0.0) > 0:
-                    st["m"] = torch.zeros(n_el, dtype=p["dtype"], device=dev)
+            sizes = state_sizes(name, p["shape"], p["b"] - p["a"], beta1=self.hyper.get("beta1") is not None,
+                                momentum=self.hyper.get("momentum", 0.0) > 0)
+            st = {k: torch.zeros(n, dtype=p["dtype"], device=p["device"]) for k, n in sizes.items()}
             self.state[i] = st
 
     # ------------------------------------------------------------------ helpers

@@ -51,6 +51,11 @@ def add_parser(subparsers) -> None:
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     tr.add_argument("--dtype", choices=tuple(costs.DTYPES), default="bf16")
+    tr.add_argument("--optimizer", choices=costs.OPTIMIZERS, default="adamw",
+                    help="optimizer state: adamw (K = 12 bytes/param in bf16/fp16), adafactor or sm3 (fp32 master "
+                         "+ factored statistics)")
+    tr.add_argument("--first-moment", action="store_true",
+                    help="adafactor with beta1 / sm3 with momentum: one more state per parameter")
     tr.add_argument("--attention", choices=("flash", "standard"), default="flash")
     tr.add_argument("--no-dp-overlap", action="store_true", help="gradient reduction not overlapped")
     p.add_argument("--layout", default="",
@@ -134,7 +139,8 @@ def run(args) -> int:
     if args.global_batch < 1:
         raise UserError(f"--global-batch must be >= 1, got {args.global_batch}")
     cluster = hardware.Cluster(gpu, args.gpus)
-    train = costs.Training(args.global_batch, args.dtype, args.attention, not args.no_dp_overlap)
+    train = costs.Training(args.global_batch, args.dtype, args.attention, not args.no_dp_overlap,
+                           optimizer=args.optimizer, first_moment=args.first_moment)
     fixed = parse_layout(args.layout)
     result = search(model, gpu, args.gpus, train, fixed, _assumptions(args))
     top = dedupe(result.candidates, args.top)
@@ -241,6 +247,8 @@ def _run_params(args) -> int:
         gpu = hardware.get_gpu(args.gpu or "a100-80gb")
     psi = args.params
     pb, gb, _, k = costs.DTYPES[args.dtype]
+    if args.optimizer != "adamw":  # master + optional first moment; factored statistics need the dims
+        k = (4 if pb == 2 else 0) + (4 if pb == 2 else pb) * args.first_moment
     rows = []
     for zero in (0, 1, 2, 3):
         p, g, o = costs.memory_model_states(psi, args.gpus, zero, pb, gb, k)

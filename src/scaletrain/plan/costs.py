@@ -80,7 +80,12 @@ class Training:
     """Gradient reduction overlapped with the backward pass (PyTorch DDP buckets); Megatron-LM 2021 and
     Korthikanti 2022 did not overlap."""
     optimizer_k: float | None = None
-    """Optimizer bytes per parameter; None = the dtype's default (12 for mixed-precision Adam)."""
+    """Optimizer bytes per parameter, sharded by ZeRO; None = what `optimizer` keeps in this dtype."""
+    optimizer: str = "adamw"
+    """adamw (two moments), adafactor (factored second moment, Shazeer & Stern arXiv 1804.04235) or sm3
+    (one accumulator per row and per column, Anil et al. arXiv 1901.11150); see `optimizer_bytes`."""
+    first_moment: bool = False
+    """Adafactor with beta1 / SM3 with momentum: one more element-wise state per parameter."""
     grad_bytes: int | None = None
     """Bytes per gradient element; None = the dtype's (2 in bf16/fp16; our engine keeps fp32 buffers: 4)."""
 
@@ -532,6 +537,37 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
     return mbs
 
 
+OPTIMIZERS = ("adamw", "adafactor", "sm3")
+
+
+def factored_statistics(m: ModelSpec) -> float:
+    """Numbers Adafactor / SM3 keep per parameter for their factored statistics: rows + columns of every
+    matrix (an n x m matrix keeps n + m, not n·m) over the model's elements, weighted like the parameters.
+    Our engine keeps them whole on every rank under ZeRO (`parallel/zero_factored.py`); they are tiny
+    (about 2/d_model of the parameters)."""
+    h, f, kv = m.d_model, m.ffn, m.kv_heads * m.head_dim
+    n_mats = 3 if m.mlp == "swiglu" else 2
+    layer = (h + h + 2 * kv) + 2 * h + n_mats * (h + f)
+    position = m.seq_len + h if m.position == "learned" else 0
+    rows_cols = m.n_layers * layer + (m.vocab_size + h) * (1 + (not m.tie_embeddings)) + position
+    return rows_cols / total_params(m)
+
+
+def optimizer_bytes(m: ModelSpec, train: Training) -> tuple[float, float]:
+    """(bytes per parameter sharded by ZeRO, bytes per parameter kept whole on every rank) of the
+    optimizer state. AdamW: K = 12 under bf16/fp16 (fp32 master, m, v; ZeRO paper), 2x the element size
+    otherwise. Adafactor / SM3: the fp32 master under bf16/fp16, an optional first moment, and their
+    factored statistics (replicated)."""
+    pb, _, _, k_default = DTYPES[train.dtype]
+    if train.optimizer_k is not None:
+        return train.optimizer_k, 0.0
+    if train.optimizer == "adamw":
+        return k_default, 0.0
+    state = 4 if pb == 2 else pb
+    master = 4 if pb == 2 else 0
+    return master + state * train.first_moment, state * factored_statistics(m)
+
+
 def memory_model_states(psi: float, dp: int, zero: int, param_b: float = 2, grad_b: float = 2,
                         k: float = 12, psi_expert: float = 0.0, edp: int = 1) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per device under ZeRO stage `zero` (arXiv 1910.02054 Sec. 5.1).
@@ -552,9 +588,9 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
              n_gpus: int | None = None, memory_only: bool = False) -> Estimate:
     """Memory, time and communication of one layout. Raises UserError for impossible layouts."""
     mbs = check_layout(m, train, lay, n_gpus)
-    pb, gb, eb, k_default = DTYPES[train.dtype]
+    pb, gb, eb, _ = DTYPES[train.dtype]
     gb = train.grad_bytes or gb
-    k = k_default if train.optimizer_k is None else train.optimizer_k
+    k, k_whole = optimizer_bytes(m, train)
     t, p, v, b, s, h = lay.tp, lay.pp, lay.virtual_stages, lay.micro_batch, m.seq_len, m.d_model
     edp = lay.dp // lay.ep
     first, last = stage_params(m, lay)
@@ -580,6 +616,7 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
         ((first, acts + first_extra), (last, acts + last_extra))
     for st, stage_acts in stages:
         params, grads, optim = memory_model_states(st.dense, lay.dp, lay.zero, pb, gb, k, st.expert, edp)
+        optim += (st.dense + st.expert) * k_whole
         if lay.offload != "none":
             optim = 0.0
         buffers = 0.0

@@ -8,7 +8,15 @@ from pathlib import Path
 
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.costs import DEFAULT_ASSUMPTIONS as _A
-from scaletrain.plan.costs import Estimate, Training, active_params, group_link, param_counts, total_params
+from scaletrain.plan.costs import (
+    Estimate,
+    Training,
+    active_params,
+    group_link,
+    optimizer_bytes,
+    param_counts,
+    total_params,
+)
 from scaletrain.plan.hardware import Cluster
 
 GiB = float(1 << 30)
@@ -94,7 +102,8 @@ def to_json(m: ModelSpec, cluster: Cluster, train: Training, cands: list[Estimat
         "model": model,
         "cluster": cluster.to_dict(),
         "training": {"global_batch": train.global_batch, "seq_len": m.seq_len, "dtype": train.dtype,
-                     "attention": train.attention, "optimizer_bytes_per_param": train.optimizer_k or 12},
+                     "attention": train.attention, "optimizer": train.optimizer,
+                     "optimizer_bytes_per_param": sum(optimizer_bytes(m, train))},
         "candidates": [c.to_dict() for c in cands],
     }
 

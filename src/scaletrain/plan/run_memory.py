@@ -178,7 +178,9 @@ def model_state_bytes(cfg: Config) -> dict[str, int]:
         module = engine_module_on_meta(cfg, r)
         params = [p for p in module.parameters() if p.requires_grad]
         if par.zero >= 1:
-            got = predict_bytes(module, par.zero, par.dp, par.bucket_mb, par.offload)
+            o = cfg.optim
+            got = predict_bytes(module, par.zero, par.dp, par.bucket_mb, par.offload, optimizer=o.name,
+                                beta1=o.use_beta1, momentum=o.momentum > 0)
         else:
             elem = params[0].element_size()
             numel = sum(p.numel() for p in params)
