@@ -58,6 +58,11 @@ def add_parser(subparsers) -> None:
                     help="adafactor with beta1 / sm3 with momentum: one more state per parameter")
     tr.add_argument("--attention", choices=("flash", "standard"), default="flash")
     tr.add_argument("--no-dp-overlap", action="store_true", help="gradient reduction not overlapped")
+    tr.add_argument("--zero3-style", choices=("prefetch", "per-tensor"), default="prefetch",
+                    help="ZeRO-3 implementation: prefetch (per-layer gathers one layer ahead: FSDP, ours) or "
+                         "per-tensor (DeepSpeed ZeRO-3 up to v0.4); see docs/planner.md")
+    tr.add_argument("--zero3-bw", type=float, metavar="GB/S",
+                    help="per-GPU bandwidth ZeRO-3's collectives reach across nodes (default: all NICs of a node)")
     p.add_argument("--layout", default="",
                    help='fix fields, e.g. "dp=8,tp=8,pp=4,zero=1,recompute=selective"; the rest is searched')
     out = p.add_argument_group("output")
@@ -112,9 +117,14 @@ def _gpu(args, dtype: str) -> hardware.GPU:
 
 
 def _assumptions(args) -> costs.Assumptions:
+    style = getattr(args, "zero3_style", "prefetch")
+    bw = getattr(args, "zero3_bw", None)
+    if bw is not None and not bw > 0:
+        raise UserError(f"--zero3-bw must be a positive bandwidth in GB/s, got {bw}")
+    zero3 = {"zero3_style": style, "zero3_link_bw": bw * 1e9 if bw is not None else None}
     if args.calibrate:  # measured rates are achieved rates already
-        return costs.Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0)
-    return costs.DEFAULT_ASSUMPTIONS
+        return costs.Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0, **zero3)
+    return costs.Assumptions(**zero3)
 
 
 def run(args) -> int:

@@ -150,6 +150,16 @@ class Assumptions:
     """DP gradient bucket (PyTorch DDP default 25 MiB), two in flight."""
     cpu_adam_params_per_s: float = 1.0e9
     """CPU Adam throughput per GPU's share of host cores (ZeRO-Offload, arXiv 2101.06840)."""
+    zero3_style: str = "prefetch"
+    """How the ZeRO-3 implementation moves parameters (`zero3_exposed_time`). `prefetch`: one all-gather
+    per layer, issued one layer ahead, gradients reduce-scattered while the backward goes on (our engine,
+    PyTorch FSDP arXiv 2304.11277, DeepSpeed since its coalesced collectives of late 2021). `per-tensor`:
+    DeepSpeed ZeRO-3 up to v0.4 (the runs of arXiv 2104.04473 Table 2): one all-gather per weight behind a
+    device synchronise, so only the next weight's gather hides behind the current compute; weights are
+    gathered again for the recomputed forward, and each gradient reduce-scatter is waited for."""
+    zero3_link_bw: float | None = None
+    """Per-GPU bandwidth (bytes/s) ZeRO-3's collectives reach over a dp group that spans nodes; None = a
+    ring over all the node's NICs (`group_link`). Set it from a measurement of your implementation."""
 
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -393,7 +403,7 @@ def gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
 
 def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: float, block_f: float,
                        block_b: float, embed_f: float, head_f: float, head_b: float, embed_b: float, n: int,
-                       link: tuple[float, float]) -> float:
+                       link: tuple[float, float], style: str = "prefetch", block_r: float = 0.0) -> float:
     """Communication time ZeRO-3 adds to one microbatch beyond its compute (Rajbhandari et al., arXiv
     1910.02054 Sec. 7.2.2; the schedule of our `parallel.zero` and of FSDP, arXiv 2304.11277 Sec. 3.3).
 
@@ -406,6 +416,11 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     (a FIFO channel, as one NCCL/gloo stream does); each costs alpha-beta time with the ring latency
     (n-1) alpha, so many small units are latency-bound. Returns the time the compute waits, found by
     running the two clocks (compute, channel) through the step's issue order.
+
+    `style="per-tensor"` (DeepSpeed ZeRO-3 up to v0.4, `Assumptions.zero3_style`): the same forward; in
+    the backward a block whose forward is recomputed (`block_r` of its `block_b` seconds) is gathered
+    before the recomputation and again before its backward (the recomputed forward releases it), and the
+    compute waits for each block's gradient reduce-scatter before it goes on.
     """
     if n <= 1:
         return 0.0
@@ -435,12 +450,18 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     if L:
         ready[L - 1] = issue(tc, g[L - 1])
     tc += head_b
+    per_tensor = style == "per-tensor"
     for i in reversed(range(L)):
         tc = max(tc, ready[i])
+        if per_tensor and block_r > 0:  # gathered again behind the recomputation
+            again = issue(tc, g[i])
+            tc = max(tc + block_r, again)
         if i > 0:
             ready[i - 1] = issue(tc, g[i - 1])
-        tc += block_b
-        issue(tc, rs[i])
+        tc += block_b - (block_r if per_tensor else 0.0)
+        done = issue(tc, rs[i])
+        if per_tensor:
+            tc = done
     tc += embed_b
     tc = max(tc, issue(tc, rs_root))
     return max(tc - (embed_f + L * block_f + head_f + head_b + L * block_b + embed_b), 0.0)
@@ -703,6 +724,8 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
 
     # ---- data parallel / ZeRO communication, exposed part
     dp_link = group_link(gpu, lay.dp, t, a)
+    if lay.zero == 3 and a.zero3_link_bw is not None and lay.dp * t > gpu.gpus_per_node:
+        dp_link = (a.zero3_link_bw, dp_link[1])
     edp = lay.dp // lay.ep
     edp_link = group_link(gpu, edp, t * lay.ep, a)
     st = max(first, last, key=lambda x: x.total)
@@ -727,10 +750,12 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
             root = max(st.total - lps * (layer + pc.layer_expert / lay.ep), 0.0)
             t_dp = mbs * zero3_exposed_time(
                 root * pb, [layer * pb] * int(round(lps)), gb / pb, f_layer + t_tp + t_ep,
-                2 * f_layer + t_tp_b + t_ep + r_layer, 0.0, fwd_last - fwd, bwd_last - bwd, 0.0, lay.dp, dp_link)
+                2 * f_layer + t_tp_b + t_ep + r_layer, 0.0, fwd_last - fwd, bwd_last - bwd, 0.0, lay.dp, dp_link,
+                a.zero3_style, r_layer if recompute_kind(lay.recompute)[0] == "full" else 0.0)
             if st.expert:  # experts shard over dp / ep: their gathers, on their own group, assumed hidden
                 t_dp += mbs * max(3 * gather_time(st.expert * pb, edp, edp_link) - t_f - t_b, 0.0)
-            dp_bytes = mbs * ((lay.dp - 1) / lay.dp * (2 * st.dense * pb + dense_b) +
+            gathers = 3 if a.zero3_style == "per-tensor" and recompute_kind(lay.recompute)[0] == "full" else 2
+            dp_bytes = mbs * ((lay.dp - 1) / lay.dp * (gathers * st.dense * pb + dense_b) +
                               (edp - 1) / max(edp, 1) * (2 * st.expert * pb + expert_b))
 
     # ---- optimizer step and offload
