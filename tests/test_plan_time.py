@@ -80,6 +80,73 @@ def test_step_time_within_25_percent_of_measured_after_calibration(name):
     assert abs(statistics.median(errors)) <= 0.25, (name, [f"{e:+.0%}" for e in errors], runs)
 
 
+# --------------------------------------------------------------------------- two processes
+
+TWO_PROCESS = {  # every parallel layout of two ranks, on the smallest size (its collectives matter most)
+    "dp 2": {"parallel.dp": 2},
+    "dp 2 ZeRO-1": {"parallel.dp": 2, "parallel.zero": 1},
+    "dp 2 ZeRO-2": {"parallel.dp": 2, "parallel.zero": 2},
+    "dp 2 ZeRO-3": {"parallel.dp": 2, "parallel.zero": 3},
+    "tp 2": {"parallel.tp": 2},
+    "pp 2 (1F1B)": {"parallel.pp": 2},
+}
+
+
+def _alternate_rank(rank, world, overrides, repeats, pairs):
+    """On every rank: trainer steps alternating with profile samples and the in-place collective times
+    (`run_comm.sample_with_comm`, what `plan --config --calibrate` takes), ranks aligned by a barrier
+    before each step. Returns (step times, samples, alpha-beta link)."""
+    import torch.distributed as dist
+    from harness import make_config
+
+    from scaletrain.distributed import DistEnv
+    from scaletrain.plan.run_comm import sample_with_comm
+    from scaletrain.plan.run_time import RunProbe, measure_link
+    from scaletrain.train.trainer import Trainer
+
+    cfg = make_config({**BASE, **SIZES["2L d64 T64 fp32"], **overrides})
+    trainer = Trainer(cfg, None, DistEnv(rank, world, 0, "test"))
+    probe = RunProbe(cfg)
+    trainer.train_step(1)
+    link = measure_link(cfg, [probe.sample() for _ in range(3)])
+    steps, samples = [], []
+    for _ in range(repeats * pairs):
+        dist.barrier()
+        trainer.step += 1
+        steps.append(trainer.train_step(trainer.step)["step_time_s"])
+        samples.append(sample_with_comm(cfg, probe, trainer.mesh))
+    return steps, samples, link
+
+
+def measure_and_predict_two_processes(overrides: dict, repeats: int = 3, pairs: int = 8) -> list[dict]:
+    """As `measure_and_predict`, on two processes: per pair, the slower rank's composed step against the
+    slower rank's measured step; per repeat, the median of the ratios."""
+    from harness import make_config, run_ranks
+
+    from scaletrain.plan.run_time import predict_step_time, profile_from_sample
+
+    cfg = make_config({**BASE, **SIZES["2L d64 T64 fp32"], **overrides})
+    ranks = run_ranks(_alternate_rank, 2, overrides, repeats, pairs, timeout=300)
+    link = ranks[0][2]
+    out = []
+    for r in range(repeats):
+        pred, meas = [], []
+        for i in range(r * pairs, (r + 1) * pairs):
+            pred.append(max(predict_step_time(cfg, profile_from_sample(steps_samples[1][i], link)).step_time_s
+                            for steps_samples in ranks))
+            meas.append(max(steps_samples[0][i] for steps_samples in ranks))
+        out.append({"error": statistics.median(p / m for p, m in zip(pred, meas)) - 1,
+                    "predicted": statistics.median(pred), "measured": statistics.median(meas)})
+    return out
+
+
+@pytest.mark.parametrize("name", list(TWO_PROCESS))
+def test_two_process_step_time_within_25_percent_of_measured(name):
+    runs = measure_and_predict_two_processes(TWO_PROCESS[name])
+    errors = [r["error"] for r in runs]
+    assert abs(statistics.median(errors)) <= 0.25, (name, [f"{e:+.0%}" for e in errors], runs)
+
+
 # --------------------------------------------------------------------------- ZeRO-3 exposed communication
 
 LINK = (1e9, 1e-5)  # 1 GB/s, 10 us per ring step
@@ -122,11 +189,19 @@ def test_zero3_exposure_grows_as_the_link_slows():
     assert times == sorted(times) and times[0] < 1e-3 < times[-1]
 
 
-if __name__ == "__main__":  # the table of docs/planner-validation.md section 6
-    print("| config | predicted s | measured s | ratio of medians | paired errors (3 repeats) |\n|---|---|---|---|---|")
+def _row(name: str, runs: list[dict]) -> str:
+    mid = sorted(runs, key=lambda r: r["error"])[1]
+    ratio = mid["predicted"] / mid["measured"] - 1
+    return (f"| {name} | {mid['predicted']:.4f} | {mid['measured']:.4f} | {ratio:+.0%}"
+            f" | {', '.join(format(r['error'], '+.0%') for r in runs)} |")
+
+
+if __name__ == "__main__":  # the tables of docs/planner-validation.md section 6
+    head = "| {} | predicted s | measured s | ratio of medians | paired errors (3 repeats) |\n|---|---|---|---|---|"
+    print(head.format("config"))
     for name, ov in SIZES.items():
-        runs = measure_and_predict(ov)
-        mid = sorted(runs, key=lambda r: r["error"])[1]
-        ratio = mid["predicted"] / mid["measured"] - 1
-        print(f"| {name} | {mid['predicted']:.4f} | {mid['measured']:.4f} | {ratio:+.0%}"
-              f" | {', '.join(format(r['error'], '+.0%') for r in runs)} |")
+        print(_row(name, measure_and_predict(ov)))
+    print()
+    print(head.format("layout (2 processes)"))
+    for name, ov in TWO_PROCESS.items():
+        print(_row(name, measure_and_predict_two_processes(ov)))

@@ -388,16 +388,52 @@ def group_link(gpu: GPU, size: int, stride: int, a: Assumptions) -> tuple[float,
     return min(gpu.intra_bw, gpu.inter_bw * per_node) * a.link_efficiency, gpu.inter_latency
 
 
-def allreduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+@dataclass(frozen=True)
+class MeasuredLink:
+    """A link given by collectives timed where the run will issue them (`plan/run_comm.py`): per kind
+    (all_reduce, all_gather, reduce_scatter, p2p), (bytes, seconds) pairs measured on the run's group
+    after the run's compute between two collectives. Sizes between two measured ones are interpolated
+    linearly; beyond the largest, the alpha-beta increment of (bw, latency) is added; a kind that was not
+    measured falls back to alpha-beta. Indexes like the (bandwidth, latency) tuple links."""
+
+    bw: float
+    latency: float
+    table: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+
+    def __getitem__(self, i: int) -> float:
+        return (self.bw, self.latency)[i]
+
+    def time(self, kind: str, nbytes: float, n: int) -> float:
+        ab = allreduce_time if kind == "all_reduce" else gather_time
+        plain = (self.bw, self.latency)
+        points = dict(self.table).get(kind)
+        if not points:
+            return ab(nbytes, n, plain) if kind != "p2p" else self.latency + nbytes / self.bw
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        b_max, t_max = points[-1]
+        if kind == "p2p":
+            return t_max + (nbytes - b_max) / self.bw
+        return t_max + ab(nbytes, n, plain) - ab(b_max, n, plain)
+
+
+def allreduce_time(nbytes: float, n: int, link: tuple[float, float] | MeasuredLink) -> float:
     if n <= 1:
         return 0.0
+    if isinstance(link, MeasuredLink):
+        return link.time("all_reduce", nbytes, n)
     return 2 * (n - 1) / n * nbytes / link[0] + 2 * (n - 1) * link[1]
 
 
-def gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
-    """All-gather, reduce-scatter or all-to-all of `nbytes` (the full tensor) over n ranks."""
+def gather_time(nbytes: float, n: int, link: tuple[float, float] | MeasuredLink, kind: str = "all_gather") -> float:
+    """All-gather, reduce-scatter (`kind`) or all-to-all of `nbytes` (the full tensor) over n ranks."""
     if n <= 1:
         return 0.0
+    if isinstance(link, MeasuredLink):
+        return link.time(kind, nbytes, n)
     return (n - 1) / n * nbytes / link[0] + (n - 1) * link[1]
 
 
@@ -425,8 +461,9 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     if n <= 1:
         return 0.0
     g = [gather_time(b, n, link) for b in block_bytes]
-    rs = [gather_time(b * grad_ratio, n, link) for b in block_bytes]
-    g_root, rs_root = gather_time(root_bytes, n, link), gather_time(root_bytes * grad_ratio, n, link)
+    rs = [gather_time(b * grad_ratio, n, link, "reduce_scatter") for b in block_bytes]
+    g_root = gather_time(root_bytes, n, link)
+    rs_root = gather_time(root_bytes * grad_ratio, n, link, "reduce_scatter")
     L = len(block_bytes)
     ch = 0.0  # when the channel is free
     ready = [0.0] * L

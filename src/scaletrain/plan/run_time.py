@@ -73,9 +73,19 @@ class RunProfile:
     moe_b: float = 0.0
     link_bw: float = math.inf  # gloo all-reduce bus bandwidth, bytes/s
     link_latency: float = 0.0  # per ring step, s
+    comm: dict | None = None
+    """Per mesh dimension (tp, dp, pp, world), the collectives timed in place (`run_comm.measure_comm`);
+    None: alpha-beta on (link_bw, link_latency) for every group."""
 
-    def link(self) -> tuple[float, float]:
-        return self.link_bw, self.link_latency
+    def link(self, dim: str = "world"):
+        """The link of the group of mesh dimension `dim`: measured in place when the profile has it."""
+        from scaletrain.plan.costs import MeasuredLink
+
+        if self.comm is None:
+            return self.link_bw, self.link_latency
+        table = self.comm.get(dim, {})
+        return MeasuredLink(self.link_bw, self.link_latency,
+                            tuple((k, tuple(sorted(v))) for k, v in sorted(table.items())))
 
 
 def _timed(fn) -> float:
@@ -298,7 +308,9 @@ def collect_samples(cfg: Config, repeats: int = 9, warmup: int = 2, probe: RunPr
     return [probe.sample() for _ in range(repeats)]
 
 
-def profile_from_sample(sample: dict[str, float], link: tuple[float, float] | None = None) -> RunProfile:
+def profile_from_sample(sample: dict, link: tuple[float, float] | None = None) -> RunProfile:
+    """A profile from one sample (and the link); a sample's `comm` entry holds its in-place collective
+    times (`run_comm.measure_comm`)."""
     bw, lat = link if link is not None else (math.inf, 0.0)
     return RunProfile(**sample, link_bw=bw, link_latency=lat)
 
@@ -359,7 +371,15 @@ def _rank_worker(rank: int, world: int, path: str, cfg: Config, repeats: int, ou
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the launcher's OMP_NUM_THREADS
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        samples = collect_samples(cfg, repeats)
+        from scaletrain.mesh import Mesh, ParallelDims
+        from scaletrain.plan.run_comm import sample_with_comm
+
+        p = cfg.parallel
+        mesh = Mesh.build(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep), p.timeout_s)
+        probe = RunProbe(cfg)
+        for _ in range(2):  # warm-up
+            probe.sample()
+        samples = [sample_with_comm(cfg, probe, mesh) for _ in range(repeats)]
         link = measure_link(cfg, samples)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, samples)
@@ -423,23 +443,32 @@ def compute_time(cfg: Config, prof: RunProfile) -> float:
     return mb * (blocks * (prof.block_f + prof.block_b) + prof.embed_f + prof.embed_b + prof.head_f + prof.head_b)
 
 
-def _allreduce(nbytes: float, n: int, link: tuple[float, float]) -> float:
+def _allreduce(nbytes: float, n: int, link) -> float:
     from scaletrain.plan.costs import allreduce_time
 
     return allreduce_time(nbytes, n, link)
 
 
-def _gather(nbytes: float, n: int, link: tuple[float, float]) -> float:
+def _gather(nbytes: float, n: int, link, kind: str = "all_gather") -> float:
     from scaletrain.plan.costs import gather_time
 
-    return gather_time(nbytes, n, link)
+    return gather_time(nbytes, n, link, kind)
+
+
+def _p2p(nbytes: float, link) -> float:
+    """One pipeline message: measured in place (`p2p`) or latency + bytes / bandwidth."""
+    from scaletrain.plan.costs import MeasuredLink
+
+    if isinstance(link, MeasuredLink):
+        return link.time("p2p", nbytes, 2)
+    return link[1] + nbytes / link[0] if math.isfinite(link[0]) else link[1]
 
 
 def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
     """The step time `scaletrain train` will report (`step_time_s`) for `cfg` on the profiled machine."""
 
     par, m, tr = cfg.parallel, cfg.model, cfg.train
-    link = prof.link()
+    link, tp_link, pp_link = prof.link("world"), prof.link("tp"), prof.link("pp")
     e = run_memory._TORCH[tr.dtype].itemsize
     grad_e = 4 if tr.dtype in run_memory.LOW else e
     mb = par.microbatches or cfg.grad_accum
@@ -448,13 +477,13 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
 
     # ---- tensor parallelism: blocking all-reduces (Megatron's f and g), per block and microbatch
     t = par.tp
-    tp_block = 4 * _allreduce(act, t, link) if t > 1 else 0.0
-    tp_embed = _allreduce(act, t, link) if t > 1 else 0.0
-    tp_head = _allreduce(act, t, link) + 2 * _allreduce(4 * 2 * n_tok, t, link) if t > 1 else 0.0
+    tp_block = 4 * _allreduce(act, t, tp_link) if t > 1 else 0.0
+    tp_embed = _allreduce(act, t, tp_link) if t > 1 else 0.0
+    tp_head = _allreduce(act, t, tp_link) + 2 * _allreduce(4 * 2 * n_tok, t, tp_link) if t > 1 else 0.0
 
     bf, bb = prof.block_f + tp_block / 2, prof.block_b + tp_block / 2
     # MoE blocks: their own profile, plus 2 all-to-alls forward and 2 backward of the slots over ep
-    a2a = ep_all_to_all_time(cfg, link)
+    a2a = ep_all_to_all_time(cfg, prof.link("ep"))
     mf, mbk = prof.moe_f + tp_block / 2 + a2a, prof.moe_b + tp_block / 2 + a2a
 
     def blocks_f(lo: int, hi: int) -> float:
@@ -484,7 +513,7 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
 
         v = par.virtual_stages
         shards = t if par.sequence_parallel else 1
-        p2p = link[1] + act / shards / link[0] if math.isfinite(link[0]) else link[1]
+        p2p = _p2p(act / shards, pp_link)
         tf, tb = [], []
         for r in range(par.pp):
             row_f, row_b = [], []
@@ -507,7 +536,7 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
         last_b = max(max(row) for row in tb) / v
 
     # ---- data parallelism / ZeRO over dp
-    dp_comm = _dp_time(cfg, e, grad_e, mb, last_b, (bf, bb, ef, hf, hb, eb), link) if par.dp > 1 else 0.0
+    dp_comm = _dp_time(cfg, e, grad_e, mb, last_b, (bf, bb, ef, hf, hb, eb), prof.link("dp")) if par.dp > 1 else 0.0
     # the trainer's synchronisation per step: the loss and the overflow flag (and the gradient norm)
     world = cfg.world_size
     sync = 3 * _allreduce(8, world, link) if world > 1 else 0.0
@@ -574,8 +603,12 @@ def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tu
                                        eb, dp, link)
     total = sum(sizes) * grad_e
     last = sizes[-1] * grad_e
-    reduce = _allreduce if zero == 0 else _gather
-    per_pass = reduce(last, dp, link) + max(reduce(total - last, dp, link) - last_b, 0.0)
+    def reduce(nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return _allreduce(nbytes, dp, link) if zero == 0 else _gather(nbytes, dp, link, "reduce_scatter")
+
+    per_pass = reduce(last) + max(reduce(total - last) - last_b, 0.0)
     t = (mb if zero == 2 else 1) * per_pass
     if zero in (1, 2):
         t += sum(_gather(k * e, dp, link) for k in sizes)

@@ -1,0 +1,149 @@
+"""Collectives of a run timed where the run will issue them, for `scaletrain plan --config --calibrate`.
+
+The alpha-beta model (Hockney; ring factors as in Thakur et al. 2005) with a bandwidth from one large
+all-reduce and a latency from one small one describes an idle link. Inside a multi-process run on
+shared cores a collective costs something else: the ranks arrive from their own compute, the transport
+threads have to be woken, and the cost depends on the message size in ways the two-point fit misses (on
+our 2-core machine a 64 KiB gloo all-reduce after 0.5 ms of compute takes 0.6-1.2 ms, ten times its
+alpha-beta time, while an 8-byte one takes 0.35-0.5 ms). So, as a profile-guided planner does for its
+layers (PipeDream, arXiv 1806.03377 Sec. 3.1), the calibration times each collective the step will issue
+at its own size, kind and group, each after the run's mean compute between two collectives, and the
+composition (`run_time.predict_step_time`) looks them up (`costs.MeasuredLink`) instead of using
+alpha-beta.
+
+Which collectives: exactly those `predict_step_time` asks its links for, found by running it once with
+recording links (`queries`): the trainer's small all-reduces (world), the tensor-parallel all-reduces
+(tp), the data-parallel all-reduces / reduce-scatters / all-gathers of the real buckets or ZeRO-3 units
+(dp), the pipeline's send/receive of one activation (pp). Expert all-to-alls keep alpha-beta.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import Config
+from scaletrain.plan import run_time
+from scaletrain.plan.costs import MeasuredLink
+
+DIMS = ("world", "tp", "dp", "pp")
+MAX_SIZES = 6  # distinct sizes timed per (dimension, kind); the others are interpolated
+
+
+@dataclass(frozen=True)
+class _Recorder(MeasuredLink):
+    dim: str = "world"
+    log: set = field(default_factory=set, compare=False, hash=False)
+
+    def time(self, kind: str, nbytes: float, n: int) -> float:
+        self.log.add((self.dim, kind, max(int(round(nbytes)), 1)))
+        return MeasuredLink(self.bw, self.latency).time(kind, nbytes, n)
+
+
+@dataclass
+class _RecordingProfile(run_time.RunProfile):
+    log: set = field(default_factory=set)
+
+    def link(self, dim: str = "world"):
+        return _Recorder(1e9, 1e-5, (), dim, self.log)
+
+
+def queries(cfg: Config) -> dict[tuple[str, str], list[int]]:
+    """{(dimension, kind): byte sizes} that `predict_step_time` looks up for this run (at most MAX_SIZES
+    per key, spread over the range)."""
+    prof = _RecordingProfile(*(1e-3,) * 8)
+    run_time.predict_step_time(cfg, prof)
+    out: dict[tuple[str, str], list[int]] = {}
+    for dim, kind, nbytes in prof.log:
+        if dim in DIMS:
+            out.setdefault((dim, kind), []).append(nbytes)
+    for key, sizes in out.items():
+        sizes = sorted(set(sizes))
+        if len(sizes) > MAX_SIZES:  # evenly spaced picks, always the smallest and the largest
+            sizes = [sizes[round(i * (len(sizes) - 1) / (MAX_SIZES - 1))] for i in range(MAX_SIZES)]
+        out[key] = sizes
+    return out
+
+
+def _group(mesh, dim: str):
+    return None if dim == "world" or mesh is None else mesh.group(dim)
+
+
+def _op(kind: str, nbytes: int, group, mesh, dim: str):
+    """A callable issuing one collective of `kind` moving `nbytes` (the full tensor) on `group`."""
+    from scaletrain.parallel.zero import _all_gather, _reduce_scatter
+
+    n = dist.get_world_size(group)
+    numel = max(1, -(-nbytes // 4))
+    if kind == "all_reduce":
+        x = torch.zeros(numel)
+        return lambda: dist.all_reduce(x, group=group)
+    numel = -(-numel // n) * n
+    full, shard = torch.zeros(numel), torch.zeros(numel // n)
+    if kind == "all_gather":
+        return lambda: _all_gather(full, shard, group=group)
+    if kind == "reduce_scatter":
+        return lambda: _reduce_scatter(shard, full, group=group)
+    if kind == "p2p":  # one activation to the next stage while receiving one from the previous
+        members = mesh.members[dim] if mesh is not None and dim != "world" else list(range(dist.get_world_size()))
+        me = members.index(dist.get_rank())
+        nxt, prv = members[(me + 1) % len(members)], members[(me - 1) % len(members)]
+        send, recv = torch.zeros(numel), torch.zeros(numel)
+
+        def p2p():
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
+                                             dist.P2POp(dist.irecv, recv, prv, group)]):
+                w.wait()
+        return p2p
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def _busy(seconds: float, state: list) -> None:
+    end = time.perf_counter() + seconds
+    a = state[0]
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+    state[0] = a
+
+
+def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15) -> dict[str, dict[str, list]]:
+    """Time every collective `queries(cfg)` names on this rank's group of its dimension, each `repeats`
+    times after `gap_s` seconds of computation, without a barrier (the ranks arrive from their own work,
+    as in the run); median per size. Every rank of the run must call this together. Returns
+    {dimension: {kind: [(bytes, seconds), ...]}} for `RunProfile.comm`."""
+    state = [torch.randn(32, 32)]
+    out: dict[str, dict[str, list]] = {}
+    for (dim, kind), sizes in sorted(queries(cfg).items()):
+        group = _group(mesh, dim)
+        if dim != "world" and (mesh is None or len(mesh.members[dim]) < 2):
+            continue
+        for nbytes in sizes:
+            op = _op(kind, nbytes, group, mesh, dim)
+            op()  # first call: buffers and connections
+            times = []
+            for _ in range(repeats):
+                _busy(gap_s, state)
+                t0 = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - t0)
+            out.setdefault(dim, {}).setdefault(kind, []).append((nbytes, statistics.fmean(times)))
+    return out
+
+
+def gap_between_collectives(cfg: Config, sample: dict) -> float:
+    """The mean compute between two of the run's blocking collectives, from one profile sample."""
+    comp = run_time.compute_time(cfg, run_time.profile_from_sample({k: v for k, v in sample.items()
+                                                                    if k != "comm"}))
+    return comp / max(run_time.collectives_per_step(cfg), 1)
+
+
+def sample_with_comm(cfg: Config, probe: run_time.RunProbe, mesh) -> dict:
+    """One profile sample of this rank's compute followed by the in-place collective times at the gap
+    it implies (every rank of the run calls this together)."""
+    sample = probe.sample()
+    sample["comm"] = measure_comm(cfg, mesh, gap_between_collectives(cfg, sample))
+    return sample
