@@ -73,6 +73,9 @@ class RunProfile:
     moe_b: float = 0.0
     link_bw: float = math.inf  # gloo all-reduce bus bandwidth, bytes/s
     link_latency: float = 0.0  # per ring step, s
+    tp_in_blocks: float = 0.0
+    """1: the blocks, embedding and head were timed with their tensor-parallel collectives on the run's
+    tp group (`RunProbe(cfg, mesh)`), so the composition adds none."""
     comm: dict | None = None
     """Per mesh dimension (tp, dp, pp, world), the collectives timed in place (`run_comm.measure_comm`);
     None: alpha-beta on (link_bw, link_latency) for every group."""
@@ -113,7 +116,10 @@ def _engine_hooks(cfg: Config) -> bool:
 class RunProbe:
     """The pieces of one rank's step, built once at the run's sizes; `sample()` times each once."""
 
-    def __init__(self, cfg: Config, seed: int = 0):
+    def __init__(self, cfg: Config, seed: int = 0, mesh=None):
+        """`mesh`: the run's process groups (every rank builds its probe together). With tensor
+        parallelism the probe's model is then split over the real tp group by the engine's own pass, so
+        its timings include the Megatron collectives and the tensor-parallel layers' own overhead."""
         from scaletrain.memory.precision import apply_precision
 
         self.cfg = cfg
@@ -124,9 +130,23 @@ class RunProbe:
         # one block, or up to the first MoE block (experts unsharded: same work as E/ep on ep x the slots)
         one = dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=m.moe.every if moe else 1),
                                   parallel=dataclasses.replace(cfg.parallel, pp=1, virtual_stages=1, ep=1))
-        model = _materialize(run_memory.engine_module_on_meta(one), seed)
-        if m.tie_embeddings:
-            model.lm_head.weight = model.wte.weight
+        self.tp_in_blocks = mesh is not None and cfg.parallel.tp > 1
+        if self.tp_in_blocks:  # whole shapes, then the engine's tp pass on the run's group
+            from scaletrain.parallel.tp_plan import apply_tp_plan, gpt_plan
+
+            whole = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, tp=1))
+            model = _materialize(run_memory.engine_module_on_meta(whole), seed)
+            if m.tie_embeddings:
+                model.lm_head.weight = model.wte.weight
+            apply_tp_plan(model, gpt_plan(m), mesh.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel)
+            self.loss_fn = model.lm_head.loss_fn()
+        else:
+            from scaletrain.model.gpt import loss_sum
+
+            model = _materialize(run_memory.engine_module_on_meta(one), seed)
+            if m.tie_embeddings:
+                model.lm_head.weight = model.wte.weight
+            self.loss_fn = loss_sum
         if tr.dtype in run_memory.LOW:
             apply_precision(model)
         model.train()
@@ -137,11 +157,13 @@ class RunProbe:
         self._wrap_recompute()
         self.rope = model.rope(T, torch.device("cpu"))
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(B, T, m.d_model, generator=g).to(dtype).requires_grad_()
-        self.dy = torch.randn(B, T, m.d_model, generator=g).to(dtype)
+        t_sp = cfg.parallel.tp if self.tp_in_blocks and cfg.parallel.sequence_parallel else 1
+        self.x = torch.randn(B, T // t_sp, m.d_model, generator=g).to(dtype).requires_grad_()
+        self.dy = torch.randn(B, T // t_sp, m.d_model, generator=g).to(dtype)
         self.idx = torch.randint(0, m.vocab_size, (B, T), generator=g)
         self.local_vocab = model.lm_head.weight.shape[0]
-        self.targets = self.idx % self.local_vocab
+        # ids of the local vocabulary shard when the probe's layers are only shaped like the shards
+        self.targets = self.idx if self.tp_in_blocks else self.idx % self.local_vocab
         mb = cfg.parallel.microbatches or cfg.grad_accum
         self.passes = max(1, min(16, (m.n_layers // cfg.parallel.pp) * mb))
         self.hooks = []
@@ -251,11 +273,9 @@ class RunProbe:
         return t_f, t_b
 
     def _head(self) -> tuple[float, float]:
-        from scaletrain.model.gpt import loss_sum
-
         m = self.model
         out: list[torch.Tensor] = []
-        t_f = _timed(lambda: out.append(loss_sum(m.lm_head(m.ln_f(self.x)), self.targets)))
+        t_f = _timed(lambda: out.append(self.loss_fn(m.lm_head(m.ln_f(self.x)), self.targets)))
         t_b = _timed(lambda: out[0].backward())
         return t_f, t_b
 
@@ -297,6 +317,8 @@ class RunProbe:
                "optimizer": self._optimizer(), "loader": self._loader()}
         if self.moe_block is not None:
             out.update(moe_f=mf, moe_b=mb)
+        if self.tp_in_blocks:
+            out["tp_in_blocks"] = 1.0
         return out
 
 
@@ -376,7 +398,7 @@ def _rank_worker(rank: int, world: int, path: str, cfg: Config, repeats: int, ou
 
         p = cfg.parallel
         mesh = Mesh.build(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep), p.timeout_s)
-        probe = RunProbe(cfg)
+        probe = RunProbe(cfg, mesh=mesh)
         for _ in range(2):  # warm-up
             probe.sample()
         samples = [sample_with_comm(cfg, probe, mesh) for _ in range(repeats)]
@@ -481,10 +503,11 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
     tp_embed = _allreduce(act, t, tp_link) if t > 1 else 0.0
     tp_head = _allreduce(act, t, tp_link) + 2 * _allreduce(4 * 2 * n_tok, t, tp_link) if t > 1 else 0.0
 
-    bf, bb = prof.block_f + tp_block / 2, prof.block_b + tp_block / 2
+    add_tp = 0.0 if prof.tp_in_blocks else 0.5  # measured inside the blocks already, or added per pass
+    bf, bb = prof.block_f + add_tp * tp_block, prof.block_b + add_tp * tp_block
     # MoE blocks: their own profile, plus 2 all-to-alls forward and 2 backward of the slots over ep
     a2a = ep_all_to_all_time(cfg, prof.link("ep"))
-    mf, mbk = prof.moe_f + tp_block / 2 + a2a, prof.moe_b + tp_block / 2 + a2a
+    mf, mbk = prof.moe_f + add_tp * tp_block + a2a, prof.moe_b + add_tp * tp_block + a2a
 
     def blocks_f(lo: int, hi: int) -> float:
         n_moe = n_moe_blocks(cfg, lo, hi)
@@ -494,8 +517,8 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
         n_moe = n_moe_blocks(cfg, lo, hi)
         return (hi - lo - n_moe) * bb + n_moe * mbk
 
-    ef, eb = prof.embed_f + tp_embed / 2, prof.embed_b + tp_embed / 2
-    hf, hb = prof.head_f + tp_head / 2, prof.head_b + tp_head / 2
+    ef, eb = prof.embed_f + add_tp * tp_embed, prof.embed_b + add_tp * tp_embed
+    hf, hb = prof.head_f + add_tp * tp_head, prof.head_b + add_tp * tp_head
 
     # ---- compute over microbatches (and the pipeline schedule)
     bounds = run_memory.pipeline_partition(cfg).bounds if par.pp > 1 else [(0, m.n_layers)]
