@@ -399,9 +399,15 @@ class MeasuredLink:
     bw: float
     latency: float
     table: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    launch: tuple[tuple[str, float], ...] = ()
+    """Per kind, the time an asynchronous collective keeps the calling thread before it returns (its
+    launch); the compute clock pays it for every collective it issues and does not wait for."""
 
     def __getitem__(self, i: int) -> float:
         return (self.bw, self.latency)[i]
+
+    def launch_time(self, kind: str) -> float:
+        return dict(self.launch).get(kind, 0.0)
 
     def time(self, kind: str, nbytes: float, n: int) -> float:
         ab = allreduce_time if kind == "all_reduce" else gather_time
@@ -460,6 +466,9 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     """
     if n <= 1:
         return 0.0
+    measured = isinstance(link, MeasuredLink)
+    launch_g = link.launch_time("all_gather") if measured else 0.0  # compute-thread cost of async issues
+    launch_rs = link.launch_time("reduce_scatter") if measured else 0.0
     g = [gather_time(b, n, link) for b in block_bytes]
     rs = [gather_time(b * grad_ratio, n, link, "reduce_scatter") for b in block_bytes]
     g_root = gather_time(root_bytes, n, link)
@@ -476,16 +485,19 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     tc = issue(0.0, g_root)  # forward: the root, then block 0 prefetched behind the embedding
     if L:
         ready[0] = issue(tc, g[0])
+        tc += launch_g
     tc += embed_f
     for i in range(L):
         tc = max(tc, ready[i])
         if i + 1 < L:
             ready[i + 1] = issue(tc, g[i + 1])
+            tc += launch_g
         tc += block_f
     tc += head_f
     tc = issue(tc, g_root)  # backward: the root again (released after the forward), the last block prefetched
     if L:
         ready[L - 1] = issue(tc, g[L - 1])
+        tc += launch_g
     tc += head_b
     per_tensor = style == "per-tensor"
     for i in reversed(range(L)):
@@ -495,10 +507,10 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
             tc = max(tc + block_r, again)
         if i > 0:
             ready[i - 1] = issue(tc, g[i - 1])
+            tc += launch_g
         tc += block_b - (block_r if per_tensor else 0.0)
         done = issue(tc, rs[i])
-        if per_tensor:
-            tc = done
+        tc = done if per_tensor else tc + launch_rs
     tc += embed_b
     tc = max(tc, issue(tc, rs_root))
     return max(tc - (embed_f + L * block_f + head_f + head_b + L * block_b + embed_b), 0.0)

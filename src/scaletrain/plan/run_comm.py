@@ -49,7 +49,7 @@ class _RecordingProfile(run_time.RunProfile):
     log: set = field(default_factory=set)
 
     def link(self, dim: str = "world"):
-        return _Recorder(1e9, 1e-5, (), dim, self.log)
+        return _Recorder(1e9, 1e-5, dim=dim, log=self.log)
 
 
 def queries(cfg: Config) -> dict[tuple[str, str], list[int]]:
@@ -81,24 +81,20 @@ def _op(kind: str, nbytes: int, group, mesh, dim: str):
     numel = max(1, -(-nbytes // 4))
     if kind == "all_reduce":
         x = torch.zeros(numel)
-        return lambda: dist.all_reduce(x, group=group)
+        return lambda: [dist.all_reduce(x, group=group, async_op=True)]
     numel = -(-numel // n) * n
     full, shard = torch.zeros(numel), torch.zeros(numel // n)
     if kind == "all_gather":
-        return lambda: _all_gather(full, shard, group=group)
+        return lambda: [_all_gather(full, shard, group=group, async_op=True)]
     if kind == "reduce_scatter":
-        return lambda: _reduce_scatter(shard, full, group=group)
+        return lambda: [_reduce_scatter(shard, full, group=group, async_op=True)]
     if kind == "p2p":  # one activation to the next stage while receiving one from the previous
         members = mesh.members[dim] if mesh is not None and dim != "world" else list(range(dist.get_world_size()))
         me = members.index(dist.get_rank())
         nxt, prv = members[(me + 1) % len(members)], members[(me - 1) % len(members)]
         send, recv = torch.zeros(numel), torch.zeros(numel)
-
-        def p2p():
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
-                                             dist.P2POp(dist.irecv, recv, prv, group)]):
-                w.wait()
-        return p2p
+        return lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
+                                               dist.P2POp(dist.irecv, recv, prv, group)])
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
@@ -113,8 +109,10 @@ def _busy(seconds: float, state: list) -> None:
 def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15) -> dict[str, dict[str, list]]:
     """Time every collective `queries(cfg)` names on this rank's group of its dimension, each `repeats`
     times after `gap_s` seconds of computation, without a barrier (the ranks arrive from their own work,
-    as in the run); median per size. Every rank of the run must call this together. Returns
-    {dimension: {kind: [(bytes, seconds), ...]}} for `RunProfile.comm`."""
+    as in the run): the mean per size (a step adds many collectives, so their occasional multi-ms stalls
+    on shared cores count, which a median would drop), and per kind the mean launch (the time until
+    the asynchronous call returns). Every rank of the run must call this together. Returns
+    {dimension: {kind: [(bytes, seconds), ...], "launch": {kind: seconds}}} for `RunProfile.comm`."""
     state = [torch.randn(32, 32)]
     out: dict[str, dict[str, list]] = {}
     for (dim, kind), sizes in sorted(queries(cfg).items()):
@@ -123,14 +121,22 @@ def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15) -> dict[str
             continue
         for nbytes in sizes:
             op = _op(kind, nbytes, group, mesh, dim)
-            op()  # first call: buffers and connections
-            times = []
+            for w in op():  # first call: buffers and connections
+                w.wait()
+            times, launches = [], []
             for _ in range(repeats):
                 _busy(gap_s, state)
                 t0 = time.perf_counter()
-                op()
+                works = op()
+                launches.append(time.perf_counter() - t0)
+                for w in works:
+                    w.wait()
                 times.append(time.perf_counter() - t0)
-            out.setdefault(dim, {}).setdefault(kind, []).append((nbytes, statistics.fmean(times)))
+            table = out.setdefault(dim, {})
+            table.setdefault(kind, []).append((nbytes, statistics.fmean(times)))
+            table.setdefault("launch", {}).setdefault(kind, []).append(statistics.fmean(launches))
+    for table in out.values():  # one launch cost per kind (it hardly depends on the size)
+        table["launch"] = {k: statistics.fmean(v) for k, v in table.get("launch", {}).items()}
     return out
 
 

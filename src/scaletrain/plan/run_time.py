@@ -87,8 +87,10 @@ class RunProfile:
         if self.comm is None:
             return self.link_bw, self.link_latency
         table = self.comm.get(dim, {})
+        launch = table.get("launch", {})
         return MeasuredLink(self.link_bw, self.link_latency,
-                            tuple((k, tuple(sorted(v))) for k, v in sorted(table.items())))
+                            tuple((k, tuple(sorted(v))) for k, v in sorted(table.items()) if k != "launch"),
+                            tuple(sorted(launch.items())))
 
 
 def _timed(fn) -> float:
@@ -611,7 +613,7 @@ def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tu
     updated parameters after the step (not overlapped). ZeRO 3: `costs.zero3_exposed_time` per microbatch.
     """
     from scaletrain.parallel.zero import group_params
-    from scaletrain.plan.costs import zero3_exposed_time
+    from scaletrain.plan.costs import MeasuredLink, zero3_exposed_time
 
     par = cfg.parallel
     dp, zero = par.dp, par.zero
@@ -631,7 +633,9 @@ def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tu
             return 0.0
         return _allreduce(nbytes, dp, link) if zero == 0 else _gather(nbytes, dp, link, "reduce_scatter")
 
-    per_pass = reduce(last) + max(reduce(total - last) - last_b, 0.0)
+    kind = "all_reduce" if zero == 0 else "reduce_scatter"
+    launch = link.launch_time(kind) if isinstance(link, MeasuredLink) else 0.0  # one async launch per bucket
+    per_pass = reduce(last) + max(reduce(total - last) - last_b, 0.0) + len(sizes) * launch
     t = (mb if zero == 2 else 1) * per_pass
     if zero in (1, 2):
         t += sum(_gather(k * e, dp, link) for k in sizes)
