@@ -18,15 +18,18 @@ Measured (`RunProbe.sample`, medians over repeats in `profile_run`):
   tensors this rank's optimizer really holds (whole parameters with ZeRO 0, the shard pieces with ZeRO),
   plus the fp32-master copy-back under mixed precision;
 - the loader producing this rank's micro-batches;
-- the gloo link between the run's processes (`calibrate.collective_link`): bus bandwidth and per-step
-  latency of an all-reduce.
+- with several processes (`RunProbe(cfg, mesh)` on the run's groups): under tensor parallelism the block,
+  embedding and head split over the real tp group, so their times include the Megatron collectives;
+  every other collective of the step timed in place (`run_comm.measure_comm`, a sample's `comm`), and
+  the alpha-beta link (`measure_link`) for sizes beyond those and for expert all-to-alls.
 
 Composed (`predict_step_time`), per optimizer step:
 - compute: m microbatches x (blocks of the stage x (t_f + t_b) + embedding / head on the first / last
   stage); with pipeline parallelism the schedule's action lists are simulated
   (`parallel.pipeline.simulate`) with these per-(rank, chunk) times and a p2p message time;
 - tensor parallelism: the Megatron all-reduces (2 forward, 2 backward per block, one each for the
-  vocabulary-parallel embedding and head, two small ones for the loss), blocking, alpha-beta timed;
+  vocabulary-parallel embedding and head, two small ones for the loss), blocking: inside the measured
+  times when the probe ran on the tp group, else looked up / alpha-beta timed;
 - data parallelism / ZeRO: the exposed part of the gradient reduction (only the last bucket of the last
   microbatch cannot overlap the backward), ZeRO-1/2's parameter all-gather after the step, and ZeRO-3's
   per-unit gathers and reduce-scatters through `costs.zero3_exposed_time`;
@@ -35,7 +38,7 @@ Composed (`predict_step_time`), per optimizer step:
 
 A step is predicted once per profile sample and the median is reported (`estimate_step_time`; with
 several processes the slowest rank per moment, `estimate_step_time_ranks`). Validation and its limits
-(one process within a few percent; several processes on shared cores far noisier): docs/
+(one process within a few percent; two processes within 25% as a median of repeats): docs/
 planner-validation.md section 6. Mixture-of-experts runs: the MoE block is profiled too (block
 `every - 1` of the probe, with all E experts on this rank's slots: under expert parallelism a rank runs
 E/ep experts on ep times the slots, the same work), and each MoE block adds per microbatch its 4
