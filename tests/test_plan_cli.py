@@ -51,6 +51,34 @@ def test_params_mode_reproduces_zero_figure1(capsys):
     assert totals == pytest.approx([120, 31.4, 16.6, 1.9], rel=5e-3, abs=0.03)
 
 
+@pytest.mark.parametrize("optimizer,first_moment,k", [("adamw", False, 12), ("adafactor", False, 4),
+                                                      ("sm3", True, 8)])
+def test_optimizer_choice_sets_the_optimizer_state(capsys, optimizer, first_moment, k):
+    """K per parameter under bf16: AdamW 12 (master, m, v); Adafactor / SM3 the fp32 master (+ a first
+    moment), plus their factored statistics (rows + columns: about 2/d_model of the parameters)."""
+    extra = ["--first-moment"] if first_moment else []
+    code, out, _ = run(capsys, "plan", "--params", "1e9", "--gpus", "8", "--json", "--optimizer", optimizer, *extra)
+    assert code == 0 and json.loads(out)["candidates"][1]["memory_bytes"]["optimizer"] == k * 1e9 / 8  # ZeRO-1
+    code, out, _ = run(capsys, *BASE, "--json", "--optimizer", optimizer, *extra, "--top", "1",
+                       "--layout", "dp=16,tp=8,pp=8,zero=1,mb=1,recompute=full")
+    doc = json.loads(out)
+    per_param = doc["training"]["optimizer_bytes_per_param"]
+    assert k <= per_param < k + (0 if optimizer == "adamw" else 4 * 3 / 12288) + 1e-12
+    stage_params = doc["candidates"][0]["memory_bytes"]["params"] / 2  # bf16, not sharded at ZeRO-1
+    assert doc["candidates"][0]["memory_bytes"]["optimizer"] >= k * stage_params / 16
+
+
+def test_zero3_style_per_tensor_is_slower_across_nodes(capsys):
+    argv = ["plan", "--model", "gpt3-175b", "--gpus", "1536", "--global-batch", "1536", "--json", "--top", "1",
+            "--layout", "dp=1536,tp=1,pp=1,zero=3,mb=1,recompute=full"]
+    times = []
+    for extra in ([], ["--zero3-style", "per-tensor"], ["--zero3-style", "per-tensor", "--zero3-bw", "20"]):
+        code, out, _ = run(capsys, *argv, *extra)
+        assert code == 0
+        times.append(json.loads(out)["candidates"][0]["step_time_s"])
+    assert times[0] < times[1] < times[2]
+
+
 def test_config_mode_predicts_the_run(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: {n_layers: 2, d_model: 64, n_heads: 4, seq_len: 32}\n"
@@ -130,6 +158,7 @@ def test_config_mode_describes_the_layout_the_trainer_runs(capsys, tmp_path, ove
       "--gpus", "1", "--global-batch", "1"], "hidden size (100) is not divisible by heads (3)"),
     (BASE + ["--layout", "recompute=sometimes"], "recompute must be one of"),
     (["plan", "--model", "gpt2", "--global-batch", "8"], "--gpus is required"),
+    (BASE + ["--zero3-bw", "0"], "--zero3-bw must be a positive bandwidth in GB/s, got 0.0"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     code, _, err = run(capsys, *argv)
