@@ -79,11 +79,14 @@ def _alternate(cfg, trainer, probe, repeats: int, pairs: int) -> list[dict]:
     return out
 
 
+def assert_median_error_within(name: str, runs: list[dict], tolerance: float = 0.25) -> None:
+    errors = [r["error"] for r in runs]
+    assert abs(statistics.median(errors)) <= tolerance, (name, [f"{e:+.0%}" for e in errors], runs)
+
+
 @pytest.mark.parametrize("name", list(SIZES))
 def test_step_time_within_25_percent_of_measured_after_calibration(name):
-    runs = measure_and_predict(SIZES[name])
-    errors = [r["error"] for r in runs]
-    assert abs(statistics.median(errors)) <= 0.25, (name, [f"{e:+.0%}" for e in errors], runs)
+    assert_median_error_within(name, measure_and_predict(SIZES[name]))
 
 
 # --------------------------------------------------------------------------- two processes
@@ -148,9 +151,7 @@ def measure_and_predict_two_processes(overrides: dict, repeats: int = 5, pairs: 
 
 @pytest.mark.parametrize("name", list(TWO_PROCESS))
 def test_two_process_step_time_within_25_percent_of_measured(name):
-    runs = measure_and_predict_two_processes(TWO_PROCESS[name])
-    errors = [r["error"] for r in runs]
-    assert abs(statistics.median(errors)) <= 0.25, (name, [f"{e:+.0%}" for e in errors], runs)
+    assert_median_error_within(name, measure_and_predict_two_processes(TWO_PROCESS[name]))
 
 
 # --------------------------------------------------------------------------- ZeRO-3 exposed communication
