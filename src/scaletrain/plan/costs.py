@@ -445,7 +445,8 @@ def gather_time(nbytes: float, n: int, link: tuple[float, float] | MeasuredLink,
 
 def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: float, block_f: float,
                        block_b: float, embed_f: float, head_f: float, head_b: float, embed_b: float, n: int,
-                       link: tuple[float, float], style: str = "prefetch", block_r: float = 0.0) -> float:
+                       link: tuple[float, float] | MeasuredLink, style: str = "prefetch",
+                       block_r: float = 0.0) -> float:
     """Communication time ZeRO-3 adds to one microbatch beyond its compute (Rajbhandari et al., arXiv
     1910.02054 Sec. 7.2.2; the schedule of our `parallel.zero` and of FSDP, arXiv 2304.11277 Sec. 3.3).
 
