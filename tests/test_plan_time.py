@@ -14,7 +14,10 @@ target).
 Two processes (`TWO_PROCESS`, every layout of two ranks): the same alternation on both ranks, each sample
 followed by the in-place collective times (`run_comm`, as `plan --config --calibrate` takes them), the
 tensor-parallel probe split over the run's real tp group; per pair the slower rank's composition against
-the slower rank's step; the median of 5 repeats of 6 pairs within 25%.
+the slower rank's step; the median of 5 repeats of 6 pairs within 25%. These need the two cores for
+the two ranks: with a third busy process on the machine the in-place collective times overshoot (+30% to
++50% measured), so the test first checks that two spinning processes each get a core (skipped, with
+the measured share, otherwise).
 
 Run `python tests/test_plan_time.py` to print the tables of docs/planner-validation.md section 6.
 """
@@ -149,8 +152,30 @@ def measure_and_predict_two_processes(overrides: dict, repeats: int = 5, pairs: 
     return out
 
 
+def _spin(seconds: float) -> float:
+    """CPU share one process gets while spinning for `seconds` of wall time."""
+    import time
+
+    w0, c0 = time.perf_counter(), time.process_time()
+    while time.perf_counter() - w0 < seconds:
+        pass
+    return (time.process_time() - c0) / (time.perf_counter() - w0)
+
+
+def two_cores_free() -> float:
+    """The smaller CPU share of two processes spinning together: ~1.0 when the machine has two cores for
+    the run's two ranks, ~0.67 when a third busy process competes."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(2) as pool:
+        return min(pool.map(_spin, [0.5, 0.5]))
+
+
 @pytest.mark.parametrize("name", list(TWO_PROCESS))
 def test_two_process_step_time_within_25_percent_of_measured(name):
+    share = two_cores_free()
+    if share < 0.85:  # a timing claim about two ranks on two cores needs the two cores
+        pytest.skip(f"another job holds the CPU (each of two spinning processes got {share:.0%} of a core)")
     assert_median_error_within(name, measure_and_predict_two_processes(TWO_PROCESS[name]))
 
 
