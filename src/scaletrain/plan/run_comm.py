@@ -14,7 +14,7 @@ alpha-beta.
 Which collectives: exactly those `predict_step_time` asks its links for, found by running it once with
 recording links (`queries`): the trainer's small all-reduces (world), the tensor-parallel all-reduces
 (tp), the data-parallel all-reduces / reduce-scatters / all-gathers of the real buckets or ZeRO-3 units
-(dp), the pipeline's send/receive of one activation (pp). Expert all-to-alls keep alpha-beta.
+(dp), the pipeline's send/receive of one activation (pp), the expert all-to-alls (ep).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from scaletrain.config import Config
 from scaletrain.plan import run_time
 from scaletrain.plan.costs import MeasuredLink
 
-DIMS = ("world", "tp", "dp", "pp")
+DIMS = ("world", "tp", "dp", "pp", "ep")
 MAX_SIZES = 6  # distinct sizes timed per (dimension, kind); the others are interpolated
 
 
@@ -88,6 +88,9 @@ def _op(kind: str, nbytes: int, group, mesh, dim: str):
         return lambda: [_all_gather(full, shard, group=group, async_op=True)]
     if kind == "reduce_scatter":
         return lambda: [_reduce_scatter(shard, full, group=group, async_op=True)]
+    if kind == "all_to_all":  # the expert dispatch: every rank sends 1/n of the slots to each rank
+        send, recv = torch.zeros(numel), torch.zeros(numel)
+        return lambda: [dist.all_to_all_single(recv, send, group=group, async_op=True)]
     if kind == "p2p":  # one activation to the next stage while receiving one from the previous
         members = mesh.members[dim] if mesh is not None and dim != "world" else list(range(dist.get_world_size()))
         me = members.index(dist.get_rank())

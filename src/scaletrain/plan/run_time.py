@@ -21,7 +21,7 @@ Measured (`RunProbe.sample`, medians over repeats in `profile_run`):
 - with several processes (`RunProbe(cfg, mesh)` on the run's groups): under tensor parallelism the block,
   embedding and head split over the real tp group, so their times include the Megatron collectives;
   every other collective of the step timed in place (`run_comm.measure_comm`, a sample's `comm`), and
-  the alpha-beta link (`measure_link`) for sizes beyond those and for expert all-to-alls.
+  the alpha-beta link (`measure_link`) for sizes beyond those.
 
 Composed (`predict_step_time`), per optimizer step:
 - compute: m microbatches x (blocks of the stage x (t_f + t_b) + embedding / head on the first / last
@@ -42,8 +42,9 @@ several processes the slowest rank per moment, `estimate_step_time_ranks`). Vali
 planner-validation.md section 6. Mixture-of-experts runs: the MoE block is profiled too (block
 `every - 1` of the probe, with all E experts on this rank's slots: under expert parallelism a rank runs
 E/ep experts on ep times the slots, the same work), and each MoE block adds per microbatch its 4
-all-to-alls (2 forward, 2 backward) of the (E, G, K, C) slots over ep, alpha-beta timed on the measured
-link. Not modelled: the all-gather of partitioned checkpoints, activation compression.
+all-to-alls (2 forward, 2 backward) of the (E, G, K, C) slots over ep, timed in place on the ep group
+(alpha-beta on the measured link without a mesh). Not modelled: the all-gather of partitioned
+checkpoints, activation compression.
 """
 
 from __future__ import annotations
@@ -604,7 +605,7 @@ def ep_all_to_all_time(cfg: Config, link: tuple[float, float]) -> float:
     ep = cfg.parallel.ep
     if cfg.model.moe.experts == 0 or ep == 1:
         return 0.0
-    return 2 * _gather(ep_all_to_all_bytes(cfg), ep, link)
+    return 2 * _gather(ep_all_to_all_bytes(cfg), ep, link, "all_to_all")
 
 
 def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tuple, link) -> float:
