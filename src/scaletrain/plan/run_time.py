@@ -81,7 +81,7 @@ class RunProfile:
     """1: the blocks, embedding and head were timed with their tensor-parallel collectives on the run's
     tp group (`RunProbe(cfg, mesh)`), so the composition adds none."""
     comm: dict | None = None
-    """Per mesh dimension (tp, dp, pp, world), the collectives timed in place (`run_comm.measure_comm`);
+    """Per mesh dimension (tp, dp, pp, ep, world), the collectives timed in place (`run_comm.measure_comm`);
     None: alpha-beta on (link_bw, link_latency) for every group."""
 
     def link(self, dim: str = "world"):
@@ -127,6 +127,7 @@ class RunProbe:
         parallelism the probe's model is then split over the real tp group by the engine's own pass, so
         its timings include the Megatron collectives and the tensor-parallel layers' own overhead."""
         from scaletrain.memory.precision import apply_precision
+        from scaletrain.model.gpt import loss_sum
 
         self.cfg = cfg
         m, tr = cfg.model, cfg.train
@@ -136,23 +137,19 @@ class RunProbe:
         # one block, or up to the first MoE block (experts unsharded: same work as E/ep on ep x the slots)
         one = dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=m.moe.every if moe else 1),
                                   parallel=dataclasses.replace(cfg.parallel, pp=1, virtual_stages=1, ep=1))
+        # with the run's groups: whole shapes, then the engine's tp pass on the run's tp group
         self.tp_in_blocks = mesh is not None and cfg.parallel.tp > 1
-        if self.tp_in_blocks:  # whole shapes, then the engine's tp pass on the run's group
+        if self.tp_in_blocks:
+            one = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, tp=1))
+        model = _materialize(run_memory.engine_module_on_meta(one), seed)
+        if m.tie_embeddings:
+            model.lm_head.weight = model.wte.weight
+        self.loss_fn = loss_sum
+        if self.tp_in_blocks:
             from scaletrain.parallel.tp_plan import apply_tp_plan, gpt_plan
 
-            whole = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, tp=1))
-            model = _materialize(run_memory.engine_module_on_meta(whole), seed)
-            if m.tie_embeddings:
-                model.lm_head.weight = model.wte.weight
             apply_tp_plan(model, gpt_plan(m), mesh.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel)
             self.loss_fn = model.lm_head.loss_fn()
-        else:
-            from scaletrain.model.gpt import loss_sum
-
-            model = _materialize(run_memory.engine_module_on_meta(one), seed)
-            if m.tie_embeddings:
-                model.lm_head.weight = model.wte.weight
-            self.loss_fn = loss_sum
         if tr.dtype in run_memory.LOW:
             apply_precision(model)
         model.train()
