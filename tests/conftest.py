@@ -14,3 +14,15 @@ def _cache_dir(tmp_path_factory):
     if "SCALETRAIN_CACHE" not in os.environ:
         os.environ["SCALETRAIN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models: on a shared 2-core machine more threads only add
+    contention. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

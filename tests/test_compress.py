@@ -20,12 +20,7 @@ from scaletrain.memory import ActivationCompressor, MaskedActivation, pack_bits,
 TOLERANCE = {"bf16": 5e-3, "int8": 4e-2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def mlp(act, d_in=64, hidden=256, d_out=10, seed=0):

@@ -29,12 +29,7 @@ TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_le
         "train.lr=3e-3", "train.checkpoint_every=0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def train_cli(tmp_path, name: str, *sets: str) -> list[dict]:

@@ -21,13 +21,7 @@ from scaletrain.optim import SM3, Adafactor, build_optimizer, state_bytes
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 TOL = dict(rtol=1e-11, atol=1e-13)  # float64 rounding over a few steps; a wrong formula is off by >1e-3

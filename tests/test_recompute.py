@@ -28,13 +28,7 @@ L, C, NH, T, B, V = 4, 32, 4, 32, 2, 256
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and much faster on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def make_cfg(**mem):

@@ -263,11 +263,11 @@ class ParametricFit:
 
     @property
     def a(self) -> float:
-        return self.beta / (self.alpha + self.beta)
+        return self.law().a
 
     @property
     def b(self) -> float:
-        return self.alpha / (self.alpha + self.beta)
+        return self.law().b
 
     def law(self) -> ParametricLaw:
         return ParametricLaw("fit-approach-3", self.E, self.A, self.B, self.alpha, self.beta)
