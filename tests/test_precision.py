@@ -1,4 +1,6 @@
-"""Mixed precision: bf16/fp16 track fp32; fp16 overflow skips the step everywhere; NaN handling; scaler."""
+"""Mixed precision: bf16/fp16 track fp32; fp16 overflow skips the step everywhere; NaN handling; scaler.
+
+Layouts in bf16/fp16 against the single-process run of the same precision: test_precision_layouts.py."""
 
 import math
 
@@ -106,43 +108,10 @@ def test_nan_loss_stops_with_step_and_rank_or_skips():
     assert t.skipped == 1
 
 
-def _zero_bf16(rank, world):
-    from scaletrain.distributed import DistEnv
+def test_adafactor_under_pp_equals_its_single_process_run():
+    """Adafactor under pp 2 equals its fp64 single-process run (model.bias=false, see test_zero.py). The bf16/fp16
+    layouts are compared with single-process runs of their own precision in test_precision_layouts.py."""
+    from harness import assert_same_run, train_parallel, train_reference
 
-    out = {}
-    for zero in (0, 1, 2, 3):
-        cfg = make_config({**SHORT, "train.steps": 6, "train.dtype": "bf16", "parallel.dp": world,
-                           "parallel.zero": zero})
-        t = Trainer(cfg, None, DistEnv(rank, world, 0, "test"))
-        out[zero] = (t.run().losses, t.full_state())
-    return out
-
-
-def test_zero_stages_with_bf16_agree():
-    """bf16 params, fp32 masters and reductions: every stage computes what plain DP computes (the fp32
-    reductions differ only in summation order; bf16 rounding of the updated weights can flip the last bit)."""
-    out = run_ranks(_zero_bf16, 2, timeout=180)[0]
-    for zero in (1, 2, 3):
-        for s in out[0][0]:
-            assert abs(out[zero][0][s] - out[0][0][s]) < 1e-3, (zero, s)
-        for k, v in out[0][1].items():
-            torch.testing.assert_close(out[zero][1][k].float(), v.float(), rtol=2e-2, atol=1e-3)
-
-
-def test_mixed_precision_and_adafactor_compose_with_tp_and_pp():
-    """bf16 under tp 2 and pp 2 tracks the single-process bf16 run (different bf16 rounding order: stated
-    tolerance 2 % of the loss, 3e-2 absolute on parameters); Adafactor under pp 2 equals its fp64
-    single-process run (model.bias=false, see test_zero.py)."""
-    from harness import assert_same_run, train_parallel_many, train_reference
-
-    bf16 = {"train.dtype": "bf16", "train.micro_batch": 2}
     ada = {"optim.name": "adafactor", "model.bias": False, "train.micro_batch": 2}
-    ref_bf16, ref_ada = train_reference(bf16), train_reference(ada)
-    runs = train_parallel_many([{**bf16, "parallel.tp": 2}, {**bf16, "parallel.pp": 2},
-                                {**ada, "parallel.pp": 2}], 2)
-    for par in runs[:2]:
-        for s in ref_bf16[0]:
-            assert abs(par[0][s] - ref_bf16[0][s]) < 0.02 * ref_bf16[0][s]
-        for k, v in ref_bf16[1].items():
-            torch.testing.assert_close(par[1][k].float(), v.float(), rtol=0, atol=3e-2)
-    assert_same_run(ref_ada, runs[2], 1e-10, 1e-12)
+    assert_same_run(train_reference(ada), train_parallel({**ada, "parallel.pp": 2}, 2), 1e-10, 1e-12)

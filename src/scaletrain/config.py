@@ -179,12 +179,17 @@ class OptimConfig:
     """Adam beta2."""
     eps: float = 1e-8
     """Adam epsilon."""
-    relative_step: bool = True
-    """Adafactor: relative step size min(1e-2, 1/sqrt(t)) x RMS(param), capped by train.lr."""
+    relative_step: bool = False
+    """Adafactor: relative step size min(train.lr, 1/sqrt(t)) x RMS(param) (the paper's schedule, with parameter
+    scaling) instead of train.lr itself. Off by default: RMS(param) ~ 0.02 makes the relative step ~50x smaller
+    than AdamW's at the same train.lr, and it needs 1e4+ steps to pay off (docs/memory.md)."""
     decay_rate: float = 0.8
     """Adafactor: second-moment decay 1 - t^(-decay_rate)."""
     clip_threshold: float = 1.0
     """Adafactor: update clipping threshold d."""
+    lr_scale: float = 0.0
+    """Multiplier of the schedule's learning rate for this optimizer; 0 = its default: 1 for adamw and adafactor,
+    5 for sm3 (AdaGrad-style accumulators shrink its step as 1/sqrt(t); 5x train.lr trains the demo like AdamW)."""
     momentum: float = 0.0
     """SM3 momentum (0 disables the extra full-size buffer); Adafactor uses beta1 only if use_beta1."""
     use_beta1: bool = False
@@ -453,6 +458,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         errors.append("memory.partition_checkpoints: with parallel.sequence_parallel block inputs are already split")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         errors.append(f"optim.beta1 ({o.beta1}) and optim.beta2 ({o.beta2}) must be in [0, 1)")
+    if not o.lr_scale >= 0 or o.lr_scale == float("inf"):
+        errors.append(f"optim.lr_scale must be a finite number >= 0 (0 = the optimizer's default), got {o.lr_scale}")
     if o.weight_decay < 0 or o.eps <= 0:
         errors.append(f"optim.weight_decay ({o.weight_decay}) must be >= 0 and optim.eps ({o.eps}) > 0")
     if not 0.0 < d.val_fraction < 0.5:

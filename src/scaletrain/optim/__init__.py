@@ -17,7 +17,8 @@ from scaletrain.memory.accounting import optimizer_tensors, tensor_bytes
 from scaletrain.optim.adafactor import Adafactor, StateShard
 from scaletrain.optim.sm3 import SM3
 
-__all__ = ["OPTIMIZERS", "SM3", "Adafactor", "StateShard", "build_optimizer", "config_hyper", "state_bytes"]
+__all__ = ["OPTIMIZERS", "SM3", "Adafactor", "StateShard", "build_optimizer", "config_hyper", "lr_multiplier",
+           "state_bytes"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -56,15 +57,26 @@ def build_optimizer(name: str, param_groups: Iterable[Any], **hyper: Any) -> tor
         raise ConfigError(f"optimizer {key}: {e}") from None
 
 
+# The multiplier of train.lr each optimizer uses when `optim.lr_scale` is 0. SM3 (like AdaGrad) divides by the
+# root of *summed* squared gradients, so its step shrinks as 1/sqrt(t); at 5x the AdamW learning rate it trains the
+# demo and the tiny test model about as fast as AdamW (tests/test_defaults_train.py, docs/memory.md).
+DEFAULT_LR_SCALE = {"adamw": 1.0, "adafactor": 1.0, "sm3": 5.0}
+
+
+def lr_multiplier(optim: Any) -> float:
+    """The factor applied to the schedule's learning rate for `optim.name` (`optim.lr_scale`, or its default)."""
+    return optim.lr_scale if optim.lr_scale > 0 else DEFAULT_LR_SCALE.get(str(optim.name).lower(), 1.0)
+
+
 def config_hyper(cfg: Any) -> dict[str, Any]:
     """`build_optimizer` keywords for the run config's `optim.name` (weight decay goes in the groups).
 
-    `train.lr` is the step size (AdamW, SM3, Adafactor with relative_step=false) or, with Adafactor's
+    `train.lr` x `lr_multiplier` is the step size (AdamW, SM3, Adafactor with relative_step=false) or, with Adafactor's
     relative step, the cap of ρ_t = min(lr, 1/√t); the trainer's schedule sets it every step.
     Adafactor keeps a first moment only with `optim.use_beta1` (beta1 = None otherwise: the AdamW
     default 0.9 would add a full-size buffer); its parameter scaling follows `relative_step`.
     """
-    o, lr = cfg.optim, cfg.train.lr
+    o, lr = cfg.optim, cfg.train.lr * lr_multiplier(cfg.optim)
     name = str(o.name).lower()
     if name == "adafactor":
         return {"lr": lr, "relative_step": o.relative_step, "scale_parameter": o.relative_step,

@@ -32,6 +32,7 @@ from scaletrain.memory.precision import DynamicLossScaler
 from scaletrain.mesh import Mesh, ParallelDims
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step
+from scaletrain.optim import lr_multiplier
 from scaletrain.parallel.comm import CommStats, all_reduce_sum
 from scaletrain.parallel.experts import moe_metrics
 from scaletrain.parallel.parallelize import build_engine
@@ -94,6 +95,7 @@ class Trainer:
         # regions draw from a per-tp-rank stream of their own (see parallel/tensor_parallel.py).
         stream = f"dropout/dp{self.dp_rank}/pp{self.mesh.local_rank('pp')}"
         self.rng = _seeded_rng_state(name_seed(t.seed, stream), self.device)
+        self.lr_scale = lr_multiplier(cfg.optim)  # optim.lr_scale, or the optimizer's default
         self.step = 0
         self.skipped = 0
         self.scaler = DynamicLossScaler(t.loss_scale, 2.0, t.loss_scale_backoff, t.loss_scale_window,
@@ -190,7 +192,7 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.cfg
         self.comm.reset()
-        lr = lr_at(step, cfg.train)
+        lr = lr_at(step, cfg.train) * self.lr_scale
         micro = self.loader.micro_batches(step, self.dp_rank, cfg.parallel.dp, cfg.train.micro_batch,
                                           device=self.device)
         opt = self.engine.optimizer
