@@ -224,6 +224,9 @@ TWO_RANKS = [  # every parallel layout on two processes: dp x ZeRO 0-3 (+ offloa
      "model.d_model": 36, "model.n_heads": 3},
     {"parallel.dp": 2, "parallel.zero": 3, "optim.name": "sm3", "optim.momentum": 0.9},
     {"parallel.dp": 2, "parallel.zero": 3, "optim.name": "sm3", "parallel.offload": "optimizer", "train.dtype": "bf16"},
+    # ... and under tensor parallelism: statistics of the whole matrix on each tp rank, element-wise states local
+    {"parallel.tp": 2, "optim.name": "adafactor", "optim.use_beta1": True, "train.dtype": "bf16"},
+    {"parallel.tp": 2, "optim.name": "sm3", "optim.momentum": 0.9, "parallel.sequence_parallel": True},
 ]
 
 

@@ -220,7 +220,7 @@ def test_public_api_on_a_users_module():
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("adafactor", {}),
+    ("adafactor", {"optim.relative_step": True}),
     ("adafactor", {"optim.use_beta1": True, "optim.relative_step": False, "train.lr": 1e-2}),
     ("sm3", {"optim.momentum": 0.5, "train.lr": 0.05}),
 ])

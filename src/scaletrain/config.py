@@ -438,9 +438,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         errors.append(f"train.device must be auto, cpu or cuda, got {t.device!r}")
     if o.name not in ("adamw", "adafactor", "sm3"):
         errors.append(f"optim.name must be adamw, adafactor or sm3, got {o.name!r}")
-    if o.name != "adamw" and p.tp > 1:
-        errors.append(f"optim.name={o.name} with parallel.tp ({p.tp}) > 1 is not available: its per-matrix row/column "
-                      "statistics would be taken per tensor-parallel shard; use adamw, or tp=1 (dp, ZeRO, pp work)")
     if o.momentum < 0 or o.momentum >= 1 or o.clip_threshold < 1 or not 0 < o.decay_rate <= 1:
         errors.append(f"optim.momentum ({o.momentum}) must be in [0, 1), optim.clip_threshold ({o.clip_threshold})"
                       f" >= 1 and optim.decay_rate ({o.decay_rate}) in (0, 1]")

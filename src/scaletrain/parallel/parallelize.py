@@ -80,10 +80,22 @@ class ReplicatedOptimizer:
         low = params[0].dtype in (torch.bfloat16, torch.float16)
         masters = [p.detach().float().clone().requires_grad_(True) for p in params] if low else None
         targets = masters or params
-        opt = build_optimizer(cfg.optim.name, decay_groups(targets, cfg.optim.weight_decay), **config_hyper(cfg))
+        name = cfg.optim.name
+        # Adafactor / SM3 under tensor parallelism: a rank holds slices of the matrices, so their row / column
+        # statistics are combined over tp (ShardedFactored); otherwise the plain optimizer.
+        factored_tp = name != "adamw" and cfg.parallel.tp > 1
+        opt = None if factored_tp else build_optimizer(name, decay_groups(targets, cfg.optim.weight_decay),
+                                                       **config_hyper(cfg))
         # The norm needs a world all-reduce only when its owners are spread over tp / pp / ep ranks.
         spread = cfg.parallel.tp * cfg.parallel.pp * getattr(cfg.parallel, "ep", 1) > 1 or dim != "dp"
-        return cls(params, opt, mesh.group(dim), cfg.parallel.bucket_mb, comm, masters=masters, world_norm=spread)
+        out = cls(params, opt, mesh.group(dim), cfg.parallel.bucket_mb, comm, masters=masters, world_norm=spread)
+        if factored_tp:
+            from scaletrain.parallel.zero_factored import DEFAULTS, ShardedFactored, tp_pieces
+
+            pieces = tp_pieces(params, targets, out.grads, mesh.group("tp"))
+            out.opt = ShardedFactored(name, pieces, mesh.group("tp"), {**DEFAULTS[name], **config_hyper(cfg)},
+                                      cfg.optim.weight_decay)
+        return out
 
     def begin_micro(self, index: int, count: int) -> None:
         self.reducer.begin_micro(index, count)
@@ -258,5 +270,6 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         engine.optimizer = ZeroOptimizer(
             engine.module, cfg.parallel.zero, mesh.group("dp"), lr=cfg.train.lr, betas=(o.beta1, o.beta2),
             eps=o.eps, weight_decay=o.weight_decay, bucket_mb=cfg.parallel.bucket_mb, offload=cfg.parallel.offload,
-            comm=comm, optimizer=o.name, hyper=config_hyper(cfg) if o.name != "adamw" else None)
+            comm=comm, optimizer=o.name, hyper=config_hyper(cfg) if o.name != "adamw" else None,
+            tp_group=mesh.group("tp"))
     return engine

@@ -46,6 +46,7 @@ from scaletrain.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
     enter_hook,
+    group_rank,
     mark_replicated,
     seq_shard,
 )
@@ -118,6 +119,28 @@ class ShardSpec:
     dim: int
     parts: int = 1
     full: int | None = None
+
+    def global_shape(self, local_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+        """The plain model's shape of a parameter whose shard on one of `n` ranks has `local_shape`."""
+        shape = list(local_shape)
+        shape[self.dim] = self.full if self.full is not None else local_shape[self.dim] * n
+        return tuple(shape)
+
+    def global_index(self, local_shape: tuple[int, ...], rank: int, n: int) -> torch.Tensor:
+        """For each element of rank `rank`'s shard (row-major), its flat index in the plain model's tensor, or -1
+        for a padding element (vocabulary rows beyond the true size)."""
+        k = local_shape[self.dim] // self.parts  # rows of one part on one rank
+        i = torch.arange(local_shape[self.dim])
+        along = (i // k) * (k * n) + rank * k + i % k  # part j of rank r sits at j * (k n) + r k in the full tensor
+        full = self.global_shape(local_shape, n)
+        grids = torch.meshgrid(*[along if d == self.dim else torch.arange(s) for d, s in enumerate(local_shape)],
+                               indexing="ij")
+        flat = torch.zeros(local_shape, dtype=torch.long)
+        for d, g in enumerate(grids):
+            flat = flat * full[d] + g
+        if self.full is not None:
+            flat = torch.where(grids[self.dim] < self.full, flat, torch.full_like(flat, -1))
+        return flat.reshape(-1)
 
     def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         if self.parts == 1:
@@ -233,6 +256,7 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, Style], group, *, sequence_p
                 old, p = getattr(module, attr, None), getattr(new, attr, None)
                 if p is None:
                     continue
+                p._st_tp_shard = (spec, group_rank(group), n)  # where the shard sits in the plain tensor
                 converted[id(old)] = (p, spec)
                 result.specs[f"{name}.{attr}"] = spec
             parent, _, child = name.rpartition(".")

@@ -118,7 +118,8 @@ class ZeroOptimizer:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  bucket_mb: float = 25.0, offload: str = "none", reduce: str = "sum",
                  comm: CommStats | None = None, units: Iterable[nn.Module] | None = None,
-                 world_norm: bool = True, optimizer: str = "adamw", hyper: dict | None = None):
+                 world_norm: bool = True, optimizer: str = "adamw", hyper: dict | None = None,
+                 tp_group: dist.ProcessGroup | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         if offload == "params" and stage != 3:
@@ -144,19 +145,22 @@ class ZeroOptimizer:
             self._setup_buckets()
         self._setup_masters()
         if optimizer != "adamw":  # Adafactor / SM3: factored states combined over the shards
-            from scaletrain.parallel.zero_factored import ShardedFactored
+            from scaletrain.parallel.zero_factored import DEFAULTS, ShardedFactored
 
-            defaults = {"eps1": 1e-30, "eps2": 1e-3} if optimizer == "adafactor" else {"eps": 0.0}
-            self.opt = ShardedFactored(optimizer, self._param_pieces(), group, {**defaults, **(hyper or {})},
-                                       weight_decay)
+            self.opt = ShardedFactored(optimizer, self._param_pieces(tp_group), [group, tp_group],
+                                       {**DEFAULTS[optimizer], **(hyper or {})}, weight_decay)
             return
         decay = [pc for g in self.groups for pc in g.piece_params if pc.ndim_orig >= 2]
         no_decay = [pc for g in self.groups for pc in g.piece_params if pc.ndim_orig < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
 
-    def _param_pieces(self) -> list[dict]:
-        """Every parameter, in the same order on every rank, with this rank's piece of it (maybe empty)."""
+    def _param_pieces(self, tp_group: dist.ProcessGroup | None = None) -> list[dict]:
+        """Every parameter, in the same order on every rank, with this rank's piece of it (maybe empty). Under
+        tensor parallelism a piece is a flat range of the local shard: its elements are placed in the whole
+        parameter by `zero_factored.tp_placement`."""
+        from scaletrain.parallel.zero_factored import tp_placement
+
         out = []
         for g in self.groups:
             grads = g.master_grad if g.master_grad is not None else g.shard_grad
@@ -164,8 +168,14 @@ class ZeroOptimizer:
             for p in g.params:
                 pc = mine.get(id(p))
                 lo, hi, a, b = (pc.lo, pc.hi, pc.a, pc.b) if pc else (0, 0, 0, 0)
-                out.append({"shape": tuple(p.shape), "a": a, "b": b, "x": g.master[lo:hi], "grad": grads[lo:hi],
-                            "dtype": g.master.dtype, "device": g.master.device})
+                piece = {"shape": tuple(p.shape), "a": a, "b": b, "x": g.master[lo:hi], "grad": grads[lo:hi],
+                         "dtype": g.master.dtype, "device": g.master.device}
+                if tp_group is not None:
+                    shape, idx, mine_stats = tp_placement(p, tp_group)
+                    piece.update(shape=shape, contribute=mine_stats)
+                    if idx is not None:
+                        piece["idx"] = idx[a:b]
+                out.append(piece)
         return out
 
     # ------------------------------------------------------------------ layout
@@ -539,7 +549,8 @@ def predict_bytes(module: nn.Module, stage: int, n: int, bucket_mb: float = 25.0
                     pieces += 1
                     piece_numel += b - a
                 if optimizer != "adamw":
-                    sizes = state_sizes(optimizer, tuple(p.shape), max(b - a, 0), beta1=beta1, momentum=momentum)
+                    shape = getattr(p, "_st_global_shape", tuple(p.shape))  # tp: statistics of the whole matrix
+                    sizes = state_sizes(optimizer, shape, max(b - a, 0), beta1=beta1, momentum=momentum)
                     factored += sum(sizes.values())
                 off += p.numel()
             tot["params"] += (shard if stage == 3 else shard * n) * elem

@@ -25,6 +25,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+DEFAULTS = {"adafactor": {"eps1": 1e-30, "eps2": 1e-3}, "sm3": {"eps": 0.0}}  # the optimizers' own defaults
+
+
+def tp_placement(p: torch.Tensor, tp_group: Any) -> tuple[tuple[int, ...], torch.Tensor | None, bool]:
+    """Where a tensor-parallel rank's copy of `p` sits in the plain model's parameter: (whole shape, flat index
+    of each local element or None when the copy is the whole parameter, whether this rank's statistics count).
+    A split parameter carries `_st_tp_shard` (set by `parallel.tp_plan.apply_tp_plan`); a replicated one counts
+    on tp rank 0 only."""
+    shard = getattr(p, "_st_tp_shard", None)
+    if shard is not None:
+        spec, rank, n = shard
+        return spec.global_shape(tuple(p.shape), n), spec.global_index(tuple(p.shape), rank, n).to(p.device), True
+    rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    return tuple(p.shape), None, rank == 0
+
+
+def tp_pieces(params: list[torch.Tensor], targets: list[torch.Tensor], grads: list[torch.Tensor],
+              tp_group: Any) -> list[dict]:
+    """`ShardedFactored` pieces for the whole local tensors of tensor-parallel parameters (no ZeRO): `targets`
+    (the parameters, or their fp32 masters) are updated from `grads`, with statistics combined over tp."""
+    out = []
+    for p, x, g in zip(params, targets, grads):
+        shape, idx, mine = tp_placement(p, tp_group)
+        piece = {"shape": shape, "a": 0, "b": x.numel(), "x": x.view(-1), "grad": g.view(-1), "dtype": x.dtype,
+                 "device": x.device, "contribute": mine}
+        if idx is not None:
+            piece["idx"] = idx
+        out.append(piece)
+    return out
+
 
 def state_sizes(name: str, shape: tuple[int, ...], piece_numel: int, beta1: bool = False,
                 momentum: bool = False) -> dict[str, int]:
@@ -49,11 +79,16 @@ def state_sizes(name: str, shape: tuple[int, ...], piece_numel: int, beta1: bool
 
 
 class ShardedFactored:
-    """`name` in {adafactor, sm3} over `pieces`: (param shape, flat start a, master view, grad view, decay)."""
+    """`name` in {adafactor, sm3} over `pieces`, each a dict: `shape` (the whole parameter's), the flat range
+    [`a`, `b`) of it this rank holds — or `idx`, the flat index of each held element in the whole parameter (-1
+    for padding that belongs to no element) —, `x` and `grad` (flat views of this rank's master and gradient),
+    `dtype`, `device`, and `contribute` (False where another rank of the reduction holds the same elements: a
+    tensor-parallel replica; its statistics then count once). The statistics are all-reduced over `group`, or
+    over each group of a list in turn (ZeRO's dp group, then the tensor-parallel group)."""
 
-    def __init__(self, name: str, params: list[dict], group: dist.ProcessGroup | None, hyper: dict[str, Any],
-                 weight_decay: float):
-        self.name, self.params, self.group = name, params, group
+    def __init__(self, name: str, params: list[dict], group: Any, hyper: dict[str, Any], weight_decay: float):
+        self.name, self.params = name, params
+        self.groups = [g for g in (group if isinstance(group, (list, tuple)) else [group]) if g is not None]
         self.hyper = dict(hyper)
         self.param_groups = [{"lr": self.hyper.get("lr", 1e-3)}]  # the trainer sets the lr here
         self.weight_decay = weight_decay
@@ -68,13 +103,24 @@ class ShardedFactored:
     # ------------------------------------------------------------------ helpers
 
     def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(t, op=op, group=self.group)
+        for group in self.groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(t, op=op, group=group)
         return t
 
     @staticmethod
     def _coords(p: dict) -> torch.Tensor:
+        """Flat indices of the held elements in the whole parameter (padding clamped to 0; see `_weight`)."""
+        if "idx" in p:
+            return p["idx"].clamp(min=0)
         return torch.arange(p["a"], p["b"], device=p["device"])
+
+    @staticmethod
+    def _weight(p: dict) -> torch.Tensor | float:
+        """What this rank's elements count in the SUM statistics: 0 for a replica or padding, else 1."""
+        if not p.get("contribute", True):
+            return 0.0
+        return (p["idx"] >= 0).to(p["dtype"]) if "idx" in p and bool((p["idx"] < 0).any()) else 1.0
 
     def _decay(self, p: dict) -> float:
         return self.weight_decay if len(p["shape"]) >= 2 else 0.0
@@ -97,9 +143,9 @@ class ShardedFactored:
         # 1) partial statistics of this rank's elements, all parameters in one buffer
         parts, layout = [], []
         for p in self.params:
-            shape, idx = p["shape"], self._coords(p)
-            g2 = p["grad"].square().add_(h["eps1"])
-            x2 = p["x"].square().sum().reshape(1)
+            shape, idx, w = p["shape"], self._coords(p), self._weight(p)
+            g2 = p["grad"].square().add_(h["eps1"]).mul_(w)
+            x2 = (p["x"].square() * w).sum().reshape(1)
             if len(shape) >= 2:
                 n, m = shape[-2], shape[-1]
                 rows = torch.zeros(math.prod(shape[:-1]), dtype=g2.dtype, device=g2.device)
@@ -132,8 +178,9 @@ class ShardedFactored:
                 v = st["v"]
                 v.lerp_(g.square().add_(h["eps1"]), one_minus_beta2)
                 u = g * v.rsqrt()
+            u = u * self._weight(p) if "idx" in p else u  # padding elements get no update
             updates.append((u, x2))
-            u2.append(u.square().sum().reshape(1))
+            u2.append((u.square() * self._weight(p)).sum().reshape(1))
         usum = self._reduce(torch.cat(u2)) if u2 else torch.zeros(0)
         # 3) clip, scale, step — each rank on its own elements
         for i, (p, (u, x2)) in enumerate(zip(self.params, updates)):
@@ -156,9 +203,10 @@ class ShardedFactored:
             for acc, c in zip(accs[1:], cs[1:]):
                 nu = torch.minimum(nu, acc[c])
             nu = nu + p["grad"].square()
-            for acc, c in zip(accs, cs):  # partial max of ν per cover set (ν >= 0: 0 is the identity)
+            counted = nu * self._weight(p)  # padding and replicas add nothing (ν >= 0: 0 is the identity of max)
+            for acc, c in zip(accs, cs):  # partial max of ν per cover set
                 part = torch.zeros_like(acc)
-                parts.append(part.scatter_reduce_(0, c, nu, reduce="amax", include_self=True))
+                parts.append(part.scatter_reduce_(0, c, counted, reduce="amax", include_self=True))
             nus.append(nu)
             coords.append(cs)
         flat = self._reduce(torch.cat(parts), dist.ReduceOp.MAX) if parts else torch.zeros(0)

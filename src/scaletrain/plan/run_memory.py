@@ -64,6 +64,7 @@ def _shard_tp_on_meta(model: nn.Module, cfg: Config, t: int) -> None:
             return
         if id(old) not in converted:
             converted[id(old)] = nn.Parameter(torch.empty(shape, device="meta", dtype=old.dtype))
+            converted[id(old)]._st_global_shape = tuple(old.shape)  # Adafactor/SM3 statistics are of this shape
         setattr(module, attr, converted[id(old)])
 
     for name, style in resolve_plan(model, gpt_plan(cfg.model)):
@@ -148,22 +149,22 @@ def _step_bytes() -> int:
     return 8 if torch.get_default_dtype() == torch.float64 else 4  # AdamW's `step` scalar per tensor
 
 
-def optimizer_state_bytes(cfg: Config, shapes: list[tuple[int, ...]], state_elem: int) -> int:
-    """Bytes of the configured optimizer's state for whole parameters of these shapes (ZeRO 0)."""
-    from scaletrain.optim import SM3, Adafactor
+def optimizer_state_bytes(cfg: Config, params: list[torch.Tensor], state_elem: int) -> int:
+    """Bytes of the configured optimizer's state for these (local) parameters (ZeRO 0). Adafactor / SM3 keep
+    their row / column statistics of the whole matrix on every tensor-parallel rank (`_st_global_shape` of a
+    tp-split meta parameter) and their element-wise states for the local elements."""
+    from scaletrain.parallel.zero_factored import state_sizes
 
     o = cfg.optim
     total = 0
-    for shape in shapes:
-        numel = math.prod(shape)
+    for p in params:
+        numel = p.numel()
         if o.name == "adamw":
             total += 2 * numel * state_elem + _step_bytes()
             continue
-        if o.name == "adafactor":
-            layout = Adafactor.shard_layout(shape, 0, numel, beta1=o.use_beta1)
-        else:
-            layout = SM3.shard_layout(shape, 0, numel, momentum=o.momentum > 0)
-        total += sum(s.local_numel * state_elem for s in layout if s.local_numel > 0)
+        shape = getattr(p, "_st_global_shape", tuple(p.shape))
+        sizes = state_sizes(o.name, shape, numel, beta1=o.use_beta1, momentum=o.momentum > 0)
+        total += sum(sizes.values()) * state_elem
     return total
 
 
@@ -186,7 +187,7 @@ def model_state_bytes(cfg: Config) -> dict[str, int]:
             numel = sum(p.numel() for p in params)
             master = 4 if low else elem
             got = {"params": numel * elem, "grads": numel * master,
-                   "optim": optimizer_state_bytes(cfg, [tuple(p.shape) for p in params], master)
+                   "optim": optimizer_state_bytes(cfg, params, master)
                    + (numel * 4 if low else 0)}
         best = {k: max(best[k], int(got[k])) for k in best}
     return best
