@@ -19,6 +19,7 @@ from scaletrain.config import load_config, validate
 from scaletrain.errors import ConfigError
 from scaletrain.mesh import Mesh, ParallelDims
 from scaletrain.model import loss_sum
+from scaletrain.model.moe import begin_step as begin_moe_step
 from scaletrain.parallel.comm import CommStats
 from scaletrain.parallel.parallelize import build_engine
 from scaletrain.scaling.noise import GradSqProbe, NoiseScaleEMA, unbiased_estimates
@@ -159,9 +160,9 @@ def test_noise_scale_averages_are_checkpointed_and_resumed(tmp_path):
 
 @pytest.mark.parametrize("overrides, words", [
     ({"train.micro_batch": 8}, "train.micro_batch (8) < train.global_batch (8)"),
-    ({"parallel.pp": 2}, "parallel.pp (2)"),
-    ({"parallel.ep": 2, "parallel.dp": 2, "model.moe.experts": 2, "model.moe.group_tokens": 32,
-      "train.micro_batch": 1}, "parallel.ep (2)"),
+    ({"parallel.pp": 2}, "parallel.pp (2) > 1 needs model.tie_embeddings=false"),
+    ({"parallel.ep": 2, "parallel.dp": 2, "model.moe.experts": 2, "train.micro_batch": 4},
+     "train.micro_batch (4) x ep < train.global_batch (8)"),
 ])
 def test_validate_rejects_noise_scale_where_a_micro_batch_gradient_is_not_on_one_rank(overrides, words):
     cfg = load_config(None, [f"{k}={v}" for k, v in {**NOISE, **overrides}.items()])
@@ -175,3 +176,74 @@ def test_no_hooks_when_noise_logging_is_off():
     assert not any(p._backward_hooks for p in t.model.parameters())  # nothing added to the backward pass
     row = t.train_step(1)
     assert "noise_scale" not in row
+
+
+def _pipeline_runs(rank, world, layouts):
+    from scaletrain.distributed import DistEnv
+    from scaletrain.train.trainer import Trainer
+
+    out = []
+    for overrides in layouts:
+        t = Trainer(make_config({**NOISE, **overrides}), None, DistEnv(rank, world, 0, "test"))
+        out.append([t.train_step(s) for s in (1, 2, 3)])
+    return out
+
+
+def test_noise_scale_under_pipeline_schedules_equals_the_single_process_value():
+    """Each stage's hooks see its part of every micro-batch's gradient (F/B, or B and W for zero-bubble), and the
+    parts add up over stages (untied embeddings: a tied weight's gradient would be split between two stages).
+    PipeDream-2BW is logged the same way but trains with stale weights, so it has no single-process value."""
+    untied = {"model.tie_embeddings": False}
+    layouts = [{**untied, "parallel.pp": 2, "parallel.schedule": s} for s in ("1f1b", "zb-h1")]
+    layouts.append({**untied, "parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+                    "model.n_layers": 4})
+    runs = run_ranks(_pipeline_runs, 2, layouts, timeout=150)[0]
+    refs = {n: Trainer(make_config({**NOISE, **untied, "model.n_layers": n})) for n in (2, 4)}
+    expected = {n: [t.train_step(s) for s in (1, 2, 3)] for n, t in refs.items()}
+    for layout, rows in zip(layouts, runs):
+        for ref, row in zip(expected[layout.get("model.n_layers", 2)], rows):
+            for key in ("noise_scale", "grad_sq_small", "grad_sq_big"):
+                assert row[key] == pytest.approx(ref[key], rel=1e-9), (layout, ref["step"], key)
+
+
+def _ep_first_step(rank, world, overrides):
+    from scaletrain.distributed import DistEnv
+    from scaletrain.train.trainer import Trainer
+
+    return Trainer(make_config({**NOISE, **overrides}), None, DistEnv(rank, world, 0, "test")).train_step(1)
+
+
+def test_noise_scale_under_expert_parallelism_adds_the_expert_part_at_its_own_small_batch():
+    """dp 2 x ep 2: an expert's gradient in one backward holds micro-batch i of both ranks (4 sequences). The
+    logged |G|² and tr(Σ) of step 1 equal an independent computation on one process: per-micro-batch gradients
+    of the dense parameters (2 sequences) and pairwise sums of the expert parameters' (4 sequences), each part
+    through McCandlish's unbiased estimates, added."""
+    moe = {"model.moe.experts": 2, "model.moe.aux_loss_weight": 0.0, "model.moe.z_loss_weight": 0.0,
+           "model.moe.group_tokens": 32}
+    row = run_ranks(_ep_first_step, 2, {**moe, "parallel.dp": 2, "parallel.ep": 2}, timeout=120)[0]
+
+    t = Trainer(make_config({**NOISE, **moe}))
+    names = [n for n, _ in t.model.named_parameters()]
+    tokens, G, b = t.cfg.tokens_per_step, t.cfg.train.global_batch, t.cfg.train.micro_batch
+    grads = {}
+    for r in range(2):  # the micro-batches of dp rank r in the dp 2 run, on one process
+        for i, (x, y) in enumerate(t.loader.micro_batches(1, r, 2, b)):
+            t.model.zero_grad()
+            begin_moe_step(t.model, t.cfg.train.seed, 1, r * (G // 2) + i * b)
+            (loss_sum(t.model(x), y) / tokens).backward()
+            grads[r, i] = {n: p.grad.clone() for n, p in zip(names, t.model.parameters())}
+    expert = [n for n in names if ".experts." in n]
+    dense = [n for n in names if n not in expert]
+
+    def sq(parts: list[dict], keys: list[str]) -> float:
+        return sum(float(sum(g[k] for g in parts).square().sum()) for k in keys)
+
+    big = list(grads.values())
+    dense_small = sum(sq([g], dense) for g in big) / len(big) * (G / b) ** 2
+    pairs = [[grads[0, i], grads[1, i]] for i in range(G // (2 * b))]
+    expert_small = sum(sq(p, expert) for p in pairs) / len(pairs) * (G / (2 * b)) ** 2
+    g2_d, tr_d = unbiased_estimates(dense_small, b, sq(big, dense), G)
+    g2_e, tr_e = unbiased_estimates(expert_small, 2 * b, sq(big, expert), G)
+    assert row["noise_grad_sq"] == pytest.approx(g2_d + g2_e, rel=1e-9)
+    assert row["noise_trace"] == pytest.approx(tr_d + tr_e, rel=1e-9)
+    assert row["noise_scale"] == pytest.approx((tr_d + tr_e) / (g2_d + g2_e), rel=1e-9)

@@ -529,12 +529,12 @@ def _validate_noise_scale(cfg: Config) -> list[str]:
     if t.micro_batch >= t.global_batch:
         errors.append(f"train.log_noise_scale needs train.micro_batch ({t.micro_batch}) < train.global_batch "
                       f"({t.global_batch}): the small batch of the estimate is one micro-batch")
-    if p.pp > 1:
-        errors.append(f"train.log_noise_scale is not available with parallel.pp ({p.pp}) > 1: pipeline stages "
-                      "compute a micro-batch's gradient in parts inside the schedule")
-    if p.ep > 1:
-        errors.append(f"train.log_noise_scale is not available with parallel.ep ({p.ep}) > 1: an expert's "
-                      "gradient mixes the micro-batches of its expert-parallel group")
+    if p.pp > 1 and cfg.model.tie_embeddings:
+        errors.append(f"train.log_noise_scale with parallel.pp ({p.pp}) > 1 needs model.tie_embeddings=false: the "
+                      "tied embedding's micro-batch gradient is split between the first and the last stage")
+    if p.ep > 1 and t.micro_batch * p.ep >= t.global_batch:
+        errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
+                      f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
     return errors
 
 

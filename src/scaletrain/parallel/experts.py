@@ -170,6 +170,12 @@ class ExpertParallelOptimizer:
                 torch._foreach_mul_(o.grads, max_norm / (norm + 1e-6))
         return norm
 
+    def expert_grad_sq(self) -> float:
+        """|G|² of the expert parameters' (reduced, unclipped) gradients, summed over the world (collective)."""
+        o = self.parts[1]
+        owned = [g for p, g in zip(o.params, o.grads) if is_norm_owner(p)] if o.dp_rank == 0 else []
+        return global_grad_norm(_sq_norm(owned, o.params[0].device), world=True) ** 2
+
     def step(self, lr: float | None = None) -> None:
         for o in self.parts:
             o.step(lr)

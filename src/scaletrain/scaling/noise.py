@@ -57,7 +57,16 @@ class NoiseScaleEMA:
 
     def update(self, sq_small: float, b_small: float, sq_big: float, b_big: float) -> dict[str, float]:
         """Add one step's norms; returns the metrics to log (B in examples of the two batch sizes)."""
-        g2, trace = unbiased_estimates(sq_small, b_small, sq_big, b_big)
+        return self.update_parts([(sq_small, b_small, sq_big, b_big)])
+
+    def update_parts(self, parts: list[tuple[float, float, float, float]]) -> dict[str, float]:
+        """Add one step's norms measured on disjoint sets of parameters, each at its own small batch
+        (sq_small, b_small, sq_big, b_big): |G|² and tr(Σ) are sums over parameters, so the unbiased estimates
+        of the parts add up (expert parallelism: an expert's micro-batch gradient holds ep micro-batches)."""
+        g2 = trace = sq_small = sq_big = 0.0
+        for part in parts:
+            g2_part, trace_part = unbiased_estimates(*part)
+            g2, trace, sq_small, sq_big = g2 + g2_part, trace + trace_part, sq_small + part[0], sq_big + part[2]
         self.steps += 1
         self.g2 = self.decay * self.g2 + (1 - self.decay) * g2
         self.trace = self.decay * self.trace + (1 - self.decay) * trace
@@ -101,23 +110,31 @@ class GradSqProbe:
     def __init__(self, params: list[nn.Parameter]):
         owned = [p for p in params if p.requires_grad and getattr(p, "_st_norm_owner", True)]
         device = owned[0].device if owned else torch.device("cpu")
-        self.sq = torch.zeros((), dtype=torch.float64, device=device)
+        # [dense, expert]: parameters split by expert parallelism (`_st_expert`) are summed apart, since their
+        # gradient in one backward holds the micro-batches of the whole ep group
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
         self.calls = 0
-        self.handles = [p.register_hook(self._hook) for p in owned]
+        self.handles = [p.register_hook(self._hook(int(getattr(p, "_st_expert", False)))) for p in owned]
 
-    def _hook(self, grad: torch.Tensor) -> None:
-        self.sq += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).square()
-        self.calls += 1
+    def _hook(self, part: int):
+        def hook(grad: torch.Tensor) -> None:
+            self.sums[part] += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).square()
+            self.calls += 1
+        return hook
 
     def reset(self) -> None:
-        self.sq.zero_()
+        self.sums.zero_()
         self.calls = 0
 
-    def take(self) -> float:
-        """This rank's sum since the last take (a device sync), and reset."""
-        value = float(self.sq)
+    def take_parts(self) -> tuple[float, float]:
+        """This rank's (dense, expert-parallel) sums since the last take (a device sync), and reset."""
+        dense, expert = self.sums.tolist()
         self.reset()
-        return value
+        return dense, expert
+
+    def take(self) -> float:
+        """This rank's sum over all its parameters since the last take, and reset."""
+        return sum(self.take_parts())
 
     def remove(self) -> None:
         for h in self.handles:

@@ -230,9 +230,11 @@ class Trainer:
         if overflow:
             self.skipped += 1  # fp16 overflow (or on_nan=skip): nobody updates, the scale backs off
         else:
+            # expert parallelism: the expert part of |G_big|², before clipping scales it (noise scale only)
+            expert_sq = opt.expert_grad_sq() if self.noise is not None and cfg.parallel.ep > 1 else 0.0
             grad_norm = opt.clip_grad_norm(cfg.train.grad_clip)
             if self.noise is not None:
-                noise = self._noise_scale(grad_norm, scale)
+                noise = self._noise_scale(grad_norm, scale, expert_sq)
             opt.step(lr)
         if self.scaler is not None:
             self.scaler.update(overflow)
@@ -253,14 +255,23 @@ class Trainer:
         row.update(noise)
         return row
 
-    def _noise_scale(self, grad_norm: float, scale: float) -> dict[str, float]:
-        """This step's gradient noise scale metrics: small batch = one micro-batch, big = the global batch."""
+    def _noise_scale(self, grad_norm: float, scale: float, expert_sq: float = 0.0) -> dict[str, float]:
+        """This step's gradient noise scale metrics: small batch = one micro-batch, big = the global batch.
+
+        Under expert parallelism an expert's gradient in one backward holds the same micro-batch of each of the
+        ep ranks (ep x micro_batch sequences): the expert parameters are estimated at that small batch, the
+        others at one micro-batch, and the two unbiased estimates are added (`NoiseScaleEMA.update_parts`)."""
         from scaletrain.scaling.noise import small_batch_sq
 
-        t = self.cfg.train
-        sq_small = small_batch_sq(self.noise_probe.take(), t.global_batch // t.micro_batch, t.global_batch,
-                                  t.micro_batch, scale)
-        row = self.noise.update(sq_small, t.micro_batch, grad_norm**2, t.global_batch)
+        t, ep = self.cfg.train, self.cfg.parallel.ep
+        dense, expert = self.noise_probe.take_parts()
+        dense_sq = small_batch_sq(dense, t.global_batch // t.micro_batch, t.global_batch, t.micro_batch, scale)
+        parts = [(dense_sq, t.micro_batch, grad_norm**2 - expert_sq, t.global_batch)]
+        if ep > 1:
+            b = t.micro_batch * ep
+            parts.append((small_batch_sq(expert, t.global_batch // b, t.global_batch, b, scale), b, expert_sq,
+                          t.global_batch))
+        row = self.noise.update_parts(parts)
         row["noise_scale_tokens"] = row["noise_scale"] * self.cfg.model.seq_len
         return row
 
