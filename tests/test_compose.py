@@ -1,6 +1,7 @@
 """Compositions that used to be refused, each equal to the single-process run (fp64, losses of every step and
 every final parameter): Adafactor / SM3 under tensor parallelism (with sequence parallelism, a padded vocabulary
-and ZeRO), ...
+and ZeRO); expert parallelism with ZeRO 1-3 (experts sharded over edp); MoE under tensor parallelism without dense
+blocks and with sequence parallelism (each rank routes its shard, random routing streams sliced by position).
 
 Tolerance: rtol 1e-10, atol 1e-12 (fp64; the layouts differ from one process only in summation order, measured
 differences ~1e-15). Without the all-reduce of the factored statistics over tp the runs diverge at step 2.
@@ -35,3 +36,34 @@ def test_adafactor_and_sm3_with_dp2_tp2_and_zero_match_single_process():
     for cfg, par in zip(configs, train_parallel_many(configs, 4)):
         assert_same_run(train_reference({k: v for k, v in cfg.items() if not k.startswith("parallel.")}), par,
                         RTOL, ATOL)
+
+
+MOE = {"model.moe.experts": 4, "model.moe.group_tokens": 16}
+
+
+def test_expert_parallelism_with_zero_1_2_3_matches_single_process():
+    """Dense parameters sharded over dp, experts over edp (dp 4 x ep 2: 2 ranks each), with CPU offload and with
+    Adafactor/SM3 (their statistics of a stack of experts combined over ep)."""
+    two = [{**MOE, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1},
+           {**MOE, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 2, "parallel.offload": "optimizer"},
+           {**MOE, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3, "parallel.offload": "params"},
+           {**MOE, **ADAFACTOR, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3},
+           {**MOE, **SM3, "parallel.dp": 2, "parallel.ep": 2}]
+    four = [{**MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 3}]
+    for configs, world in ((two, 2), (four, 4)):
+        for cfg, par in zip(configs, train_parallel_many(configs, world)):
+            single = {k: v for k, v in cfg.items() if not k.startswith("parallel.")}
+            assert_same_run(train_reference(single), par, RTOL, ATOL), cfg
+
+
+def test_moe_with_tensor_and_sequence_parallelism_matches_single_process():
+    """Experts and routers replicated over tp; with sequence parallelism each rank routes the dispatch groups of
+    its sequence shard and the router noise / random routing / switch jitter follow the token (sliced streams)."""
+    noisy = {**MOE, "model.moe.router_noise": 0.5, "model.moe.random_routing": True}
+    configs = [{**noisy, "model.moe.every": 1, "parallel.tp": 2},
+               {**noisy, "model.moe.every": 1, "parallel.tp": 2, "parallel.sequence_parallel": True},
+               {**MOE, "model.mlp": "swiglu", "model.moe.router": "switch", "model.moe.router_noise": 0.1,
+                "model.moe.every": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}]
+    for cfg, par in zip(configs, train_parallel_many(configs, 2)):
+        single = {k: v for k, v in cfg.items() if not k.startswith("parallel.")}
+        assert_same_run(train_reference(single), par, RTOL, ATOL), cfg

@@ -253,6 +253,8 @@ def test_switch_init_scale_gives_truncated_normal_with_std_sqrt_s_over_fan_in():
     (["parallel.dp=2", "parallel.ep=2"], "parallel.ep (2) > 1 needs model.moe.experts > 0"),
     (["model.moe.experts=4", "model.moe.router=hash"], "model.moe.router must be one of"),
     (["model.moe.experts=4", "model.moe.random_routing=true", "model.moe.top_k=1"], "needs router topk with top_k 2"),
+    (["model.moe.experts=4", "parallel.tp=2", "parallel.sequence_parallel=true", "model.moe.group_tokens=128"],
+     "model.moe.group_tokens (128) to divide the tokens of a sequence shard, model.seq_len (128) / parallel.tp (2)"),
 ])
 def test_validate_names_the_moe_values(sets, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -46,12 +46,17 @@ TWO_RANKS = [
     {"parallel.dp": 2, "parallel.ep": 2, "model.moe.router": "switch", "train.dtype": "bf16"},
     {"parallel.tp": 2, "model.moe.every": 2},
     {"parallel.pp": 2, "model.moe.every": 2, "model.n_layers": 4},
+    {"parallel.tp": 2, "model.moe.every": 1},  # no dense block
+    {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.dtype": "bf16", "model.moe.router": "expert_choice"},
+    {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1, "train.dtype": "bf16"},  # experts sharded over edp
+    {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3, "optim.name": "adafactor"},
 ]
 
 
 def test_moe_predict_run_equals_trainer_measurement_two_processes():
-    """ep 2 (the all-to-all version of the experts), tp 2 (experts replicated), pp 2 (MoE blocks on both
-    stages): every category to the byte, as the trainer reports it (max over ranks)."""
+    """ep 2 (the all-to-all version of the experts), tp 2 (experts replicated; with sequence parallelism each rank
+    routes its shard), pp 2 (MoE blocks on both stages), ep 2 with ZeRO (dense parameters sharded over dp, experts
+    over edp): every category to the byte, as the trainer reports it (max over ranks)."""
     from harness import measure_layouts
 
     results = measure_layouts(SMALL, TWO_RANKS)

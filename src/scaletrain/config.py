@@ -574,14 +574,11 @@ def _validate_moe(cfg: Config) -> list[str]:
         errors.append(f"model.moe.experts ({e.experts}) is not divisible by parallel.ep ({p.ep})")
     if p.dp % p.ep:
         errors.append(f"parallel.ep ({p.ep}) must divide parallel.dp ({p.dp}): expert parallelism is carved from dp")
-    if p.ep > 1 and p.zero > 0:
-        errors.append(f"parallel.ep ({p.ep}) > 1 with parallel.zero ({p.zero}) is not available yet; use zero=0")
-    if p.tp > 1 and p.sequence_parallel:
-        errors.append("parallel.sequence_parallel with model.moe.experts > 0 is not available yet "
-                      "(experts are replicated over tp)")
-    if p.tp > 1 and e.every == 1:
-        errors.append(f"parallel.tp ({p.tp}) > 1 needs dense blocks between MoE blocks (model.moe.every >= 2, "
-                      f"got {e.every}): experts are replicated over tp")
+    if p.tp > 1 and p.sequence_parallel and (cfg.model.seq_len % p.tp == 0) and \
+            (cfg.model.seq_len // p.tp) % e.group_tokens:
+        errors.append(f"parallel.sequence_parallel with MoE needs model.moe.group_tokens ({e.group_tokens}) to divide "
+                      f"the tokens of a sequence shard, model.seq_len ({cfg.model.seq_len}) / parallel.tp ({p.tp}): "
+                      "each rank routes the dispatch groups of its own shard")
     return errors
 
 

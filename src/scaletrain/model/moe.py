@@ -214,6 +214,9 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.grad_scale = 1.0  # d(loss)/d(token-summed aux), set by the engine each step
         self.key = (0, 0, 0)  # (seed, step, next global row) of the random streams, set each step
+        # (index, parts): this layer sees part `index` of `parts` equal slices of each sequence (sequence
+        # parallelism sets it); a row's random stream is drawn whole and sliced, so draws follow the token
+        self.seq_shard = (0, 1)
         self.stats = MoEStats()
 
     @property
@@ -225,15 +228,19 @@ class MoE(nn.Module):
 
     # ---- layout-independent random streams
     def _rows_random(self, kind: str, rows: int, shape: tuple[int, ...], uniform: bool) -> torch.Tensor:
-        """(rows, *shape) float64 draws, row r from the stream (seed, layer, kind, step, global row)."""
+        """(rows, *shape) float64 draws, row r from the stream (seed, layer, kind, step, global row); `shape[0]`
+        counts this layer's slice of the row's tokens (`seq_shard`)."""
         from scaletrain.model.init import name_seed
 
         seed, step, first = self.key
+        index, parts = self.seq_shard
+        whole = (shape[0] * parts, *shape[1:])
         out = []
         for r in range(first, first + rows):
             g = torch.Generator().manual_seed(name_seed(seed, f"moe/{self.layer}/{kind}/{step}/{r}"))
-            out.append(torch.rand(shape, generator=g, dtype=torch.float64) if uniform
-                       else torch.randn(shape, generator=g, dtype=torch.float64))
+            draw = (torch.rand(whole, generator=g, dtype=torch.float64) if uniform
+                    else torch.randn(whole, generator=g, dtype=torch.float64))
+            out.append(draw[index * shape[0]: (index + 1) * shape[0]])
         return torch.stack(out)
 
     def route(self, xg: torch.Tensor, rows: int) -> Routing:

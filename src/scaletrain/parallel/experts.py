@@ -34,7 +34,8 @@ from scaletrain.config import Config
 from scaletrain.mesh import Mesh
 from scaletrain.model.moe import Experts, moe_layers, moe_modules
 from scaletrain.parallel.comm import CommStats, group_size
-from scaletrain.parallel.parallelize import ReplicatedOptimizer, _sq_norm, global_grad_norm, is_norm_owner
+from scaletrain.parallel.parallelize import ReplicatedOptimizer, global_grad_norm
+from scaletrain.parallel.tp_plan import ShardSpec
 
 # --------------------------------------------------------------------------- all-to-all
 
@@ -98,6 +99,7 @@ def apply_ep(engine, cfg: Config, mesh: Mesh, comm: CommStats) -> None:
             local = nn.Parameter(p.detach()[r * per: (r + 1) * per].clone(), requires_grad=p.requires_grad)
             local.__dict__.update({k: v for k, v in p.__dict__.items() if k.startswith("_st_")})  # tp marks
             local._st_expert = True
+            local._st_ep_shard = (ShardSpec(0), r, n)  # where the local experts sit in the stacked tensor
             setattr(mod, pname, local)
             sharded.append(f"{mname}.{pname}")
         mod.__class__ = ExpertParallelExperts
@@ -136,18 +138,26 @@ def is_expert(p: torch.Tensor) -> bool:
 
 
 class ExpertParallelOptimizer:
-    """Two replicated (ZeRO-0) optimizers behind one interface: dense parameters with gradients summed
-    over dp, expert parameters over the expert-data-parallel group, one global gradient norm."""
+    """Two optimizers behind one interface, one global gradient norm: the dense parameters with gradients
+    reduced over dp, the expert parameters over the expert-data-parallel group edp (the ranks holding the same
+    experts), as DeepSpeed-MoE and Megatron do. Each part is replicated (`parallel.zero=0`) or a ZeroOptimizer
+    of the run's stage over its own group — the experts' optimizer state, gradients and (stage 3) parameters are
+    sharded over edp, i.e. over dp / ep ranks."""
 
-    def __init__(self, dense: ReplicatedOptimizer, experts: ReplicatedOptimizer):
+    def __init__(self, dense, experts):
         self.parts = (dense, experts)
 
     @classmethod
-    def from_config(cls, params: list[nn.Parameter], cfg: Config, mesh: Mesh, comm: CommStats):
+    def from_config(cls, module: nn.Module, params: list[nn.Parameter], cfg: Config, mesh: Mesh, comm: CommStats):
         dense = [p for p in params if not is_expert(p)]
         experts = [p for p in params if is_expert(p)]
-        return cls(ReplicatedOptimizer.from_config(dense, cfg, mesh, comm),
-                   ReplicatedOptimizer.from_config(experts, cfg, mesh, comm, dim="edp"))
+        if cfg.parallel.zero == 0:
+            return cls(ReplicatedOptimizer.from_config(dense, cfg, mesh, comm),
+                       ReplicatedOptimizer.from_config(experts, cfg, mesh, comm, dim="edp"))
+        from scaletrain.parallel.parallelize import zero_from_config
+
+        return cls(zero_from_config(module, cfg, mesh, comm, params=dense),
+                   zero_from_config(module, cfg, mesh, comm, params=experts, dim="edp"))
 
     def begin_micro(self, index: int, count: int) -> None:
         for o in self.parts:
@@ -161,20 +171,16 @@ class ExpertParallelOptimizer:
         return any([o.unscale_(inv_scale) for o in self.parts])
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        # each distinct gradient counts once: rank 0 of its reduction group, and its tp/pp owner
-        sq = sum(_sq_norm([g for p, g in zip(o.params, o.grads) if is_norm_owner(p)] if o.dp_rank == 0 else [],
-                          o.params[0].device) for o in self.parts)
-        norm = global_grad_norm(sq, world=True)
+        # each distinct gradient element counts once over the world (see each part's local_grad_sq)
+        norm = global_grad_norm(sum(o.local_grad_sq() for o in self.parts), world=True)
         if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
             for o in self.parts:
-                torch._foreach_mul_(o.grads, max_norm / (norm + 1e-6))
+                o.scale_grads_(max_norm / (norm + 1e-6))
         return norm
 
     def expert_grad_sq(self) -> float:
         """|G|² of the expert parameters' (reduced, unclipped) gradients, summed over the world (collective)."""
-        o = self.parts[1]
-        owned = [g for p, g in zip(o.params, o.grads) if is_norm_owner(p)] if o.dp_rank == 0 else []
-        return global_grad_norm(_sq_norm(owned, o.params[0].device), world=True) ** 2
+        return global_grad_norm(self.parts[1].local_grad_sq(), world=True) ** 2
 
     def step(self, lr: float | None = None) -> None:
         for o in self.parts:
@@ -183,6 +189,16 @@ class ExpertParallelOptimizer:
     def zero_grad(self) -> None:
         for o in self.parts:
             o.zero_grad()
+
+    @property
+    def owns_params(self) -> bool:
+        return any(getattr(o, "owns_params", False) for o in self.parts)
+
+    def gather_params(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for o in self.parts:
+            if hasattr(o, "gather_params"):
+                local = o.gather_params(local)
+        return local
 
     def state_dict(self) -> dict[str, Any]:
         return {"dense": self.parts[0].state_dict(), "experts": self.parts[1].state_dict()}
@@ -214,7 +230,8 @@ def moe_metrics(module: nn.Module, cfg: Config, mesh: Mesh) -> dict[str, Any]:
     if world > 1:
         dist.all_reduce(vec)
     a2a_s, vec = float(vec[-1, 0]) / world, vec[:-1]
-    vec /= mesh.size("tp")  # tensor-parallel ranks computed the same statistics
+    if not cfg.parallel.sequence_parallel:
+        vec /= mesh.size("tp")  # tensor-parallel ranks computed the same statistics (with sp: their own tokens')
     tokens = cfg.tokens_per_step
     load = vec[:, 4:] / vec[:, 4:].sum(1, keepdim=True).clamp_min(1)
     return {

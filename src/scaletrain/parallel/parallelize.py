@@ -81,9 +81,11 @@ class ReplicatedOptimizer:
         masters = [p.detach().float().clone().requires_grad_(True) for p in params] if low else None
         targets = masters or params
         name = cfg.optim.name
-        # Adafactor / SM3 under tensor parallelism: a rank holds slices of the matrices, so their row / column
-        # statistics are combined over tp (ShardedFactored); otherwise the plain optimizer.
-        factored_tp = name != "adamw" and cfg.parallel.tp > 1
+        # Adafactor / SM3 under tensor parallelism (or over a stack of experts split by expert parallelism): a rank
+        # holds slices of the tensors, so their row / column statistics are combined over tp (and ep) by
+        # ShardedFactored; otherwise the plain optimizer.
+        experts = dim == "edp" and cfg.parallel.ep > 1
+        factored_tp = name != "adamw" and (cfg.parallel.tp > 1 or experts)
         opt = None if factored_tp else build_optimizer(name, decay_groups(targets, cfg.optim.weight_decay),
                                                        **config_hyper(cfg))
         # The norm needs a world all-reduce only when its owners are spread over tp / pp / ep ranks.
@@ -93,7 +95,8 @@ class ReplicatedOptimizer:
             from scaletrain.parallel.zero_factored import DEFAULTS, ShardedFactored, tp_pieces
 
             pieces = tp_pieces(params, targets, out.grads, mesh.group("tp"))
-            out.opt = ShardedFactored(name, pieces, mesh.group("tp"), {**DEFAULTS[name], **config_hyper(cfg)},
+            groups = [mesh.group("tp"), mesh.group("ep") if experts else None]
+            out.opt = ShardedFactored(name, pieces, groups, {**DEFAULTS[name], **config_hyper(cfg)},
                                       cfg.optim.weight_decay)
         return out
 
@@ -111,16 +114,24 @@ class ReplicatedOptimizer:
             torch._foreach_mul_(self.grads, inv_scale)
         return not bool(torch.isfinite(_sq_norm(self.grads, self.grads[0].device)))
 
+    def local_grad_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm: the replicas of its group count on group
+        rank 0, the elements tensor or pipeline parallelism holds twice on their owner only."""
+        owned = [g for p, g in zip(self.params, self.grads) if is_norm_owner(p)] if self.dp_rank == 0 else []
+        return _sq_norm(owned, self.params[0].device)
+
+    def scale_grads_(self, coef: float) -> None:
+        torch._foreach_mul_(self.grads, coef)
+
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.world_norm:
-            owned = [g for p, g in zip(self.params, self.grads) if is_norm_owner(p)] if self.dp_rank == 0 else []
-            norm = global_grad_norm(_sq_norm(owned, self.params[0].device), world=True)
+            norm = global_grad_norm(self.local_grad_sq(), world=True)
         else:
             norm = float(_sq_norm(self.grads, self.params[0].device).sqrt())
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_(self.grads, coef)
+                self.scale_grads_(coef)
         return norm
 
     def step(self, lr: float | None = None) -> None:
@@ -256,20 +267,26 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
 
         apply_precision(engine.module)  # layer norms in fp32; the optimizers keep fp32 masters
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    if cfg.parallel.zero == 0 and any(getattr(p, "_st_expert", False) for p in params):
+    if any(getattr(p, "_st_expert", False) for p in params):
         from scaletrain.parallel.experts import ExpertParallelOptimizer
 
-        engine.optimizer = ExpertParallelOptimizer.from_config(params, cfg, mesh, comm)  # experts over edp
+        engine.optimizer = ExpertParallelOptimizer.from_config(engine.module, params, cfg, mesh, comm)  # experts: edp
     elif cfg.parallel.zero == 0:
         engine.optimizer = ReplicatedOptimizer.from_config(params, cfg, mesh, comm)
     else:
-        from scaletrain.optim import config_hyper
-        from scaletrain.parallel.zero import ZeroOptimizer
-
-        o = cfg.optim
-        engine.optimizer = ZeroOptimizer(
-            engine.module, cfg.parallel.zero, mesh.group("dp"), lr=cfg.train.lr, betas=(o.beta1, o.beta2),
-            eps=o.eps, weight_decay=o.weight_decay, bucket_mb=cfg.parallel.bucket_mb, offload=cfg.parallel.offload,
-            comm=comm, optimizer=o.name, hyper=config_hyper(cfg) if o.name != "adamw" else None,
-            tp_group=mesh.group("tp"))
+        engine.optimizer = zero_from_config(engine.module, cfg, mesh, comm)
     return engine
+
+
+def zero_from_config(module: nn.Module, cfg: Config, mesh: Mesh, comm: CommStats, params=None, dim: str = "dp"):
+    """The run's ZeroOptimizer over mesh's `dim` group (dp, or edp for expert parameters), for `params` (all of
+    the module's by default)."""
+    from scaletrain.optim import config_hyper
+    from scaletrain.parallel.zero import ZeroOptimizer
+
+    o = cfg.optim
+    return ZeroOptimizer(
+        module, cfg.parallel.zero, mesh.group(dim), lr=cfg.train.lr, betas=(o.beta1, o.beta2),
+        eps=o.eps, weight_decay=o.weight_decay, bucket_mb=cfg.parallel.bucket_mb, offload=cfg.parallel.offload,
+        comm=comm, optimizer=o.name, hyper=config_hyper(cfg) if o.name != "adamw" else None,
+        tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim == "edp" else None, params=params)

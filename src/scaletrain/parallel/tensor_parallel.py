@@ -574,3 +574,8 @@ def apply_tp(engine, cfg, mesh, comm: CommStats) -> None:
                        sequence_parallel=cfg.parallel.sequence_parallel, stats=comm, rng=rng)
     engine.loss_fn = engine.module.lm_head.loss_fn()
     engine.gather_state = tp.gather_state
+    if cfg.parallel.sequence_parallel:  # MoE layers route the tokens of this rank's sequence shard
+        from scaletrain.model.moe import moe_modules
+
+        for m in moe_modules(engine.module):
+            m.seq_shard = (mesh.local_rank("tp"), mesh.size("tp"))

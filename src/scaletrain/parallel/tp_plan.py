@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from scaletrain.config import ModelConfig
 from scaletrain.errors import UserError
+from scaletrain.model.moe import moe_layers
 from scaletrain.parallel.comm import CommStats, group_size
 from scaletrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -102,12 +103,21 @@ def gpt_plan(cfg: ModelConfig) -> dict[str, Style]:
         "blocks.*.attn.resid_dropout": Replicated(),
         "blocks.*.ln2": Replicated(),
     }
-    if cfg.mlp == "swiglu":  # gate and up read the same input: one f (one all-gather with sp) for both
-        plan |= {"blocks.*.mlp": Split(enter=True), "blocks.*.mlp.gate": Column(), "blocks.*.mlp.up": Column()}
-    else:
-        plan["blocks.*.mlp.fc"] = Column()
-    plan |= {"blocks.*.mlp.proj": Row(), "blocks.*.mlp.dropout": Replicated(), "ln_f": Replicated(),
-             "lm_head": VocabHead()}
+    moe = set(moe_layers(cfg))
+    # dense MLPs: one wildcard entry set for all blocks, or one per dense block when MoE blocks sit between them
+    for block in ["*"] if not moe else [str(i) for i in range(cfg.n_layers) if i not in moe]:
+        mlp = f"blocks.{block}.mlp"
+        if cfg.mlp == "swiglu":  # gate and up read the same input: one f (one all-gather with sp) for both
+            plan |= {mlp: Split(enter=True), f"{mlp}.gate": Column(), f"{mlp}.up": Column()}
+        else:
+            plan[f"{mlp}.fc"] = Column()
+        plan |= {f"{mlp}.proj": Row(), f"{mlp}.dropout": Replicated()}
+    for i in sorted(moe):  # MoE blocks: router and experts replicated over tp; under sequence parallelism each
+        mlp = f"blocks.{i}.mlp"  # rank routes the tokens of its sequence shard (their gradients summed over tp)
+        plan |= {f"{mlp}.router": Replicated(), f"{mlp}.experts": Replicated(), f"{mlp}.dropout": Replicated()}
+        if cfg.moe.router == "topk" and cfg.moe.router_noise > 0:
+            plan[f"{mlp}.noise"] = Replicated()
+    plan |= {"ln_f": Replicated(), "lm_head": VocabHead()}
     return plan
 
 

@@ -119,7 +119,8 @@ class ZeroOptimizer:
                  bucket_mb: float = 25.0, offload: str = "none", reduce: str = "sum",
                  comm: CommStats | None = None, units: Iterable[nn.Module] | None = None,
                  world_norm: bool = True, optimizer: str = "adamw", hyper: dict | None = None,
-                 tp_group: dist.ProcessGroup | None = None):
+                 tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None,
+                 params: list[nn.Parameter] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         if offload == "params" and stage != 3:
@@ -129,7 +130,9 @@ class ZeroOptimizer:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.offload, self.mean = offload, reduce == "mean"
         self.world_norm = world_norm
-        params = [p for p in module.parameters() if p.requires_grad]
+        # `params`: a subset of the module's parameters (expert parallelism shards the experts over another
+        # group than the dense parameters: two ZeroOptimizers over one module)
+        params = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
         self.device = params[0].device
         # Mixed precision: bf16/fp16 parameters, fp32 gradient accumulators and fp32 master shards.
         low = params[0].dtype in (torch.bfloat16, torch.float16)
@@ -147,7 +150,8 @@ class ZeroOptimizer:
         if optimizer != "adamw":  # Adafactor / SM3: factored states combined over the shards
             from scaletrain.parallel.zero_factored import DEFAULTS, ShardedFactored
 
-            self.opt = ShardedFactored(optimizer, self._param_pieces(tp_group), [group, tp_group],
+            # statistics combined over the shards (group), tensor-parallel slices and expert-parallel stacks
+            self.opt = ShardedFactored(optimizer, self._param_pieces(tp_group), [group, tp_group, ep_group],
                                        {**DEFAULTS[optimizer], **(hyper or {})}, weight_decay)
             return
         decay = [pc for g in self.groups for pc in g.piece_params if pc.ndim_orig >= 2]
@@ -170,7 +174,7 @@ class ZeroOptimizer:
                 lo, hi, a, b = (pc.lo, pc.hi, pc.a, pc.b) if pc else (0, 0, 0, 0)
                 piece = {"shape": tuple(p.shape), "a": a, "b": b, "x": g.master[lo:hi], "grad": grads[lo:hi],
                          "dtype": g.master.dtype, "device": g.master.device}
-                if tp_group is not None:
+                if tp_group is not None or hasattr(p, "_st_ep_shard"):
                     shape, idx, mine_stats = tp_placement(p, tp_group)
                     piece.update(shape=shape, contribute=mine_stats)
                     if idx is not None:
@@ -376,20 +380,29 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ step
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def local_grad_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm: its shards (disjoint over the group), the
+        elements tensor or pipeline parallelism holds twice counted by their owner only."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in self.groups:
             for pc in g.pieces:
                 if _is_norm_owner(pc.param):
                     sq += g.shard_grad[pc.lo: pc.hi].double().square().sum()
+        return sq
+
+    def scale_grads_(self, coef: float) -> None:
+        for g in self.groups:
+            g.shard_grad.mul_(coef)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        sq = self.local_grad_sq()
         if dist.is_initialized() and (self.world_norm or self.group is not None):
             dist.all_reduce(sq, group=None if self.world_norm else self.group)
         norm = float(sq.sqrt())
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                for g in self.groups:
-                    g.shard_grad.mul_(coef)
+                self.scale_grads_(coef)
         return norm
 
     def step(self, lr: float | None = None) -> None:
@@ -510,10 +523,12 @@ def unit_params(units: list[nn.Module], params: list[nn.Parameter]) -> list[list
     return [[p for p in params if owner.get(id(p)) is u] for u in units]
 
 
-def group_params(module: nn.Module, stage: int, bucket_mb: float, units=None) -> list[list[nn.Parameter]]:
-    """The flat groups ZeroOptimizer builds: buckets in reverse registration order (stages 1-2) or the
-    units' own parameters (stage 3). Works on a meta-device model (used by the planner)."""
-    params = [p for p in module.parameters() if p.requires_grad]
+def group_params(module: nn.Module, stage: int, bucket_mb: float, units=None,
+                 params: list[nn.Parameter] | None = None) -> list[list[nn.Parameter]]:
+    """The flat groups ZeroOptimizer builds (for `params`, all of the module's by default): buckets in reverse
+    registration order (stages 1-2) or the units' own parameters (stage 3). Works on a meta-device model (used by
+    the planner)."""
+    params = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
     if stage == 3:
         return [g for g in unit_params(unit_list(module, units), params) if g]
     return bucket_params(list(reversed(params)), int(bucket_mb * 2**20))
@@ -521,6 +536,14 @@ def group_params(module: nn.Module, stage: int, bucket_mb: float, units=None) ->
 
 def predict_bytes(module: nn.Module, stage: int, n: int, bucket_mb: float = 25.0, offload: str = "none",
                   units=None, optimizer: str = "adamw", beta1: bool = False, momentum: bool = False) -> dict[str, int]:
+    """The fullest rank's bytes per category (each the max over ranks) of `predict_bytes_per_rank`."""
+    ranks = predict_bytes_per_rank(module, stage, n, bucket_mb, offload, units, optimizer, beta1, momentum)
+    return {k: max(r[k] for r in ranks) for k in ranks[0]}
+
+
+def predict_bytes_per_rank(module: nn.Module, stage: int, n: int, bucket_mb: float = 25.0, offload: str = "none",
+                           units=None, optimizer: str = "adamw", beta1: bool = False, momentum: bool = False,
+                           params: list[nn.Parameter] | None = None) -> list[dict[str, int]]:
     """Bytes of parameters, gradients and optimizer state that ZeroOptimizer holds on its fullest rank
     after a step, per category (each the max over ranks, as the trainer reports them), computed from the
     same grouping, padding and pieces as the optimizer. `module` may be on meta. `optimizer` is adamw
@@ -529,16 +552,16 @@ def predict_bytes(module: nn.Module, stage: int, n: int, bucket_mb: float = 25.0
     whether the first moment exists)."""
     from scaletrain.parallel.zero_factored import state_sizes
 
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
     elem = params[0].element_size()
     low = params[0].dtype in (torch.bfloat16, torch.float16)
     master_elem = 4 if low else elem
     grad_elem = 4 if low else elem
     step_bytes = 8 if torch.get_default_dtype() == torch.float64 else 4  # AdamW's scalar `step` per piece
-    best = {"params": 0, "grads": 0, "optim": 0}
+    per_rank = []
     for rank in range(n):
         tot = {"params": 0, "grads": 0, "optim": 0}
-        for group in group_params(module, stage, bucket_mb, units):
+        for group in group_params(module, stage, bucket_mb, units, params):
             numel = sum(p.numel() for p in group)
             shard = max(1, math.ceil(numel / n))
             lo, hi, off, pieces, piece_numel = rank * shard, (rank + 1) * shard, 0, 0, 0
@@ -562,8 +585,8 @@ def predict_bytes(module: nn.Module, stage: int, n: int, bucket_mb: float = 25.0
             if low or offload != "none":
                 separate = not (stage == 3 and offload == "params" and not low)
                 tot["optim"] += shard * master_elem * separate + (shard * master_elem if offload != "none" else 0)
-        best = {k: max(best[k], tot[k]) for k in best}
-    return best
+        per_rank.append(tot)
+    return per_rank
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:

@@ -29,16 +29,18 @@ DEFAULTS = {"adafactor": {"eps1": 1e-30, "eps2": 1e-3}, "sm3": {"eps": 0.0}}  # 
 
 
 def tp_placement(p: torch.Tensor, tp_group: Any) -> tuple[tuple[int, ...], torch.Tensor | None, bool]:
-    """Where a tensor-parallel rank's copy of `p` sits in the plain model's parameter: (whole shape, flat index
-    of each local element or None when the copy is the whole parameter, whether this rank's statistics count).
-    A split parameter carries `_st_tp_shard` (set by `parallel.tp_plan.apply_tp_plan`); a replicated one counts
-    on tp rank 0 only."""
-    shard = getattr(p, "_st_tp_shard", None)
+    """Where a rank's copy of `p` sits in the plain model's parameter: (whole shape, flat index of each local
+    element or None when the copy is the whole parameter, whether this rank's statistics count). A parameter
+    split over tensor parallelism carries `_st_tp_shard` (set by `parallel.tp_plan.apply_tp_plan`), a stack of
+    experts split over expert parallelism `_st_ep_shard` (`parallel.experts.apply_ep`); a parameter replicated
+    over tp counts on tp rank 0 only."""
+    shard = getattr(p, "_st_tp_shard", None) or getattr(p, "_st_ep_shard", None)
+    replica = getattr(p, "_st_tp_replicated", False) and tp_group is not None and dist.get_rank(tp_group) > 0
     if shard is not None:
         spec, rank, n = shard
-        return spec.global_shape(tuple(p.shape), n), spec.global_index(tuple(p.shape), rank, n).to(p.device), True
-    rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    return tuple(p.shape), None, rank == 0
+        idx = spec.global_index(tuple(p.shape), rank, n).to(p.device)
+        return spec.global_shape(tuple(p.shape), n), idx, not replica
+    return tuple(p.shape), None, not replica
 
 
 def tp_pieces(params: list[torch.Tensor], targets: list[torch.Tensor], grads: list[torch.Tensor],

@@ -321,7 +321,8 @@ def layer_activation_bytes(m: ModelSpec, tokens: float, t: int, sp: bool, recomp
         core = 4 * a  # flash attention / selective: only the fp32 log-sum-exp per head and token
     dense = tokens * ((rep / t if sp else rep) + (split + core) / t)
     frac = m.n_moe_layers / m.n_layers
-    return dense + tokens * ((1 - frac) * elem * mlp_elems / t + frac * moe_layer_bytes_per_token(m, elem))
+    moe = frac * moe_layer_bytes_per_token(m, elem) / (t if sp else 1)  # sp: each tp rank routes its shard
+    return dense + tokens * ((1 - frac) * elem * mlp_elems / t + moe)
 
 
 def moe_layer_bytes_per_token(m: ModelSpec, elem: int) -> float:

@@ -93,7 +93,9 @@ def _shard_experts_on_meta(model: nn.Module, ep: int) -> None:
         if isinstance(mod, Experts):
             for name, p in list(mod.named_parameters(recurse=False)):
                 shape = (p.shape[0] // ep, *p.shape[1:])
-                setattr(mod, name, nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype)))
+                local = nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype))
+                local._st_expert, local._st_global_shape = True, tuple(p.shape)  # own optimizer (edp), statistics
+                setattr(mod, name, local)
 
 
 def pipeline_partition(cfg: Config):
@@ -168,9 +170,25 @@ def optimizer_state_bytes(cfg: Config, params: list[torch.Tensor], state_elem: i
     return total
 
 
+def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> dict[str, int]:
+    """ZeRO's bytes on the fullest dp rank. With expert parallelism the dense parameters are sharded over dp and
+    the experts over edp (dp / ep ranks; dp rank d is edp rank d // ep): the two are added rank by rank."""
+    from scaletrain.parallel.zero import predict_bytes_per_rank
+
+    par, o = cfg.parallel, cfg.optim
+    kw = dict(optimizer=o.name, beta1=o.use_beta1, momentum=o.momentum > 0)
+    experts = [p for p in params if getattr(p, "_st_expert", False)]
+    if not experts:
+        ranks = predict_bytes_per_rank(module, par.zero, par.dp, par.bucket_mb, par.offload, **kw)
+        return {k: max(r[k] for r in ranks) for k in ranks[0]}
+    dense = [p for p in params if not getattr(p, "_st_expert", False)]
+    d = predict_bytes_per_rank(module, par.zero, par.dp, par.bucket_mb, par.offload, params=dense, **kw)
+    e = predict_bytes_per_rank(module, par.zero, par.dp // par.ep, par.bucket_mb, par.offload, params=experts, **kw)
+    return {k: max(d[r][k] + e[r // par.ep][k] for r in range(par.dp)) for k in d[0]}
+
+
 def model_state_bytes(cfg: Config) -> dict[str, int]:
     """(params, grads, optim) bytes per rank as the trainer reports them (max over ranks), exact."""
-    from scaletrain.parallel.zero import predict_bytes
 
     par = cfg.parallel
     low = cfg.train.dtype in LOW
@@ -179,9 +197,7 @@ def model_state_bytes(cfg: Config) -> dict[str, int]:
         module = engine_module_on_meta(cfg, r)
         params = [p for p in module.parameters() if p.requires_grad]
         if par.zero >= 1:
-            o = cfg.optim
-            got = predict_bytes(module, par.zero, par.dp, par.bucket_mb, par.offload, optimizer=o.name,
-                                beta1=o.use_beta1, momentum=o.momentum > 0)
+            got = _zero_bytes(cfg, module, params)
         else:
             elem = params[0].element_size()
             numel = sum(p.numel() for p in params)
@@ -329,12 +345,16 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
       the expert hidden 2 (GELU) or 4 (SwiGLU) x (E, G K, F) and the expert output (E, G, K, C), e each.
 
     Exact for dropout 0 without router noise or random routing (`predicts_activations`); expert
-    parallelism moves the same slots (the all-to-all saves nothing), tp replicates the layer."""
+    parallelism moves the same slots (the all-to-all saves nothing), tp replicates the layer, and under sequence
+    parallelism each tp rank runs it on the n / t tokens of its shard."""
     from scaletrain.model.moe import capacity
 
     s, m = _sizes(cfg), cfg.model
     moe = m.moe
     e, c, f, n = s["e"], s["c"], s["f"], s["n"]
+    dense_mlp = n * (4 if m.mlp == "swiglu" else 2) * f * e // s["t"]  # what the dense block's MLP saved
+    if s["sp"]:
+        n //= s["t"]  # sequence parallelism: each rank routes the tokens of its sequence shard
     r = max(e, 4)
     E, S = moe.experts, moe.group_tokens
     G = n // S
@@ -352,7 +372,7 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
         if moe.router == "topk":
             total += r * n * k
     total += e * (G * (S + 1) * c + 2 * E * G * K * c + hidden * E * G * K * f)
-    return total - n * hidden * f * e // s["t"]
+    return total - dense_mlp
 
 
 def _block_bytes(cfg: Config, lo: int, hi: int) -> int:
