@@ -1,7 +1,8 @@
 """Compositions that used to be refused, each equal to the single-process run (fp64, losses of every step and
 every final parameter): Adafactor / SM3 under tensor parallelism (with sequence parallelism, a padded vocabulary
 and ZeRO); expert parallelism with ZeRO 1-3 (experts sharded over edp); MoE under tensor parallelism without dense
-blocks and with sequence parallelism (each rank routes its shard, random routing streams sliced by position).
+blocks and with sequence parallelism (each rank routes its shard, random routing streams sliced by position);
+ZeRO-3 with pipeline parallelism under every synchronous schedule (a stage gathered once per step).
 
 Tolerance: rtol 1e-10, atol 1e-12 (fp64; the layouts differ from one process only in summation order, measured
 differences ~1e-15). Without the all-reduce of the factored statistics over tp the runs diverge at step 2.
@@ -67,3 +68,28 @@ def test_moe_with_tensor_and_sequence_parallelism_matches_single_process():
     for cfg, par in zip(configs, train_parallel_many(configs, 2)):
         single = {k: v for k, v in cfg.items() if not k.startswith("parallel.")}
         assert_same_run(train_reference(single), par, RTOL, ATOL), cfg
+
+
+def test_zero3_with_pipeline_parallelism_matches_single_process():
+    """Each stage's parameters sharded over its dp group, gathered when the step begins (and for evaluation),
+    gradients reduce-scattered per micro-batch; every synchronous schedule, with CPU parameter offload."""
+    base = {"train.eval_every": 2}
+    two = [{**base, "parallel.pp": 2, "parallel.zero": 3, "parallel.schedule": s} for s in ("gpipe", "zb-h1")]
+    two.append({**base, "parallel.pp": 2, "parallel.zero": 3, "parallel.schedule": "interleaved",
+                "parallel.virtual_stages": 2, "model.n_layers": 4})
+    four = [{**base, "parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3},
+            {**base, "parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "params",
+             "parallel.schedule": "zb-h1", "train.micro_batch": 1}]
+    for configs, world in ((two, 2), (four, 4)):
+        for cfg, par in zip(configs, train_parallel_many(configs, world)):
+            single = {k: v for k, v in cfg.items() if not k.startswith("parallel.")}
+            assert_same_run(train_reference(single), par, RTOL, ATOL), cfg
+
+
+def test_zero3_with_2bw_is_refused_with_a_reason():
+    from scaletrain.config import load_config, validate
+    from scaletrain.errors import ConfigError
+
+    cfg = load_config(None, ["parallel.pp=2", "parallel.zero=3", "parallel.schedule=2bw"])
+    with pytest.raises(ConfigError, match="PipeDream-2BW keeps its two weight versions"):
+        validate(cfg)

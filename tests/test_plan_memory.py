@@ -217,6 +217,8 @@ TWO_RANKS = [  # every parallel layout on two processes: dp x ZeRO 0-3 (+ offloa
     {"parallel.pp": 2, "parallel.schedule": "gpipe", "model.dropout": 0.1},
     {"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "model.n_layers": 4},
     {"parallel.pp": 2, "parallel.schedule": "zb-h1", "train.dtype": "bf16", "model.tie_embeddings": False},
+    {"parallel.pp": 2, "parallel.zero": 3, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+     "model.n_layers": 4},
     {"model.moe.experts": 4, "parallel.dp": 2, "parallel.ep": 2},
     # Adafactor / SM3 under ZeRO: replicated factored statistics, sharded element-wise states
     {"parallel.dp": 2, "parallel.zero": 1, "optim.name": "adafactor", "optim.use_beta1": True, "train.dtype": "bf16"},

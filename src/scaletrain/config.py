@@ -487,8 +487,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             )
         elif p.pp > 1:
             errors += validate_pipeline(m.n_layers, p.pp, p.virtual_stages, accum, p.schedule, p.partition)
-            if p.zero == 3:
-                errors.append("parallel.zero=3 with parallel.pp > 1 is not available yet (ZeRO-1 and -2 are)")
+            if p.zero == 3 and p.schedule == "2bw":
+                errors.append("parallel.zero=3 with parallel.schedule=2bw is not available: PipeDream-2BW keeps its "
+                              "two weight versions in the module's parameters, which ZeRO-3 holds only as shards")
         elif p.virtual_stages > 1 or p.schedule == "2bw":
             what = f"parallel.virtual_stages ({p.virtual_stages})" if p.virtual_stages > 1 else "parallel.schedule=2bw"
             errors.append(f"{what} needs parallel.pp > 1, got parallel.pp ({p.pp})")

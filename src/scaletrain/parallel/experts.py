@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -193,6 +194,19 @@ class ExpertParallelOptimizer:
     @property
     def owns_params(self) -> bool:
         return any(getattr(o, "owns_params", False) for o in self.parts)
+
+    def begin_step(self) -> None:
+        for o in self.parts:
+            if hasattr(o, "begin_step"):
+                o.begin_step()
+
+    @contextmanager
+    def params_gathered(self):
+        with ExitStack() as stack:
+            for o in self.parts:
+                if hasattr(o, "params_gathered"):
+                    stack.enter_context(o.params_gathered())
+            yield
 
     def gather_params(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for o in self.parts:

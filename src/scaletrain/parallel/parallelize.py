@@ -289,4 +289,5 @@ def zero_from_config(module: nn.Module, cfg: Config, mesh: Mesh, comm: CommStats
         module, cfg.parallel.zero, mesh.group(dim), lr=cfg.train.lr, betas=(o.beta1, o.beta2),
         eps=o.eps, weight_decay=o.weight_decay, bucket_mb=cfg.parallel.bucket_mb, offload=cfg.parallel.offload,
         comm=comm, optimizer=o.name, hyper=config_hyper(cfg) if o.name != "adamw" else None,
-        tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim == "edp" else None, params=params)
+        tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim == "edp" else None, params=params,
+        gather="step" if cfg.parallel.pp > 1 else "unit")

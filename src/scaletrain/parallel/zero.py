@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +121,7 @@ class ZeroOptimizer:
                  comm: CommStats | None = None, units: Iterable[nn.Module] | None = None,
                  world_norm: bool = True, optimizer: str = "adamw", hyper: dict | None = None,
                  tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None,
-                 params: list[nn.Parameter] | None = None):
+                 params: list[nn.Parameter] | None = None, gather: str = "unit"):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         if offload == "params" and stage != 3:
@@ -140,6 +141,13 @@ class ZeroOptimizer:
         self.main_grads = low  # low-precision .grad is added into fp32 buffers by the hook, then dropped
         self.sync = True
         self.in_flight: list[tuple] = []  # reduce-scatters in flight: (group, work, output, input)
+        # ZeRO-3 parameter gathering: `unit` (each unit gathered before its forward and again before its
+        # backward, released after each: the least memory) or `step` (every unit gathered once when a step
+        # begins and kept until its backward work is done: for pipeline parallelism, whose schedules interleave
+        # the forwards and backwards of many micro-batches — FSDP's reshard_after_forward=False under PP)
+        if gather not in ("unit", "step"):
+            raise ValueError(f"gather must be unit or step, got {gather!r}")
+        self.gather_per_step = stage == 3 and gather == "step"
         if stage == 3:
             self._setup_stage3(module, params, units)
         else:
@@ -230,6 +238,8 @@ class ZeroOptimizer:
                 self._group_of[id(p)] = g
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.order = [u for u in units if id(u) in self._unit_group]
+        if self.gather_per_step:
+            return  # gathered by begin_step / params_gathered, released by finish_backward
         for i, u in enumerate(self.order):
             u.register_forward_pre_hook(self._make_pre_forward(i))
             u.register_forward_hook(self._make_post_forward(i))
@@ -274,6 +284,25 @@ class ZeroOptimizer:
             work = _all_gather(g.full, src, group=self.group, async_op=async_op)
         if async_op:
             g.pending = (work, src)
+
+    def begin_step(self) -> None:
+        """ZeRO-3 gathered per step: all-gather every unit of this rank (async, then wait for all)."""
+        if self.gather_per_step:
+            for g in self.groups:
+                self._gather(g, async_op=True)
+            for g in self.groups:
+                self._wait_gather(g)
+
+    @contextmanager
+    def params_gathered(self):
+        """The parameters gathered for the duration of the block (evaluation), released after."""
+        self.begin_step()
+        try:
+            yield
+        finally:
+            if self.gather_per_step:
+                for g in self.groups:
+                    self._release(g)
 
     def _wait_gather(self, g: FlatGroup) -> None:
         self._gather(g, async_op=False)
@@ -340,7 +369,7 @@ class ZeroOptimizer:
                 if p.grad is not None:
                     flat[off: off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None  # a rank never keeps the full gradient after its bucket is reduced
-            if self.stage == 3:
+            if self.stage == 3 and not self.gather_per_step:
                 self._release(g)
         if self.n == 1:
             self._complete(g, flat, None)

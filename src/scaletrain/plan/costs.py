@@ -692,7 +692,11 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
         if lay.offload != "none":
             optim = 0.0
         buffers = 0.0
-        if lay.zero == 3:  # two gathered layers (current + prefetch) in 16-bit
+        if lay.zero == 3 and p > 1:  # with pp the stage's parameters stay gathered for the step (16-bit)
+            buffers += st.total * pb
+            if lay.offload == "params":
+                params = 0.0
+        elif lay.zero == 3:  # two gathered layers (current + prefetch) in 16-bit
             per_layer = pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep
             buffers += 2 * per_layer * pb
             if lay.offload == "params":
@@ -790,6 +794,12 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
             t_dp = max(ar - window, 0.0)
             dp_bytes = 2 * (lay.dp - 1) / lay.dp * dense_b + 2 * (edp - 1) / max(edp, 1) * expert_b
         elif lay.zero == 2:  # reduce-scatter every microbatch, all-gather of the params after the step
+            rs = gather_time(dense_b, lay.dp, dp_link) + gather_time(expert_b, edp, edp_link)
+            ag = gather_time(st.dense * pb, lay.dp, dp_link) + gather_time(st.expert * pb, edp, edp_link)
+            t_dp = mbs * max(rs - window, 0.0) + ag
+            dp_bytes = (lay.dp - 1) / lay.dp * (mbs * dense_b + st.dense * pb) + \
+                (edp - 1) / max(edp, 1) * (mbs * expert_b + st.expert * pb)
+        elif lay.pp > 1:  # ZeRO-3 under pp: the stage gathered once per step (exposed), ZeRO-2's reduce-scatters
             rs = gather_time(dense_b, lay.dp, dp_link) + gather_time(expert_b, edp, edp_link)
             ag = gather_time(st.dense * pb, lay.dp, dp_link) + gather_time(st.expert * pb, edp, edp_link)
             t_dp = mbs * max(rs - window, 0.0) + ag

@@ -2,8 +2,8 @@
 
 The search space: tp over the divisors of the GPU count up to one node (heads divisible), pp over
 divisors that split the layers, dp the rest, ep over divisors of dp and the expert count (MoE only),
-micro-batch sizes dividing the per-rank batch, ZeRO 0-3 (0-1 with pipeline parallelism, as DeepSpeed and
-Megatron's distributed optimizer allow), recompute none / selective / full, sequence parallelism when
+micro-batch sizes dividing the per-rank batch, ZeRO 0-3 (under pipeline parallelism ZeRO-3 keeps a stage
+gathered for the whole step, as FSDP does with pipelining), recompute none / selective / full, sequence parallelism when
 tp > 1, and the synchronous schedules 1F1B, interleaved (virtual stages 2, 4, 8 that divide the layers)
 and ZB-H1 (recompute `selective` only with standard attention). GPipe (1F1B's time with more memory)
 and 2BW (asynchronous, a different update rule) are evaluated only when asked for with --layout.
@@ -121,7 +121,7 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
             mbs = _options(fixed, "micro_batch", [d for d in divisors(per_rank) if d <= 16])
             eps = _options(fixed, "ep", [e for e in divisors(dp) if m.n_experts and m.n_experts % e == 0]
                            if m.n_experts else [1])
-            zeros = _options(fixed, "zero", [0, 1, 2, 3] if pp == 1 else [0, 1])
+            zeros = _options(fixed, "zero", [0, 1, 2, 3])
             sps = _options(fixed, "sequence_parallel", [True, False] if tp > 1 else [False])
             scheds: list[tuple[str, int]] = []
             if pp == 1:

@@ -153,6 +153,8 @@ class PipelineExecutor:
         if tracing and self.group is not None:
             dist.barrier(group=self.group)  # a common time origin for the gathered timeline
         st.t0, st.wall0 = time.perf_counter(), time.time()
+        if hasattr(engine.optimizer, "begin_step"):  # ZeRO-3: gather this stage's parameters for the step
+            engine.optimizer.begin_step()
         self._tied_start(st, train=True)
         for step in steps:
             if step[0].op.is_comm:
@@ -182,14 +184,16 @@ class PipelineExecutor:
         """Forward-only pipeline; returns the summed token loss (same value on every pipeline rank)."""
         self.stages.eval()
         st = _Step(micro, 1.0, torch.zeros((), dtype=torch.float64, device=self.device))
+        gathered = getattr(engine.optimizer, "params_gathered", nullcontext)  # ZeRO-3: for the evaluation
         try:
-            self._tied_start(st, train=False)
-            for step in self.eval_steps:
-                if step[0].op.is_comm:
-                    self._communicate(step, st)
-                else:
-                    self._forward(step[0], st, engine)
-            self._wait_sends(st)
+            with gathered():
+                self._tied_start(st, train=False)
+                for step in self.eval_steps:
+                    if step[0].op.is_comm:
+                        self._communicate(step, st)
+                    else:
+                        self._forward(step[0], st, engine)
+                self._wait_sends(st)
         finally:
             self.stages.train()
         return float(self._share_loss(st.loss))
