@@ -76,6 +76,10 @@ class ModelConfig:
     """Share the token embedding and the output projection (Press & Wolf, arXiv 1608.05859)."""
     dropout: float = 0.0
     """Dropout probability on attention weights and residual branches."""
+    dropout_impl: str = "global"
+    """`global`: every mask is a hash of (seed, step, site, global element index), so every layout drops what one
+    process drops (model/dropout.py; attention then runs unfused when dropout > 0 in training); `torch`:
+    torch's dropout and SDPA's fused attention dropout (faster, but masks depend on the layout)."""
     bias: bool = True
     """Biases in linear layers and layer norms."""
     norm_eps: float = 1e-5
@@ -418,6 +422,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         errors.append(f"model.position must be learned or rope, got {m.position!r}")
     if not 0.0 <= m.dropout < 1.0:
         errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.dropout_impl not in ("global", "torch"):
+        errors.append(f"model.dropout_impl must be global or torch, got {m.dropout_impl!r}")
     if t.dtype not in DTYPES:
         errors.append(f"train.dtype must be one of {', '.join(DTYPES)}, got {t.dtype!r}")
     if t.on_nan not in ("stop", "skip"):

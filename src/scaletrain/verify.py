@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import Config, load_config, validate
+from scaletrain.errors import UserError
 
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=64", "train.steps=4",
          "train.eval_every=0", "train.warmup_steps=2", "train.checkpoint_every=0"]
@@ -67,6 +68,11 @@ def cmd_verify(args) -> int:
         distributed.shutdown()
         return 0
     validate(cfg, cfg.world_size)
+    m = cfg.model
+    if cfg.world_size > 1 and m.dropout_impl == "torch" and (m.dropout > 0 or m.moe.expert_dropout > 0):
+        raise UserError("model.dropout_impl=torch draws dropout masks from per-rank random streams, so a parallel "
+                        "layout drops other elements than one process and cannot match it; use "
+                        "model.dropout_impl=global (the default) to verify a layout with dropout")
     ref_cfg = load_config(None, [])
     ref_cfg.model, ref_cfg.train, ref_cfg.optim, ref_cfg.data, ref_cfg.memory = (
         cfg.model, cfg.train, cfg.optim, cfg.data, cfg.memory)

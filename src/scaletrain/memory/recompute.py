@@ -39,7 +39,7 @@ import copy
 import functools
 import weakref
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletrain.errors import ConfigError
 from scaletrain.memory.accounting import add_memory_report, count_kept, count_saved
+from scaletrain.model.dropout import dropout_context
 from scaletrain.model.moe import MoE
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -195,34 +196,67 @@ class _Checkpointed:
     def __init__(self, fn: Callable, hooks: CheckpointHooks, modules: list[nn.Module] = ()):
         self.fn, self.hooks = fn, hooks
         self.moes = [m for mod in modules for m in mod.modules() if isinstance(m, MoE)]
+        # layout-independent dropout: its masks depend on the (step, micro-batch row) context of the forward
+        self.dropout = next((c for mod in modules if (c := dropout_context(mod)) is not None), None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
-        extra = {"context_fn": self._moe_contexts} if self.moes else {}
+        extra = {"context_fn": self._contexts} if self.moes or self.dropout is not None else {}
         with self.hooks.context():  # outermost for the checkpoint's own input saver, so it sees only the inputs
             return checkpoint(self.fn, *args, use_reentrant=False, **extra, **kwargs)
 
-    def _moe_contexts(self):
-        keys: dict[int, Any] = {}
+    def _contexts(self):
+        """(forward, recompute) contexts for one checkpointed call. The recompute context may be entered more
+        than once (zero bubble's B and W passes each unpack the saved tensors), so it is a re-enterable object."""
+        record = _RecordState(self)
+        replay = _ReplayState(self)
+        replay.record = record
+        return record, replay
 
-        @contextmanager
-        def forward():
-            keys.update((id(m), m.key) for m in self.moes)
-            yield
 
-        @contextmanager
-        def recompute():
-            now = [(m.key, copy.copy(m.stats)) for m in self.moes]
-            for m in self.moes:
-                m.key = keys[id(m)]
-            try:
-                yield
-            finally:
-                for m, (key, stats) in zip(self.moes, now):
-                    m.key, m.stats = key, stats
+class _RecordState:
+    """Entered once around the checkpointed forward: remember the MoE keys and the dropout context it ran with."""
 
-        return forward(), recompute()
+    def __init__(self, owner: _Checkpointed):
+        self.owner, self.keys, self.dropout = owner, {}, None
+
+    def __enter__(self):
+        self.keys = {id(m): m.key for m in self.owner.moes}
+        if self.owner.dropout is not None:
+            self.dropout = self.owner.dropout.state()
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _ReplayState:
+    """Entered around each recomputation: run with the recorded state, then put the current state back."""
+
+    def __init__(self, owner: _Checkpointed):
+        self.owner = owner
+        self.record: _RecordState | None = None
+        self.saved: list = []
+
+    def __enter__(self):
+        o, rec = self.owner, self._recorded()
+        self.saved.append(([(m.key, copy.copy(m.stats)) for m in o.moes],
+                           o.dropout.state() if o.dropout is not None else None))
+        for m in o.moes:
+            m.key = rec.keys[id(m)]
+        if o.dropout is not None:
+            o.dropout.restore(rec.dropout)
+
+    def __exit__(self, *exc) -> None:
+        o = self.owner
+        moe_state, dropout_state = self.saved.pop()
+        for m, (key, stats) in zip(o.moes, moe_state):
+            m.key, m.stats = key, stats
+        if dropout_state is not None:
+            o.dropout.restore(dropout_state)
+
+    def _recorded(self) -> _RecordState:
+        return self.record
 
 
 def _offloaded(fn: Callable, hooks: CheckpointHooks, *args: Any, **kwargs: Any) -> Any:
@@ -310,7 +344,7 @@ def apply_recompute(engine: Any, cfg: Any, mesh: Any) -> OffloadStats:
         if not cores:
             raise ConfigError("memory.recompute=selective: the model has no attn_core to recompute")
         for m in cores:
-            m.attn_core = _Checkpointed(m.attn_core, hooks)
+            m.attn_core = _Checkpointed(m.attn_core, hooks, [m])
     elif mode.kind == "full":
         for b in blocks:
             b.forward = _Checkpointed(b.forward, hooks, [b])

@@ -17,7 +17,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletrain.config import ModelConfig
+from scaletrain.model.dropout import DropoutContext, GlobalDropout, name_sites
 from scaletrain.model.moe import MoE, is_moe_layer
+
+
+def make_dropout(cfg: ModelConfig, context: DropoutContext, roles: tuple[str, ...], p: float | None = None):
+    """`model.dropout_impl`: `global` (layout-independent masks, model/dropout.py) or torch's nn.Dropout."""
+    p = cfg.dropout if p is None else p
+    return GlobalDropout(p, context, roles) if cfg.dropout_impl == "global" else nn.Dropout(p)
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -45,14 +52,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, context: DropoutContext | None = None):
         super().__init__()
+        context = context or DropoutContext()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        # attention-probability dropout with layout-independent masks needs the probabilities themselves
+        self.attn_dropout = make_dropout(cfg, context, ("head", "seq", "seq")) \
+            if cfg.dropout > 0 and cfg.dropout_impl == "global" else None
+        self.resid_dropout = make_dropout(cfg, context, ("seq", "feature"))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -70,6 +81,12 @@ class CausalSelfAttention(nn.Module):
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q kᵀ / √hs + causal mask) v with attention dropout: the part selective recomputation
         recomputes (Korthikanti et al., arXiv 2205.05198), so a pass can wrap this one method."""
+        if self.attn_dropout is not None and self.training:  # explicit: the mask is a function of global indices
+            T = q.shape[-2]
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+            att = att.masked_fill(causal, float("-inf")).softmax(dim=-1)
+            return self.attn_dropout(att) @ v
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
@@ -77,11 +94,11 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP: fc (C -> 4C), GELU, proj (4C -> C)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, context: DropoutContext | None = None):
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, ffn_size(cfg), bias=cfg.bias)
         self.proj = nn.Linear(ffn_size(cfg), cfg.d_model, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = make_dropout(cfg, context or DropoutContext(), ("seq", "feature"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.gelu(self.fc(x))))
@@ -90,12 +107,12 @@ class MLP(nn.Module):
 class SwiGLU(nn.Module):
     """SwiGLU MLP (Shazeer, arXiv 2002.05202): proj(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, context: DropoutContext | None = None):
         super().__init__()
         self.gate = nn.Linear(cfg.d_model, ffn_size(cfg), bias=cfg.bias)
         self.up = nn.Linear(cfg.d_model, ffn_size(cfg), bias=cfg.bias)
         self.proj = nn.Linear(ffn_size(cfg), cfg.d_model, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = make_dropout(cfg, context or DropoutContext(), ("seq", "feature"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.silu(self.gate(x)) * self.up(x)))
@@ -105,15 +122,17 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); the MLP of every
     `model.moe.every`-th block is a mixture of experts when `model.moe.experts` > 0 (model/moe.py)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, context: DropoutContext | None = None):
         super().__init__()
+        context = context or DropoutContext()
         self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, context)
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         if is_moe_layer(cfg, layer):
-            self.mlp = MoE(cfg.d_model, ffn_size(cfg), cfg.mlp, cfg.moe, cfg.dropout, layer)
+            self.mlp = MoE(cfg.d_model, ffn_size(cfg), cfg.mlp, cfg.moe, cfg.dropout, layer,
+                           make_dropout=lambda p, roles: make_dropout(cfg, context, roles, p))
         else:
-            self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
+            self.mlp = SwiGLU(cfg, context) if cfg.mlp == "swiglu" else MLP(cfg, context)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), rope)
@@ -126,12 +145,14 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        context = DropoutContext()  # shared by all dropout sites: the engine sets (step, row) per micro-batch
+        self.drop = make_dropout(cfg, context, ("seq", "feature"))
+        self.blocks = nn.ModuleList(Block(cfg, i, context) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+        name_sites(self)  # each dropout's site is its name in this plain model, whatever a pass does later
 
     def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.position != "rope":

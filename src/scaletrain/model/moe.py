@@ -164,16 +164,19 @@ class Experts(nn.Module):
     """E expert MLPs (GELU or SwiGLU, no biases), weights stacked along dim 0 as (E, in, out); expert e's
     weights are `*_weight[e]` whatever the layout. Input and output (E, ..., C)."""
 
-    def __init__(self, experts: int, d_model: int, d_ff: int, swiglu: bool, dropout: float = 0.0):
+    def __init__(self, experts: int, d_model: int, d_ff: int, swiglu: bool, dropout: float | nn.Module = 0.0):
         super().__init__()
         self.swiglu = swiglu
+        self.n_total, self.expert_offset = experts, 0  # expert parallelism: the first local expert's id
+        self.slot_ids: torch.Tensor | None = None  # global ids of the slots of this forward (global dropout)
         if swiglu:
             self.gate_weight = nn.Parameter(torch.empty(experts, d_model, d_ff))
             self.up_weight = nn.Parameter(torch.empty(experts, d_model, d_ff))
         else:
             self.fc_weight = nn.Parameter(torch.empty(experts, d_model, d_ff))
         self.proj_weight = nn.Parameter(torch.empty(experts, d_ff, d_model))
-        self.dropout = nn.Dropout(dropout)  # expert dropout (Switch), on the hidden activations
+        # expert dropout (Switch), on the hidden activations
+        self.dropout = dropout if isinstance(dropout, nn.Module) else nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         E, C = x.shape[0], x.shape[-1]
@@ -182,7 +185,17 @@ class Experts(nn.Module):
             h = F.silu(torch.bmm(h, self.gate_weight)) * torch.bmm(h, self.up_weight)
         else:
             h = F.gelu(torch.bmm(h, self.fc_weight))
-        return torch.bmm(self.dropout(h), self.proj_weight).view(x.shape)
+        return torch.bmm(self._drop(h), self.proj_weight).view(x.shape)
+
+    def _drop(self, h: torch.Tensor) -> torch.Tensor:
+        """Expert dropout; a layout-independent mask is keyed by (global slot, global expert, feature)."""
+        if self.slot_ids is None or not self.training:
+            return self.dropout(h)
+        E, N, F_ = h.shape
+        expert = torch.arange(E, device=h.device) + self.expert_offset
+        index = (self.slot_ids.view(1, N, 1) * self.n_total + expert.view(E, 1, 1)) * F_ + \
+            torch.arange(F_, device=h.device)
+        return self.dropout(h, index=index)
 
 
 @dataclass
@@ -204,14 +217,19 @@ class MoEStats:
 class MoE(nn.Module):
     """Drop-in replacement of a block's MLP: route, dispatch per group, run the experts, combine."""
 
-    def __init__(self, d_model: int, d_ff: int, mlp: str, moe: MoEConfig, dropout: float = 0.0, layer: int = 0):
+    def __init__(self, d_model: int, d_ff: int, mlp: str, moe: MoEConfig, dropout: float = 0.0, layer: int = 0,
+                 make_dropout=None):
+        """`make_dropout(p, roles)` builds the dropout modules (nn.Dropout when None; the GPT passes its
+        layout-independent ones, model/dropout.py)."""
         super().__init__()
+        make = make_dropout or (lambda p, roles: nn.Dropout(p))
         self.cfg, self.layer, self.n_experts = moe, layer, moe.experts
         self.router = nn.Linear(d_model, moe.experts, bias=False)  # W_g
         self.noise = (nn.Linear(d_model, moe.experts, bias=False)  # W_noise (Shazeer)
                       if moe.router == "topk" and moe.router_noise > 0 else None)
-        self.experts = Experts(moe.experts, d_model, d_ff, mlp == "swiglu", moe.expert_dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.experts = Experts(moe.experts, d_model, d_ff, mlp == "swiglu",
+                               make(moe.expert_dropout, ("expert", "slot", "feature")))
+        self.dropout = make(dropout, ("seq", "feature"))
         self.grad_scale = 1.0  # d(loss)/d(token-summed aux), set by the engine each step
         self.key = (0, 0, 0)  # (seed, step, next global row) of the random streams, set each step
         # (index, parts): this layer sees part `index` of `parts` equal slices of each sequence (sequence
@@ -274,6 +292,7 @@ class MoE(nn.Module):
         G = xg.shape[0]
         r = self.route(xg, B)
         K = r.slot_token.shape[-1]
+        self.experts.slot_ids = self._slot_ids(B, T, G, K, x.device)
         padded = torch.cat([xg, xg.new_zeros(G, 1, C)], 1)  # (G, S + 1, C): row S feeds the empty slots
         index = r.slot_token.view(G, E * K, 1).expand(G, E * K, C)
         dispatched = padded.gather(1, index).view(G, E, K, C).transpose(0, 1)  # (E, G, K, C)
@@ -287,6 +306,18 @@ class MoE(nn.Module):
                 out = AttachAux.apply(out, aux, self.grad_scale)
             self._record(r, B)
         return self.dropout(out)
+
+    def _slot_ids(self, B: int, T: int, G: int, K: int, device: torch.device) -> torch.Tensor | None:
+        """Global ids (group of the step x K + slot) of this forward's (G, K) slots, for a layout-independent
+        expert dropout: a group's global id is its first token's index in the step's (rows x sequence)."""
+        drop = self.experts.dropout
+        if not self.training or getattr(drop, "p", 0.0) == 0.0 or not hasattr(drop, "context"):
+            return None
+        index, parts = self.seq_shard
+        first = torch.arange(G, device=device) * self.cfg.group_tokens  # local flat token of each group
+        row, t = first // T + drop.context.row, first % T + index * T
+        gid = (row * T * parts + t) // self.cfg.group_tokens
+        return (gid.view(G, 1) * K + torch.arange(K, device=device)).view(-1)
 
     @torch.no_grad()
     def _record(self, r: Routing, rows: int) -> None:

@@ -79,6 +79,10 @@ class ExpertParallelExperts(Experts):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = group_size(self.group)
         E, rest = x.shape[0], x.shape[1:]
+        if self.slot_ids is not None and n > 1:  # global dropout: the ids of every ep rank's slots, rank order
+            ids = [torch.empty_like(self.slot_ids) for _ in range(n)]
+            dist.all_gather(ids, self.slot_ids.contiguous(), group=self.group)
+            self.slot_ids = torch.cat(ids)
         recv = _AllToAll.apply(x, self.group, self.stats, self.timer)  # chunk j: rank j's slots of my experts
         local = recv.view(n, E // n, *rest).transpose(0, 1)  # (E/ep, ep, G, K, C)
         out = super().forward(local).transpose(0, 1)  # (ep, E/ep, G, K, C): chunk j goes back to rank j
@@ -95,6 +99,7 @@ def apply_ep(engine, cfg: Config, mesh: Mesh, comm: CommStats) -> None:
     for mname, mod in engine.module.named_modules():
         if not isinstance(mod, Experts):
             continue
+        mod.expert_offset = r * (mod.n_total // n)  # this rank's first expert
         for pname, p in list(mod.named_parameters(recurse=False)):
             per = p.shape[0] // n
             local = nn.Parameter(p.detach()[r * per: (r + 1) * per].clone(), requires_grad=p.requires_grad)

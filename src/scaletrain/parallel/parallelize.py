@@ -182,6 +182,7 @@ class Engine:
     #                         start the next step early (2bw); None = finish (drain) this step completely
     activation_bytes: int = 0
     n_params: int = 0  # parameters of the whole (unsharded) model
+    dropout: Any = None  # the model's DropoutContext (layout-independent dropout), set per micro-batch
 
     def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its share of the loss (detached)."""
@@ -191,6 +192,8 @@ class Engine:
         total = torch.zeros((), dtype=torch.float64, device=micro[0][0].device)
         for i, (x, y) in enumerate(micro):
             self.optimizer.begin_micro(i, len(micro))
+            if self.dropout is not None:
+                self.dropout.at_micro(i, x.shape[0])
             if not self.activation_bytes and i == 0:
                 counter = SavedTensorCounter(self.module.parameters())
                 with counter.active():
@@ -242,6 +245,10 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
     """The passes, in order. Each takes the engine so far and the groups it needs."""
     engine = Engine(build_gpt(cfg.model, cfg.train.seed, device, dtype))
     engine.n_params = count_params(engine.module)  # of the whole model, before any pass shards it
+    if cfg.model.dropout > 0 or cfg.model.moe.expert_dropout > 0:
+        from scaletrain.model.dropout import dropout_context
+
+        engine.dropout = dropout_context(engine.module)  # None with model.dropout_impl=torch
     if cfg.parallel.tp > 1:
         from scaletrain.parallel.tensor_parallel import apply_tp
 

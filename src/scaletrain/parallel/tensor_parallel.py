@@ -569,7 +569,9 @@ def apply_tp(engine, cfg, mesh, comm: CommStats) -> None:
     from scaletrain.parallel.tp_plan import apply_tp_plan, gpt_plan
 
     device = next(engine.module.parameters()).device
-    rng = RNGTracker(mesh.local_rank("tp"), device) if cfg.model.dropout > 0 else None
+    # torch's dropout draws from per-rank streams (RNGTracker); the global implementation needs only offsets
+    torch_dropout = cfg.model.dropout > 0 and cfg.model.dropout_impl == "torch"
+    rng = RNGTracker(mesh.local_rank("tp"), device) if torch_dropout else None
     tp = apply_tp_plan(engine.module, gpt_plan(cfg.model), mesh.group("tp"),
                        sequence_parallel=cfg.parallel.sequence_parallel, stats=comm, rng=rng)
     engine.loss_fn = engine.module.lm_head.loss_fn()
@@ -579,3 +581,21 @@ def apply_tp(engine, cfg, mesh, comm: CommStats) -> None:
 
         for m in moe_modules(engine.module):
             m.seq_shard = (mesh.local_rank("tp"), mesh.size("tp"))
+    place_dropout(engine.module, cfg, mesh.local_rank("tp"), mesh.size("tp"))
+
+
+def place_dropout(module: nn.Module, cfg, rank: int, n: int) -> None:
+    """Where each layout-independent dropout's local tensor sits in the global one under tensor parallelism:
+    attention probabilities hold this rank's heads; with sequence parallelism the residual-stream dropouts
+    (roles `seq`, `feature`) hold this rank's sequence shard. Other dims are whole on every rank."""
+    from scaletrain.model.dropout import GlobalDropout
+
+    for m in module.modules():
+        if not isinstance(m, GlobalDropout):
+            continue
+        if "head" in m.roles:
+            local = cfg.model.n_heads // n
+            m.offsets[1 + m.roles.index("head")] = (rank * local, cfg.model.n_heads)
+        elif cfg.parallel.sequence_parallel and m.roles == ("seq", "feature"):
+            local = cfg.model.seq_len // n
+            m.offsets[1] = (rank * local, cfg.model.seq_len)

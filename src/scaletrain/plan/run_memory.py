@@ -261,7 +261,14 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
         return numel * e
     mlp = (4 if cfg.model.mlp == "swiglu" else 2) * f
     dropout = cfg.model.dropout > 0
-    if dropout and recompute != "selective":
+    glob = cfg.model.dropout_impl == "global"  # layout-independent masks: bool, explicit attention
+    mask = 1 if glob else e  # bytes per element of a saved dropout mask (torch's CPU dropout keeps x's dtype)
+    explicit = dropout and glob and recompute != "selective"
+    if explicit:
+        # explicit attention: q, k, v (views of the qkv output, 3c), the probabilities, their bool mask and the
+        # dropped probabilities (nh T each); the causal mask (T x T bool, per block, below); projection input (c)
+        core = 3 * c * e + nh * s["T"] * (2 * e + 1) + c * e
+    elif dropout and recompute != "selective":
         # math kernel (fp32 under bf16/fp16): scaled q, k and v copies (3c), the probabilities, their
         # dropout mask and the dropped probabilities (3 nh T); no log-sum-exp; the projection's input is
         # a copy of the output (c)
@@ -270,15 +277,16 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
         core = 3 * c * e + c * e + (0 if recompute == "selective" else nh * e32)
     replicated = n * (2 * c * e32 + 4 * e32 + 2 * c * e) // rep
     split = n * (core + mlp * e) // t
-    total = replicated + split
+    total = replicated + split + (s["T"] ** 2 if explicit else 0)
     if s["low"]:
         total += 2 * (1 + s["bias"]) * c * 4
     if dropout:
-        total += n * 2 * c * e // rep  # the masks of the two residual dropouts
+        total += n * 2 * c * mask // rep  # the masks of the two residual dropouts
     if cfg.model.position == "rope":  # rotated q and k; the attention output is then a separate tensor
         # from the projection's input (a copy: rotated q is contiguous per head), unless selective
         # recomputation drops the former; with the math kernel (dropout) the rotated q and k are only
-        # scaled into copies, so only the cast tables remain (the products save the constant operand)
+        # scaled into copies, so only the cast tables remain (the products save the constant operand);
+        # the explicit attention's products save the rotated q and k in place of copies of the views (no extra)
         extra = 0 if dropout and recompute != "selective" else 2 if recompute == "selective" else 3
         tables = 0 if e == 8 else 2 * s["T"] * s["hd"] * e
         total += n * extra * c * e // t + tables
@@ -313,8 +321,8 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
             total += 8 * cfg.train.global_batch * (cfg.model.seq_len + 1)
         if cfg.model.position == "learned":
             total += 8 * s["T"]
-        if cfg.model.dropout > 0:
-            total += n * c * e // rep
+        if cfg.model.dropout > 0:  # the embedding dropout's mask (bool with the global implementation)
+            total += n * c * (1 if cfg.model.dropout_impl == "global" else e) // rep
     if last:
         total += n * (c * e32 + 2 * e32 + c * e) // rep
         if s["low"]:

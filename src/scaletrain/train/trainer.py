@@ -197,8 +197,12 @@ class Trainer:
                                           device=self.device)
         opt = self.engine.optimizer
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        first_row = self.dp_rank * (cfg.train.global_batch // cfg.parallel.dp)  # this rank's first row of the step
         if cfg.model.moe.experts:  # key the routers' random streams by (step, global row); reset statistics
-            begin_moe_step(self.model, cfg.train.seed, step, self.dp_rank * (cfg.train.global_batch // cfg.parallel.dp))
+            begin_moe_step(self.model, cfg.train.seed, step, first_row)
+        if self.engine.dropout is not None:  # layout-independent dropout masks: keyed by (seed, step, global row)
+            self.engine.dropout.seed, self.engine.dropout.step = cfg.train.seed, step
+            self.engine.dropout.base_row = first_row
         if self.noise_probe is not None:
             self.noise_probe.reset()
         if not drain and self.overlaps_steps:  # the loader is a pure function of the step

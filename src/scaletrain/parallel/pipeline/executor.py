@@ -86,6 +86,7 @@ class _Step:
     wall0: float = 0.0  # time.time() at the same instant: comparable across processes
     next_micro: object = None  # 2BW: () -> the next step's micro-batches (called once, when needed)
     next_data: list | None = None
+    step: int = 0  # the optimizer step (dropout masks of batch b are those of step + b)
 
     def data(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if batch == 0:
@@ -141,7 +142,8 @@ class PipelineExecutor:
         self.calls += 1
         tracing = self.calls == self.trace_call
         measure = self.calls == 1
-        st = _Step(micro, scale, torch.zeros((), dtype=torch.float64, device=self.device), measure=measure)
+        st = _Step(micro, scale, torch.zeros((), dtype=torch.float64, device=self.device), measure=measure,
+                   step=engine.dropout.step if engine.dropout is not None else 0)
         steps, overlap = self.steps, False
         if self.versions is not None:  # PipeDream-2BW: continue the previous step's next batch, start ours
             st.next_micro = getattr(engine, "next_micro", None)
@@ -240,6 +242,8 @@ class PipelineExecutor:
     def _forward(self, a: Action, st: _Step, engine) -> None:
         key, s = self._key(a), self._stage(a.chunk)
         x, y = st.data(a.batch)[a.microbatch]
+        if engine.dropout is not None and torch.is_grad_enabled():  # this micro-batch's dropout masks
+            engine.dropout.at_micro(a.microbatch, x.shape[0], st.step + a.batch)
         if s > 0:
             x = st.inputs[key] if torch.is_grad_enabled() else st.inputs.pop(key)
         counter = SavedTensorCounter(self.stages.parameters()) if st.measure else None
