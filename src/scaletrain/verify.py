@@ -31,6 +31,18 @@ def add_parser(sub) -> None:
     p.add_argument("--atol", type=float, default=1e-11)
     p.add_argument("--small", action="store_true", help="use a small model (2 layers, d_model 64) and 4 steps")
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # internal: worker output file
+    m = p.add_argument_group("layout matrix (scaletrain.layouts; docs/verify.md)")
+    m.add_argument("--matrix", action="store_true",
+                   help="run many layouts of the enumerated space, each against one process, and print a table")
+    m.add_argument("--world", type=int, default=4, help="largest number of processes of a layout (1, 2, 4 or 8)")
+    m.add_argument("--filter", default=None, metavar="EXPR",
+                   help="keep layouts matching every term, e.g. 'pp=2,dtype=bf16|fp16,optimizer!=sm3'")
+    m.add_argument("--jobs", type=int, default=1, help="jobs (sets of processes) running at once")
+    m.add_argument("--exhaustive", action="store_true",
+                   help="every accepted layout matching --filter instead of the all-pairs covering set")
+    m.add_argument("--limit", type=int, default=200, help="--exhaustive refuses to run more layouts than this")
+    m.add_argument("--json", default="verify_matrix.json", help="where the results are written")
+    m.add_argument("--matrix-batch", default=None, help=argparse.SUPPRESS)  # internal: a job's layouts
     p.set_defaults(func=cmd_verify)
 
 
@@ -48,6 +60,11 @@ def run(cfg: Config, env=None) -> tuple[dict[int, float], dict[str, torch.Tensor
 
 def cmd_verify(args) -> int:
     from scaletrain.distributed import detect_env
+
+    if args.matrix_batch is not None or args.matrix:
+        from scaletrain import matrix
+
+        return matrix.run_batch(args) if args.matrix_batch is not None else matrix.cmd_matrix(args)
 
     cfg = _config(args)
     env = detect_env()
