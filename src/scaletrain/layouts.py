@@ -193,6 +193,39 @@ def _all_pairs() -> list[Pair]:
             for va in DIMENSIONS[a] for vb in DIMENSIONS[b]]
 
 
+def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
+    """The layout with the other values its values need, where those dimensions are not `fixed` (a search
+    heuristic: `validate()` still decides). Expert parallelism needs an MoE model and dp >= ep; a pipeline
+    schedule or an uneven partition needs pp > 1; sequence parallelism and partitioned checkpoints need tp > 1,
+    the latter a block recomputation; parameter offload needs ZeRO-3 and optimizer offload ZeRO >= 1."""
+    v = layout.as_dict()
+
+    def want(dim: str, value: Any) -> None:
+        if dim not in fixed:
+            v[dim] = value
+
+    for _ in range(3):
+        if v["ep"] > 1:
+            if v["moe"] == "dense":
+                want("moe", "topk")
+            if v["dp"] < v["ep"]:
+                want("dp", v["ep"])
+        if (v["schedule"] != "1f1b" or v["partition"] == "uneven") and v["pp"] == 1:
+            want("pp", 2)
+        if (v["sequence_parallel"] or v["partition_checkpoints"]) and v["tp"] == 1:
+            want("tp", 2)
+        if v["partition_checkpoints"] and v["recompute"] not in ("full", "every:2"):
+            want("recompute", "full")
+        if v["offload"] == "params" and v["zero"] != 3:
+            want("zero", 3)
+        if v["offload"] == "optimizer" and v["zero"] == 0:
+            want("zero", 1)
+        for dim in ("dp", "tp", "pp"):  # over the world limit: shrink what nobody asked for
+            if v["dp"] * v["tp"] * v["pp"] > max_world and v[dim] > 2:
+                want(dim, 2)
+    return Layout.of(**v)
+
+
 class _Search:
     """Accepted layouts of up to `max_world` processes: completions of partial layouts and AETG-style greedy
     candidates, with the acceptance of each layout cached."""
@@ -207,20 +240,21 @@ class _Search:
         return self.cache[layout]
 
     def complete(self, fixed: dict[str, Any]) -> Layout | None:
-        """An accepted layout with the `fixed` values: the defaults, repaired by changing up to two other
-        dimensions (None if there is none: the pair is refused)."""
-        base = Layout.of(**fixed)
+        """An accepted layout with the `fixed` values: the defaults with what the fixed values need (`needs`),
+        repaired by changing up to two other dimensions (None if there is none: the pair is refused)."""
+        base = needs(Layout.of(**fixed), set(fixed), self.max_world)
         if self.ok(base):
             return base
+        start = base.as_dict()
         free = [d for d in DIMENSIONS if d not in fixed]
         for d in free:
-            for v in DIMENSIONS[d][1:]:
-                if self.ok(lay := Layout.of(**{**fixed, d: v})):
+            for v in DIMENSIONS[d]:
+                if v != start[d] and self.ok(lay := Layout.of(**{**start, d: v})):
                     return lay
         for d1, d2 in itertools.combinations(free, 2):
-            for v1 in DIMENSIONS[d1][1:]:
-                for v2 in DIMENSIONS[d2][1:]:
-                    if self.ok(lay := Layout.of(**{**fixed, d1: v1, d2: v2})):
+            for v1 in DIMENSIONS[d1]:
+                for v2 in DIMENSIONS[d2]:
+                    if v1 != start[d1] and v2 != start[d2] and self.ok(lay := Layout.of(**{**start, d1: v1, d2: v2})):
                         return lay
         return None
 
@@ -280,8 +314,24 @@ def refused_pairs(max_world: int = 8) -> list[tuple[Pair, str]]:
     out = []
     for pair in _all_pairs():
         if search.complete(dict(pair)) is None:
-            out.append((pair, refusal(Layout.of(**dict(pair))) or "needs more processes than the world allows"))
+            closest = needs(Layout.of(**dict(pair)), set(dict(pair)), max_world)  # what it needs, then why not
+            why = refusal(closest) if closest.world <= max_world else None
+            out.append((pair, why or f"needs more than {max_world} processes"))
     return out
+
+
+def refusal_table(max_world: int = 8) -> str:
+    """The docs' table of refused pairs (markdown), generated from `validate()` and `meaningful`."""
+    rows = ["| value | with | why not (what `validate()` says) |", "|---|---|---|"]
+    for (a, b), why in refused_pairs(max_world):
+        if why.startswith("needs more than"):
+            continue  # a world-size limit, not a refusal
+        rows.append(f"| {a[0]}={_show(a[1])} | {b[0]}={_show(b[1])} | {why} |")
+    return "\n".join(rows) + "\n"
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 COVERING_FILE = "configs/covering.json"

@@ -56,7 +56,7 @@ class Outcome:
     error: str = ""
 
 
-def train(cfg, env=None, stale: bool = False) -> tuple[dict[int, float], dict[int, float], dict[str, torch.Tensor] | None]:
+def train(cfg, env=None, stale: bool = False) -> tuple[dict, dict, dict[str, torch.Tensor] | None]:
     """(losses, gradient norms) of every step and the full final parameters (on rank 0) of one run; `stale`
     trains one process by PipeDream-2BW's rule (`stale_weights`)."""
     from scaletrain.train.trainer import Trainer
