@@ -118,6 +118,12 @@ class ParallelConfig:
     """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
     timeout_s: float = 300.0
     """Timeout of every process group, in seconds: a stuck collective fails instead of hanging."""
+    heartbeat_s: float = 5.0
+    """Launched runs: a rank that stops (killed, SIGSTOP, dead machine) is noticed within this many seconds and
+    every rank stops naming it (heartbeat through the job's TCP store, docs/multinode.md); 0 disables it."""
+    flight_recorder: int = 256
+    """Launched runs: each rank records its last N collectives and point-to-point messages; when one times out
+    the ranks' records are matched into a report naming the operation and step (docs/multinode.md); 0: off."""
 
 
 @dataclass
@@ -517,6 +523,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                       f"parallel.tp ({p.tp})")
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
+    errors += _validate_multinode(cfg)
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -542,6 +549,18 @@ def _validate_noise_scale(cfg: Config) -> list[str]:
     if p.ep > 1 and t.micro_batch * p.ep >= t.global_batch:
         errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
                       f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
+    return errors
+
+
+def _validate_multinode(cfg: Config) -> list[str]:
+    """Heartbeat and flight recorder bounds (scaletrain.multinode)."""
+    p = cfg.parallel
+    errors = []
+    if not (p.heartbeat_s == 0 or 0.5 <= p.heartbeat_s < p.timeout_s):
+        errors.append(f"parallel.heartbeat_s ({p.heartbeat_s}) must be 0 (off) or at least 0.5 and below "
+                      f"parallel.timeout_s ({p.timeout_s})")
+    if not 0 <= p.flight_recorder <= 100_000:
+        errors.append(f"parallel.flight_recorder ({p.flight_recorder}) must be between 0 (off) and 100000 entries")
     return errors
 
 

@@ -44,8 +44,9 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def init(env: DistEnv, timeout_s: float, device: torch.device) -> None:
-    """Initialise the default process group for `env` (no-op for a single process)."""
+def init(env: DistEnv, timeout_s: float, device: torch.device, store: dist.Store | None = None) -> None:
+    """Initialise the default process group for `env` (no-op for a single process); `store`: an existing
+    client of the job's store (scaletrain.multinode.job), else the env:// rendezvous makes one."""
     if env.world_size == 1 or dist.is_initialized():
         return
     if env.launcher == "slurm":
@@ -56,7 +57,7 @@ def init(env: DistEnv, timeout_s: float, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s), store=store)
 
 
 def shutdown(clean: bool = True) -> None:

@@ -3,7 +3,8 @@
 Runs the given config twice on the same model, data and seed — once as one process, once on the layout's
 N local processes — in fp64 by default, and compares the loss of every step and every final parameter
 (gathered from its shards). Prints the largest differences and PASS/FAIL against the tolerance; exit 1
-on FAIL. The parallel run is started through the same launcher as `scaletrain train`.
+on FAIL. The parallel run is started through the same launcher as `scaletrain train`; run under torchrun
+(or srun) the parallel side is the whole job, on every node (`multinode/spanning.py`).
 """
 
 from __future__ import annotations
@@ -70,30 +71,26 @@ def cmd_verify(args) -> int:
     env = detect_env()
     if args.result is not None:  # one rank of the parallel run
         from scaletrain import distributed
+        from scaletrain.multinode.job import supervise
 
         validate(cfg, env.world_size if env else 1)
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
-        if env is not None:
-            distributed.init(env, cfg.parallel.timeout_s, device)
         try:
-            losses, state = run(cfg, env)
-            if env is None or env.rank == 0:
-                torch.save({"losses": losses, "state": state}, args.result)
+            with supervise(cfg, None, env, device):
+                losses, state = run(cfg, env)
+                if env is None or env.rank == 0:
+                    torch.save({"losses": losses, "state": state}, args.result)
         except BaseException:
             distributed.shutdown(clean=False)
             raise
         distributed.shutdown()
         return 0
+    if env is not None and env.world_size > 1:  # inside a torchrun/SLURM job: the parallel side is the whole job
+        from scaletrain.multinode.spanning import verify_in_job
+
+        return verify_in_job(cfg, args, env)
     validate(cfg, cfg.world_size)
-    m = cfg.model
-    if cfg.world_size > 1 and m.dropout_impl == "torch" and (m.dropout > 0 or m.moe.expert_dropout > 0):
-        raise UserError("model.dropout_impl=torch draws dropout masks from per-rank random streams, so a parallel "
-                        "layout drops other elements than one process and cannot match it; use "
-                        "model.dropout_impl=global (the default) to verify a layout with dropout")
-    ref_cfg = load_config(None, [])
-    ref_cfg.model, ref_cfg.train, ref_cfg.optim, ref_cfg.data, ref_cfg.memory = (
-        cfg.model, cfg.train, cfg.optim, cfg.data, cfg.memory)
-    validate(ref_cfg, 1)
+    ref_cfg = reference_config(cfg)
     layout = f"dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}"
     print(f"verify: {layout} ({cfg.world_size} processes) against 1 process, {cfg.train.steps} steps, {args.dtype}")
     ref_losses, ref_state = run(ref_cfg)
@@ -114,6 +111,19 @@ def cmd_verify(args) -> int:
             return code
         par = torch.load(result, weights_only=True)
     return report(ref_losses, ref_state, par["losses"], par["state"], args.rtol, args.atol)
+
+
+def reference_config(cfg: Config) -> Config:
+    """The single-process run of `cfg`'s model, data, recipe and seed (refusing what cannot match it)."""
+    m = cfg.model
+    if cfg.world_size > 1 and m.dropout_impl == "torch" and (m.dropout > 0 or m.moe.expert_dropout > 0):
+        raise UserError("model.dropout_impl=torch draws dropout masks from per-rank random streams, so a parallel "
+                        "layout drops other elements than one process and cannot match it; use "
+                        "model.dropout_impl=global (the default) to verify a layout with dropout")
+    ref_cfg = load_config(None, [])
+    ref_cfg.model, ref_cfg.train, ref_cfg.optim, ref_cfg.data, ref_cfg.memory = (
+        cfg.model, cfg.train, cfg.optim, cfg.data, cfg.memory)
+    return validate(ref_cfg, 1)
 
 
 def build_args(argv: list[str]) -> argparse.Namespace:

@@ -10,13 +10,16 @@ from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.errors import UserError
+from scaletrain.multinode import launcher as multinode_launcher
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)")
     _config_args(p)
-    p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: parallel sizes)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to start on this machine (default: the layout's size / --nnodes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
+    multinode_launcher.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="the main job: train a small GPT on the embedded corpus (~2-3 min on CPU)")
@@ -74,17 +77,18 @@ def cmd_train(args) -> int:
     if env is not None:
         validate(cfg, env.world_size)
         return run_worker(cfg, Path(args.out), env)
-    nproc = args.nproc if args.nproc is not None else cfg.world_size
+    multinode_launcher.check_arguments(args)
+    nproc = args.nproc if args.nproc is not None else max(1, cfg.world_size // args.nnodes)
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
-    validate(cfg, nproc)
+    validate(cfg, nproc * args.nnodes)
     out = Path(args.out)
     _check_out(out)
     from scaletrain.data import load_tokens
 
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
     warn_if_too_big(cfg, nproc)
-    if nproc == 1:
+    if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
         return run_worker(cfg, out, None)
     from scaletrain.launch import launch_local
 
@@ -93,7 +97,9 @@ def cmd_train(args) -> int:
         argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
-    return launch_local(nproc, argv, out)
+    if args.rdzv_endpoint:
+        return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
+    return launch_local(nproc, argv, out, args.restarts)
 
 
 def warn_if_too_big(cfg: Config, nproc: int) -> None:
@@ -127,21 +133,22 @@ def run_worker(cfg: Config, out: Path, env) -> int:
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
+    from scaletrain.multinode.job import supervise
     from scaletrain.train.trainer import Trainer
 
     rank = env.rank if env else 0
     with WorkerContext(rank):
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
-        if env is not None:
-            distributed.init(env, cfg.parallel.timeout_s, device)
         try:
-            start = time.time()
-            trainer = Trainer(cfg, out, env, progress=sys.stdout.isatty())
-            if trainer.step >= cfg.train.steps and rank == 0:
-                print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
-            result = trainer.run()
-            if rank == 0:
-                summary(out, trainer.n_params, result, time.time() - start)
+            with supervise(cfg, out, env, device) as job:  # pre-flight, heartbeat, flight recorder
+                start = time.time()
+                trainer = Trainer(cfg, out, env, progress=sys.stdout.isatty())
+                job.attach(trainer)
+                if trainer.step >= cfg.train.steps and rank == 0:
+                    print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
+                result = trainer.run()
+                if rank == 0:
+                    summary(out, trainer.n_params, result, time.time() - start)
         except BaseException:
             distributed.shutdown(clean=False)
             raise
