@@ -97,7 +97,7 @@ def report_failure(logs: Path, rc: int, launcher_log: Path | None = None) -> int
     first = min(errors, key=lambda e: e["time"])
     code = int(first.get("exit_code", 1))
     log = logs / f"rank{first['rank']}.log" if first["rank"] != 0 else launcher_log
-    where = "" if code == 2 or not log.exists() else f" (traceback in {log})"
+    where = "" if code == 2 or not first.get("traceback") or not log.exists() else f" (traceback in {log})"
     who = "" if first.get("plain") else f"rank {first['rank']}: "
     sys.stderr.write(f"scaletrain: error: {who}{first['message']}{where}\n")
     return code

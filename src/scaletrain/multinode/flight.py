@@ -119,10 +119,14 @@ class FlightRecorder:
         peer_kw = PEER_KW.get(name)
         record = self._record
 
+        group_kw = f"group_{peer_kw}" if peer_kw else ""
+
         def recorded(*args, **kwargs):
             group = kwargs.get("group", args[g_i] if g_i is not None and len(args) > g_i else None)
             peer = (kwargs.get(peer_kw, args[p_i] if p_i is not None and len(args) > p_i else None)
                     if peer_kw else None)
+            if peer is None and kwargs.get(group_kw) is not None:  # a peer given as a rank of the group
+                peer = self.global_rank(group, kwargs[group_kw])
             tag = kwargs.get("tag", args[tag_i] if tag_i is not None and len(args) > tag_i else 0) if direction else 0
             tensor = args[t_i] if t_i is not None and len(args) > t_i else None
             entry = record(name, group, peer, tag, tensor, direction)
@@ -161,13 +165,17 @@ class FlightRecorder:
         self.last_activity = now
         return entry
 
+    def global_rank(self, group, group_rank: int) -> int:
+        ranks = self.groups.get(id(group)) or self._ranks(group)
+        return ranks[group_rank] if 0 <= group_rank < len(ranks) else group_rank
+
     @staticmethod
     def _ranks(group) -> tuple[int, ...]:
         try:
             if group is None:
                 return tuple(range(dist.get_world_size())) if dist.is_initialized() else (0,)
             return tuple(dist.get_process_group_ranks(group))
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, KeyError):
             return ()
 
     # ------------------------------------------------------------------ dump
@@ -197,16 +205,23 @@ class FlightRecorder:
         name = self.group_names.get(gid, "world" if gid == id(None) else "group")
         return f"{name} {ranks}"
 
-    def dump(self) -> dict[str, Any]:
-        """A JSON-friendly snapshot: the ring (oldest first), the counters and where the main thread is."""
+    def dump(self, exc: BaseException | None = None) -> dict[str, Any]:
+        """A JSON-friendly snapshot: the ring (oldest first), the counters, where the main thread is and which
+        entry it is blocked on. `exc`: the exception the main thread is handling (its traceback is where it
+        was); otherwise the main thread's live stack is read (it is blocked inside a call)."""
         now = time.monotonic()
+        frames = _frames_of(exc) if exc is not None else _live_frames(self.main_thread)
+        entries = self.entries()
+        blocked = self._blocked(entries, frames)
         ops = []
-        for e in self.entries():
+        for e in entries:
             ops.append({
                 "seq": e[SEQ], "op": e[OP], "group": self.group_label(e[GROUP]), "ranks": list(self.groups[e[GROUP]]),
                 "peer": e[PEER], "tag": e[TAG], "shape": list(e[SHAPE]) if e[SHAPE] is not None else None,
                 "dtype": str(e[DTYPE]).removeprefix("torch.") if e[DTYPE] is not None else None, "step": e[STEP],
-                "age_s": round(now - e[T0], 3), "state": self.state(e), "num": e[NUM], "error": e[ERR],
+                "age_s": round(now - e[T0], 3), "num": e[NUM], "error": e[ERR], "blocked": e[SEQ] == blocked,
+                # a wait that raised leaves gloo's work "completed": the blocked entry of a failure failed
+                "state": "failed" if e[SEQ] == blocked and exc is not None else self.state(e),
             })
         counts = {("coll " + self.group_label(k[1])) if k[0] == "coll" else f"{k[0]} {k[1]} {k[2]}": n
                   for k, n in self.counts.items()}
@@ -214,98 +229,145 @@ class FlightRecorder:
             step = int(self.step_of())
         except Exception:  # noqa: BLE001 - a dump must never fail
             step = -1
+        where = [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in frames
+                 if f.f_code.co_filename not in _OWN_FILES][:6]
         return {"rank": self.rank, "host": self.host, "step": step, "calls": self.n, "ops": ops,
-                "counts": counts, "idle_s": round(now - self.last_activity, 3), "where": self.where()}
+                "counts": counts, "idle_s": round(now - self.last_activity, 3), "where": where}
 
-    def where(self) -> list[str]:
-        """The main thread's innermost frames (file:line function), innermost last."""
-        frame = sys._current_frames().get(self.main_thread)
-        out: list[str] = []
-        while frame is not None and len(out) < 40:
-            code = frame.f_code
-            if code.co_filename != __file__:  # not the recording wrapper itself
-                out.append(f"{code.co_filename}:{frame.f_lineno} {code.co_name}")
-            frame = frame.f_back
-        return list(reversed(out))[-8:]
+    def _blocked(self, entries: list[list], frames: list) -> int | None:
+        """The entry the main thread waits on: a synchronous call that has not returned (or failed), else the
+        entry whose `Work` is held by the innermost frame (the one calling `wait()` on it)."""
+        for e in reversed(entries):
+            if e[T1] is None and e[WORK] is None:
+                return e[SEQ]
+        works = {}
+        for e in entries:
+            w = e[WORK]() if e[WORK] is not None else None
+            if w is not None:
+                works[id(w)] = e[SEQ]
+        for f in frames:
+            try:
+                values = list(f.f_locals.values())
+            except Exception:  # noqa: BLE001
+                continue
+            for v in values:
+                if id(v) in works:
+                    return works[id(v)]
+        return None
+
+
+_OWN_FILES = {__file__, __file__.replace("flight.py", "job.py"), __file__.replace("flight.py", "heartbeat.py")}
+
+
+def _frames_of(exc: BaseException) -> list:
+    """The frames of an exception's traceback, innermost first."""
+    out, tb = [], exc.__traceback__
+    while tb is not None:
+        out.append(tb.tb_frame)
+        tb = tb.tb_next
+    return list(reversed(out))
+
+
+def _live_frames(thread_id: int | None) -> list:
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    out = []
+    while frame is not None and len(out) < 60:
+        out.append(frame)
+        frame = frame.f_back
+    return out
 
 
 # ---------------------------------------------------------------------- analysis
 
+P2P = ("send", "isend", "recv", "irecv")
+_ORD = {1: "st", 2: "nd", 3: "rd"}
 
-def _waiting(d: dict) -> list[dict]:
-    return [o for o in d["ops"] if o["state"] in ("in progress", "pending", "failed")]
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else _ORD.get(n % 10, 'th')}"
 
 
 def _describe(o: dict) -> str:
-    what = o["op"]
-    if o["peer"] is not None and o["op"] in PEER_KW:
-        what += f" {'to' if PEER_KW[o['op']] == 'dst' else 'from'} rank {o['peer']}"
-    if o["op"] in ("send", "isend", "recv", "irecv"):
-        what += f" (#{o['num']}, tag {o['tag']}"
+    """'irecv of the 8th message from rank 0 (tag 0, [2, 32, 32] float32, step 2)' or
+    'all_reduce #12 on dp [0, 2] ([1024] float32, step 3)'."""
+    parts = []
+    if o["op"] in P2P:
+        head = f"{o['op']} of the {_nth(o['num'])} message {'to' if o['op'] in ('send', 'isend') else 'from'} " \
+               f"rank {o['peer']}"
+        parts.append(f"tag {o['tag']}")
     else:
-        what += f" (#{o['num']} on {o['group']}"
+        head = f"{o['op']} #{o['num']} on {o['group']}"
+        if o["peer"] is not None:
+            parts.append(f"root {o['peer']}")
     if o["shape"] is not None:
-        what += f", {o['shape']} {o['dtype']}"
-    return what + f", step {o['step']})"
+        parts.append(f"{o['shape']} {o['dtype']}")
+    parts.append(f"step {o['step']}")
+    return f"{head} ({', '.join(parts)})"
 
 
 def _who(d: dict) -> str:
     return f"rank {d['rank']}" + (f" ({d['host']})" if d.get("host") else "")
 
 
+def _blocked(d: dict) -> dict | None:
+    return next((o for o in d["ops"] if o.get("blocked")), None)
+
+
+def _in(d: dict) -> str:
+    b = _blocked(d)
+    return f"{_who(d)} is blocked in {_describe(b)}" if b else f"{_who(d)} is not blocked in a recorded call"
+
+
 def diagnose(dumps: list[dict]) -> list[str]:
-    """Match the ranks' dumps; the first line is the one-line verdict, the rest the per-rank detail."""
+    """Match the ranks' dumps. Returns the report: its first line is the one-line verdict (the operation a
+    blocked rank waits on that its peer never posted, or that a member of its group has not reached, or where
+    two members called different collectives), then every such finding, then each rank's last calls."""
     by_rank = {d["rank"]: d for d in dumps}
     findings: list[str] = []
     for d in sorted(dumps, key=lambda x: x["rank"]):
-        for o in _waiting(d):
-            if o["op"] in ("recv", "irecv", "send", "isend") and o["peer"] in by_rank:
-                mine, theirs = ("recv", "send") if o["op"] in ("recv", "irecv") else ("send", "recv")
-                peer = by_rank[o["peer"]]
-                posted = peer["counts"].get(f"{theirs} {d['rank']} {o['tag']}", 0)
-                if posted < o["num"]:
-                    verb = "sent" if theirs == "send" else "posted receives for"
-                    findings.append(
-                        f"{_who(d)} waits in {_describe(o)}, which {_who(peer)} never matched: it {verb} only "
-                        f"{posted} {'message' if posted == 1 else 'messages'} {'to' if theirs == 'send' else 'from'} "
-                        f"rank {d['rank']} with tag {o['tag']}{_now_in(peer)}")
-            elif o["op"] not in PEER_KW or o["op"] in ("broadcast", "reduce", "gather", "scatter"):
-                label = o["group"]
-                behind = []
-                for r in o["ranks"]:
-                    other = by_rank.get(r)
-                    if other is None or r == d["rank"]:
-                        continue
-                    made = other["counts"].get(f"coll {label}", 0)
-                    if made < o["num"]:
-                        behind.append(f"{_who(other)} has made only {made}{_now_in(other)}")
-                    else:
-                        same = [x for x in other["ops"] if x["group"] == label and x["num"] == o["num"]]
-                        if same and same[0]["op"] != o["op"]:
-                            behind.append(f"{_who(other)} called {_describe(same[0])} at that position")
-                if behind:
-                    findings.append(f"{_who(d)} waits in {_describe(o)}; " + "; ".join(behind))
-    detail = []
+        o = _blocked(d)
+        if o is None:
+            continue
+        if o["op"] in P2P and o["peer"] in by_rank:
+            peer = by_rank[o["peer"]]
+            receiving = o["op"] in ("recv", "irecv")
+            theirs = "send" if receiving else "recv"
+            posted = peer["counts"].get(f"{theirs} {d['rank']} {o['tag']}", 0)
+            if posted < o["num"]:
+                did = f"sent only {posted}" if receiving else f"posted receives for only {posted}"
+                findings.append(f"{_who(d)} is blocked in {_describe(o)}, which {_who(peer)} never "
+                                f"{'sent' if receiving else 'received'}: it {did} message{'s' if posted != 1 else ''} "
+                                f"{'to' if receiving else 'from'} rank {d['rank']} with tag {o['tag']}; "
+                                f"{_in(peer).replace(_who(peer) + ' ', 'it ', 1)}")
+        elif o["op"] not in P2P:
+            behind = []
+            for r in o["ranks"]:
+                other = by_rank.get(r)
+                if other is None or r == d["rank"]:
+                    continue
+                made = other["counts"].get(f"coll {o['group']}", 0)
+                same = [x for x in other["ops"] if x["group"] == o["group"] and x["num"] == o["num"]]
+                if made < o["num"]:
+                    behind.append(f"{_who(other)} has made only {made} calls on that group ("
+                                  f"{_in(other).replace(_who(other) + ' ', '', 1)})")
+                elif same and same[0]["op"] != o["op"]:
+                    behind.append(f"{_who(other)} called {_describe(same[0])} at that position")
+            if behind:
+                findings.append(f"{_who(d)} is blocked in {_describe(o)}; " + "; ".join(behind))
+    detail = ["", "per rank (last calls, oldest first):"]
     for d in sorted(dumps, key=lambda x: x["rank"]):
-        waiting = _waiting(d)
-        now = f"waits in {_describe(waiting[-1])}" if waiting else "is not in a collective"
-        detail.append(f"  {_who(d)} at step {d['step']}: {now}; main thread at {d['where'][-1] if d['where'] else '?'}")
-        for o in d["ops"][-6:]:
-            detail.append(f"      {o['state']:<11} {_describe(o)}  {o['age_s']:.1f} s ago"
-                          + (f"  [{o['error']}]" if o.get("error") else ""))
+        detail.append(f"  {_in(d)} at step {d['step']}; main thread at {d['where'][0] if d['where'] else '?'}")
+        for o in d["ops"][-8:]:
+            detail.append(f"    {'>' if o.get('blocked') else ' '} {o['state']:<11} {_describe(o)}  "
+                          f"{o['age_s']:.1f} s ago" + (f"  [{o['error']}]" if o.get("error") else ""))
     missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank)) if by_rank else []
     if missing:
         detail.append(f"  no flight record from ranks {missing} (stopped, or too slow to answer)")
     if findings:
-        head = findings[0]
+        head = findings
     elif dumps:
-        stuck = [f"{_who(d)} in {_describe(_waiting(d)[-1])}" for d in dumps if _waiting(d)]
-        head = "no unmatched operation found; waiting: " + ("; ".join(stuck) if stuck else "none")
+        stuck = [_in(d) for d in dumps if _blocked(d)]
+        head = ["no unmatched operation found; " + ("; ".join(stuck) if stuck else "no rank is blocked in a call")]
     else:
-        head = "no flight records were collected"
-    return [head, *findings[1:], *detail]
-
-
-def _now_in(d: dict) -> str:
-    waiting = _waiting(d)
-    return f" and now waits in {_describe(waiting[-1])}" if waiting else ""
+        head = ["no flight records were collected"]
+    return [*head, *detail]

@@ -4,16 +4,17 @@ A collective with a dead peer fails only when its connection is reset, and with 
 machine swapping itself to death) only after `parallel.timeout_s` (minutes). Instead every rank runs two
 daemon threads with their own store client:
 
-- the beat thread, every `interval` (heartbeat_s / 4): adds 1 to the rank's counter `hb/<rank>` and reads,
+- the beat thread, every `interval` (heartbeat_s / 8): adds 1 to the rank's counter `hb/<rank>` and reads,
   in one `multi_get`, the counter of the rank it watches and the job's `abort` key. Rank r watches rank
   r + 1 (mod world), so every rank is watched by one other and, with ranks numbered node by node, a node is
-  watched from the node before it. A watched counter that has not moved for `heartbeat_s`, measured on
+  watched from the node before it. A watched counter that has not moved for 0.75 x heartbeat_s, measured on
   the watcher's own monotonic clock (no two machines' clocks are compared), means the rank is lost: the
-  watcher takes a second look at every counter to name all the lost ranks, writes its verdict into `abort`
+  watcher takes a second look at every counter over one interval to name all the lost ranks (so the verdict
+  comes at most heartbeat_s after the rank stopped, plus thread scheduling), writes it into `abort`
   (`compare_set`, so the first verdict wins) and stops its own process; every other rank reads the verdict
   within one interval and stops too.
 - the guard thread: TCPStore calls have no timeout when the store's host is frozen (the connection stays
-  open), so this thread only checks that the beat thread completed a round within `heartbeat_s`; if not,
+  open), so this thread only checks that the beat thread completed a round within 0.875 x heartbeat_s; if not,
   the store - hosted by the rank-0 node's torchrun agent - is lost. It also notices when this process's
   parent (the node's torchrun agent) dies, so workers never outlive a killed agent.
 
@@ -21,6 +22,12 @@ The same `multi_get` reads the `hang` key: when a rank's collective times out it
 rank's beat thread answers by publishing its flight record (the main thread may be blocked in C++).
 
 A rank that finishes sets its counter to `done`, which its watcher accepts as a clean exit.
+
+A Python thread can be starved: of the GIL (a long call that holds it) or of CPU (a machine loaded many
+times over). Two rules keep that from being taken for a lost rank: a thread that notices it woke up late
+judges nobody on that round, and a silent rank on the same machine (same boot id) is declared lost only
+when its process is gone or stopped (`running`, from psutil). Across machines only the counter can tell;
+a rank starved there for 0.75 x heartbeat_s would be reported, so raise heartbeat_s on such machines.
 """
 
 from __future__ import annotations
@@ -77,12 +84,15 @@ class Heartbeat:
 
     def __init__(self, connect: Callable[[], Any], rank: int, world: int, hosts: list[str], bound_s: float,
                  fire: Callable[[Verdict], None], store_where: str = "", watch_parent: bool = True,
-                 idle_check: Callable[[], None] | None = None, on_hang: Callable[[], None] | None = None):
+                 idle_check: Callable[[], None] | None = None, on_hang: Callable[[], None] | None = None,
+                 running: Callable[[int], bool | None] | None = None):
         self.connect, self.rank, self.world, self.hosts = connect, rank, world, hosts
         self.bound = bound_s
-        self.interval = max(0.05, bound_s / 4)
+        self.interval = max(0.05, bound_s / 8)
+        self.stale = bound_s - 2 * self.interval  # + one poll + the second look = bound_s
         self.peer = (rank + 1) % world
         self._fire, self.store_where, self.idle_check, self.on_hang = fire, store_where, idle_check, on_hang
+        self.running = running or (lambda rank: None)
         self.ppid = os.getppid() if watch_parent else None
         self.last_ok = time.monotonic()
         self.verdict: Verdict | None = None
@@ -130,8 +140,11 @@ class Heartbeat:
     def _beat(self) -> None:
         store, mine, theirs = self.store, hb_key(self.rank), hb_key(self.peer)
         last_value, last_change = None, time.monotonic()
-        hang_seen = False
+        hang_seen, woke = False, time.monotonic()
         while not self._stop.wait(self.interval):
+            if time.monotonic() - woke > 3 * self.interval:  # this thread was starved itself: judge nobody on it
+                last_change = time.monotonic()
+            woke = time.monotonic()
             try:
                 store.add(mine, 1)
                 value, abort, hang = store.multi_get([theirs, ABORT, HANG])
@@ -151,14 +164,21 @@ class Heartbeat:
                 continue
             if value != last_value:
                 last_value, last_change = value, now
-            elif now - last_change > self.bound:
+            elif now - last_change > self.stale:
+                if self.running(self.peer):  # on this machine and not stopped: starved of CPU, not lost
+                    last_change = now
+                    continue
                 self.fire(self._lost(store, now - last_change))
                 return
 
     def _guard(self) -> None:
+        woke = time.monotonic()
         while not self._stop.wait(self.interval):
             now = time.monotonic()
-            if now - self.last_ok > self.bound + self.interval:
+            if now - woke > 3 * self.interval:  # starved itself (like the beat thread): start the count anew
+                self.last_ok = now
+            woke = now
+            if now - self.last_ok > self.stale + self.interval:
                 self.fire(self._store_lost(f"no answer for {now - self.last_ok:.1f} s"), publish=False)
                 return
             if self.ppid is not None and os.getppid() != self.ppid:
@@ -177,10 +197,10 @@ class Heartbeat:
         lost = [self.peer]
         try:
             before = store.multi_get(keys)
-            time.sleep(max(self.interval, 0.2))
+            time.sleep(self.interval)
             after = store.multi_get(keys)
             lost = sorted({self.peer} | {r for r, (a, b) in enumerate(zip(before, after))
-                                         if a == b and a != b"done" and r != self.rank})
+                                         if a == b and a != b"done" and r != self.rank and not self.running(r)})
         except Exception:  # noqa: BLE001 - keep the first finding
             pass
         return Verdict("lost", f"lost {name_ranks(lost, self.hosts)}: no heartbeat for {silent_s:.1f} s (process "

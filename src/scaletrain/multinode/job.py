@@ -4,7 +4,9 @@
 SLURM. On entry, in this order and before any model is built:
 
 1. connect to the job's TCP store (MASTER_ADDR:MASTER_PORT; torchrun's agent hosts it, under plain srun
-   rank 0 does) - the same store then initialises the default process group;
+   rank 0 does) - the same store then initialises the default process group, under a prefix counting this
+   rank's starts: torchrun keeps its store across `--max-restarts`, and a restarted gloo group would
+   otherwise read the failed attempt's peer addresses and die connecting to them;
 2. choose the interface for gloo / NCCL (`network.py`): GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when the
    user set them, else the one routing to MASTER_ADDR; on the rank-0 node of a multi-node job, where
    MASTER_ADDR may be this very host (and resolve to 127.0.1.1), the one routing to a rank of another
@@ -47,7 +49,7 @@ from scaletrain.multinode import network, preflight
 from scaletrain.multinode.flight import T0, FlightRecorder, diagnose
 from scaletrain.multinode.heartbeat import ABORT, HANG, Heartbeat, Verdict, hb_key
 
-NET_KEY = "scaletrain/net/{port}/{rank}"  # before the per-attempt prefix exists: this rank's chosen address
+NET_KEY = "scaletrain/net/{attempt}/{rank}"  # before the per-job prefix exists: this rank's chosen address
 
 
 class CollectiveHang(RuntimeError):
@@ -80,6 +82,7 @@ class Job:
         self.cfg, self.out, self.env, self.device = cfg, out, env, device
         self.rank, self.world, self.local_rank = env.rank, env.world_size, env.local_rank
         self.timeout = cfg.parallel.timeout_s
+        self.attempt = 1
         logs = os.environ.get("SCALETRAIN_LOG_DIR")
         self.logs = Path(logs) if logs else (out / "logs" if out is not None else None)
         self.store: Any = None
@@ -90,6 +93,7 @@ class Job:
         self.heartbeat: Heartbeat | None = None
         self.recorder: FlightRecorder | None = None
         self.trainer: Any = None
+        self._published_own = False
 
     # ------------------------------------------------------------------ start-up
 
@@ -100,8 +104,12 @@ class Job:
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         self.store = dist.TCPStore(host, port, self.world, is_master=self.rank == 0 and not agent,
                                    timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
+        # torchrun's agent keeps one store for all restarts: keys of the attempt that failed (gloo's peer
+        # addresses among them) would be read by the next one. The n-th start of rank r keys under "attempt n".
+        self.attempt = int(self.store.add(f"scaletrain/starts/{self.rank}", 1)) if agent else 1
         self.net = self._choose_network(host, port)
-        distributed.init(self.env, self.timeout, self.device, store=dist.PrefixStore("default_pg", self.store))
+        distributed.init(self.env, self.timeout, self.device,
+                         store=dist.PrefixStore(f"default_pg/attempt{self.attempt}", self.store))
         box = [uuid.uuid4().hex[:16] if self.rank == 0 else ""]
         dist.broadcast_object_list(box, src=0)
         self.kv = dist.PrefixStore(f"scaletrain/{box[0]}/", self.store)
@@ -115,7 +123,7 @@ class Job:
                     host, port, is_master=False, timeout=timedelta(seconds=self.timeout), wait_for_workers=False)),
                 self.rank, self.world, self.hosts, p.heartbeat_s, self._stop_now, f" at {host}:{port}",
                 watch_parent=self.env.launcher == "torchrun", idle_check=self._idle_check,
-                on_hang=self._publish_flight).start()
+                on_hang=self._publish_flight, running=self._running).start()
         return self
 
     def _choose_network(self, master: str, port: int) -> network.NetChoice:
@@ -129,7 +137,7 @@ class Job:
             choice = network.route_to(master)
             if nodes > 1 and network.is_loopback(choice.address):
                 choice = self._route_to_other_node(per_node, port, choice)
-        self.store.set(NET_KEY.format(port=port, rank=self.rank), choice.address)
+        self.store.set(NET_KEY.format(attempt=self.attempt, rank=self.rank), choice.address)
         if nodes > 1:
             for v in network.SOCKET_VARS if self.device.type == "cuda" else ("GLOO_SOCKET_IFNAME",):
                 os.environ.setdefault(v, choice.interface)
@@ -142,7 +150,7 @@ class Job:
     def _route_to_other_node(self, per_node: int, port: int, mine: network.NetChoice) -> network.NetChoice:
         """MASTER_ADDR is this host: route to the first rank of the next node instead."""
         peer = (self.rank - self.local_rank + per_node) % self.world
-        key = NET_KEY.format(port=port, rank=peer)
+        key = NET_KEY.format(attempt=self.attempt, rank=peer)
         try:
             self.store.wait([key], timedelta(seconds=self.timeout))
         except RuntimeError:
@@ -195,6 +203,19 @@ class Job:
             except OSError:
                 pass
 
+    def _running(self, rank: int) -> bool | None:
+        """Whether `rank` is known to be alive and not stopped: only a rank on this machine can be looked at."""
+        f = self.facts[rank] if rank < len(self.facts) else None
+        if f is None or not f.machine or f.machine != self.facts[self.rank].machine:
+            return None
+        import psutil
+
+        try:
+            return psutil.Process(f.pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE,
+                                                          psutil.STATUS_DEAD, psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            return False
+
     def attach(self, trainer: Any) -> None:
         """Let the flight recorder stamp entries with the trainer's step and name the mesh's groups."""
         self.trainer = trainer
@@ -231,7 +252,7 @@ class Job:
 
                 self.logs.mkdir(parents=True, exist_ok=True)
                 write_error_record(self.logs, self.rank, 1, v.message, plain=True)
-            if v.by == self.rank or self.local_rank == 0:
+            if v.by == self.rank or (self.local_rank == 0 and self.hosts[v.by] != self.hosts[self.rank]):
                 sys.stderr.write(f"scaletrain: error: {v.message}\n")
             sys.stdout.flush()
             sys.stderr.flush()
@@ -240,10 +261,13 @@ class Job:
 
     # ------------------------------------------------------------------ hangs
 
-    def _publish_flight(self) -> None:
-        if self.recorder is not None:
+    def _publish_flight(self, exc: BaseException | None = None) -> None:
+        """Put this rank's flight record into the store. The main thread's (after its call failed, with the
+        traceback that shows what it waited on) is never replaced by the heartbeat thread's."""
+        if self.recorder is not None and not (exc is None and self._published_own):
+            self._published_own = self._published_own or exc is not None
             try:
-                self.kv.set(f"fr/{self.rank}", json.dumps(self.recorder.dump()))
+                self.kv.set(f"fr/{self.rank}", json.dumps(self.recorder.dump(exc)))
             except Exception:  # noqa: BLE001 - best effort: the report says whose record is missing
                 pass
 
@@ -271,7 +295,7 @@ class Job:
 
     def _hang(self, exc: BaseException | None) -> None:
         """A collective timed out here: gather every rank's flight record; the first such rank reports."""
-        self._publish_flight()
+        self._publish_flight(exc)
         try:
             first = self.kv.compare_set(HANG, "", str(self.rank)) == str(self.rank).encode()
         except Exception:  # noqa: BLE001
@@ -290,7 +314,8 @@ class Job:
         where = self._write_report(lines, dumps)
         message = (f"a collective timed out after {self.timeout:g} s (parallel.timeout_s) at step {step}: "
                    f"{lines[0]}" + (f"; full report: {where}" if where else ""))
-        sys.stderr.write("\n".join(lines) + "\n")
+        if where is None:  # no log folder to hold the report: it goes to this rank's stderr
+            sys.stderr.write("\n".join(lines) + "\n")
         verdict = Verdict("hang", message, self.rank)
         if self.heartbeat is not None:
             self.heartbeat.fire(verdict)
@@ -328,6 +353,19 @@ class _Inert:
 
     hosts: list[str] = []
     facts: list = []
+
+    def _running(self, rank: int) -> bool | None:
+        """Whether `rank` is known to be alive and not stopped: only a rank on this machine can be looked at."""
+        f = self.facts[rank] if rank < len(self.facts) else None
+        if f is None or not f.machine or f.machine != self.facts[self.rank].machine:
+            return None
+        import psutil
+
+        try:
+            return psutil.Process(f.pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE,
+                                                          psutil.STATUS_DEAD, psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            return False
 
     def attach(self, trainer: Any) -> None:
         pass

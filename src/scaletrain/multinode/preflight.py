@@ -53,6 +53,7 @@ class RankFacts:
     out_note: str = ""  # why not (missing folder, unreadable, read-only ...)
     seen_by_rank0: bool = True  # rank 0 saw this rank's marker
     out_path: str = ""  # --out as this rank resolves it
+    machine: str = ""  # the kernel's boot id: equal on two ranks exactly when they share a machine
 
 
 def config_sha(cfg_dict: dict[str, Any]) -> str:
@@ -66,7 +67,15 @@ def local_facts(rank: int, local_rank: int, cfg_dict: dict[str, Any], interface:
     import scaletrain
 
     return RankFacts(rank, socket.gethostname(), local_rank, os.getpid(), torch.__version__, scaletrain.__version__,
-                     platform.python_version(), config_sha(cfg_dict), cfg_dict, interface, address, net_reason)
+                     platform.python_version(), config_sha(cfg_dict), cfg_dict, interface, address, net_reason,
+                     machine=machine_id())
+
+
+def machine_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def marker_dir(out: Path, nonce: str) -> Path:
