@@ -8,7 +8,9 @@ and fills in the flags a user otherwise learns the hard way (docs/multinode.md):
 - `--rdzv-conf is_host=1` on the rendezvous host itself (torch recognises it by resolving its host name,
   which fails when the endpoint is given as an address or the name resolves to loopback);
 - `--max-restarts` from `--restarts`: after a failure every node's workers start again and resume from the
-  newest complete checkpoint.
+  newest complete checkpoint; a node that died can be replaced by starting the same command on a new one
+  (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each rendezvous round its own worker store, without which a
+  node joining a later round waits forever for that round's MASTER_ADDR).
 
 torchrun's own output goes to `OUT/logs/launcher-<host>.log`; rank 0 (on whichever node it lands) prints the
 progress and summary; a failure is one line on every node that is still alive, from the ranks' error
@@ -105,6 +107,10 @@ def launch_nodes(nnodes: int, nproc: int, endpoint: str, argv: list[str], out_di
     env = dict(os.environ)
     env[LOG_DIR_ENV] = str(logs.resolve())
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # a fresh worker store for every rendezvous round (rank 0's worker hosts it): with torchrun's shared store a
+    # node that joins a later round (a replacement after a failure) waits forever for the MASTER_ADDR of that
+    # round, which only a new rank-0 agent would publish (torch 2.13)
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     role = "rendezvous host" if here else "joins"
     sys.stderr.write(f"scaletrain: host {socket.gethostname()}: {nproc} ranks of {nnodes * nproc}, {role} "
                      f"{endpoint}, reachable at {choice.address} ({choice.interface}: {choice.reason})\n")
