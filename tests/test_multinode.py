@@ -120,9 +120,10 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_stopped_or_killed_node_is_named_and_the_job_resumes_exactly(hosts, tmp_path, uninterrupted):
-    """SIGSTOP of one host is noticed within parallel.heartbeat_s and stops the other naming the lost rank;
-    SIGKILL of a whole host stops the other's ranks within 10 s naming it; with --restarts the survivor waits,
-    a new host joins, and the final metrics.jsonl equals the uninterrupted --nproc 2 run in every computed field."""
+    """SIGSTOP of every process of one host is noticed within parallel.heartbeat_s and stops the other naming the
+    lost rank; SIGKILL of one host's launcher process group stops the other's ranks within 10 s naming it; with
+    --restarts the survivor waits, a new host joins, and the final metrics.jsonl equals the uninterrupted
+    --nproc 2 run in every computed field."""
     out, cwd = tmp_path / "run", [tmp_path, tmp_path]
     name_b = f" (host {hosts.hostname(1)})" if hosts.isolated else ""
 
@@ -139,18 +140,20 @@ def test_stopped_or_killed_node_is_named_and_the_job_resumes_exactly(hosts, tmp_
     hosts.kill_all()
     first_stop = rows(out)[-1]["step"]
 
-    # 2. with --restarts 1: SIGKILL every process of node b; node a's ranks stop within 10 s naming rank 1 and
-    #    its agent waits for a new node b, which joins; both resume from the newest complete checkpoint
+    # 2. with --restarts 1: SIGKILL node b's launcher process group (torchrun starts its workers in sessions of
+    #    their own, so they survive it: they notice their agent died and stop); node a's ranks stop within 10 s
+    #    naming rank 1, its agent waits, a new node b joins, both resume from the newest complete checkpoint
     port = free_port()
     a, b = train_nodes(hosts, port, LONG, cwd, str(out), "kill", ("--restarts", "1"))
     wait_for_step(out, first_stop + 4, [a, b])
-    hosts.signal_node(1, signal.SIGKILL, b)
+    os.killpg(b.pid, signal.SIGKILL)
     killed = time.time()
     deadline = killed + 10
     while not (out / "logs/rank0.error.json").exists() and time.time() < deadline:
         time.sleep(0.05)
     record = json.loads((out / "logs/rank0.error.json").read_text())
-    assert record["message"].startswith(f"lost rank 1{name_b}"), record["message"]
+    assert record["message"].startswith(f"lost rank 1{name_b}: its launcher (the node's torchrun agent, pid "), \
+        record["message"]
     assert record["time"] - killed <= 10
     assert rows(out)[-1]["step"] < LONG["train.steps"], "the run ended before the kill: the test proves nothing"
     b = train_nodes(hosts, port, LONG, cwd, str(out), "kill-again", ("--restarts", "1"), nodes=(1,))[0]
@@ -240,6 +243,54 @@ def test_heartbeat_names_a_frozen_rank_within_the_bound():
     assert verdicts[2][1].message == v.message and 1 not in verdicts
     for b in beats:
         b.stop(clean=False)
+
+
+def test_heartbeat_names_the_host_of_a_frozen_store():
+    """The store (torchrun's agent on the rank-0 node) is SIGSTOPped: its calls never return, so the guard thread
+    decides within the bound that rank 0's host is lost."""
+    import torch.distributed as dist
+
+    from scaletrain.multinode.heartbeat import ABORT, HANG, Heartbeat, hb_key
+
+    port = free_port()
+    server = subprocess.Popen([PY, "-c", "import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', "
+                               "int(sys.argv[1]), is_master=True, wait_for_workers=False); print('up', flush=True); "
+                               "time.sleep(120)", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+
+        def client():
+            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
+                                 wait_for_workers=False)
+
+        c = client()
+        for k in (ABORT, HANG):
+            c.set(k, "")
+        for r in range(2):
+            c.add(hb_key(r), 1)
+        verdicts: dict[int, tuple[float, object]] = {}
+
+        def fire(v, r):
+            verdicts.setdefault(r, (time.monotonic(), v))
+
+        beats = [Heartbeat(client, r, 2, ["h0", "h1"], 1.0, lambda v, r=r: fire(v, r), f" at 127.0.0.1:{port}",
+                           watch_parent=False).start() for r in range(2)]
+        time.sleep(0.5)
+        os.kill(server.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        while len(verdicts) < 2 and time.monotonic() < frozen + 5:
+            time.sleep(0.02)
+        for r in (0, 1):
+            at, v = verdicts[r]
+            assert v.message.startswith(f"lost rank 0 (host h0): the job's store at 127.0.0.1:{port} on that host "
+                                        "stopped answering (no answer for"), v.message
+            assert at - frozen <= 1.0 + 0.5, f"decided {at - frozen:.2f} s after the freeze"
+        for b in beats:
+            b._stop.set()
+    finally:
+        server.kill()
+        os.kill(server.pid, signal.SIGCONT)
+        server.wait()
 
 
 def test_heartbeat_accepts_a_rank_that_finished():
@@ -407,3 +458,29 @@ def test_launch_info_prints_this_hosts_view(tmp_path, capsys):
     assert "--max-restarts=0" in out and f"--out       {tmp_path}: exists, writable" in out
     assert main(["launch-info", "--rdzv-endpoint", "x:99999"]) == 2
 
+
+
+def test_slurm_example_runs_our_launcher_with_a_valid_command_line(tmp_path):
+    """examples/slurm/train.sbatch with stand-ins for scontrol and srun: the command srun would start on every
+    node parses as `scaletrain train` with 2 nodes, 8 ranks each, the first node as rendezvous and 2 restarts."""
+    from scaletrain.cli import build_parser
+    from scaletrain.multinode.launcher import check_arguments
+    from scaletrain.train.command import cmd_train
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
+    (fake / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NAME": "t", "SRUN_ARGS": str(tmp_path / "argv")}
+    p = subprocess.run(["bash", str(TESTS.parent / "examples/slurm/train.sbatch")], env=env, capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv[:2] == ["--kill-on-bad-exit=1", ".venv/bin/scaletrain"]
+    args = build_parser().parse_args(argv[2:])
+    check_arguments(args)
+    assert args.func is cmd_train and (args.nnodes, args.nproc, args.restarts) == (2, 8, 2)
+    assert args.rdzv_endpoint == "gpu-node-07:29400" and args.out == "/shared/runs/t" and args.config == "run.yaml"

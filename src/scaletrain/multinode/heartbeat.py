@@ -183,8 +183,8 @@ class Heartbeat:
                 return
             if self.ppid is not None and os.getppid() != self.ppid:
                 mine = name_ranks([self.rank], self.hosts)
-                self.fire(Verdict("lost", f"the launcher (torchrun agent, pid {self.ppid}) of {mine} died; its "
-                                          "workers stop with it", self.rank, [self.rank]))
+                self.fire(Verdict("lost", f"lost {mine}: its launcher (the node's torchrun agent, pid {self.ppid}) "
+                                          "died, and its workers stop with it", self.rank, [self.rank]))
                 return
             if self.idle_check is not None:
                 self.idle_check()
