@@ -294,7 +294,9 @@ def test_heartbeat_names_the_host_of_a_frozen_store():
         server.wait()
 
 
-def test_heartbeat_accepts_a_rank_that_finished():
+def test_heartbeat_accepts_a_rank_that_finished_and_reports_one_that_failed():
+    """Rank 2 finishes ("done"): nobody is blamed. Rank 1 ends with bad input: its watcher, rank 0, reports rank 1's
+    own error line and exit code 2, not a silent rank."""
     import torch.distributed as dist
 
     from scaletrain.multinode.heartbeat import ABORT, HANG, Heartbeat, hb_key
@@ -303,17 +305,25 @@ def test_heartbeat_accepts_a_rank_that_finished():
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     for k in (ABORT, HANG):
         server.set(k, "")
-    for r in range(2):
+    for r in range(3):
         server.add(hb_key(r), 1)
     verdicts = []
 
     def client():
         return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
 
-    beats = [Heartbeat(client, r, 2, ["h", "h"], 0.6, verdicts.append, watch_parent=False).start() for r in range(2)]
-    beats[1].stop(clean=True)  # finished: sets its counter to "done"
-    time.sleep(1.5)
+    beats = [Heartbeat(client, r, 3, ["h"] * 3, 0.6, verdicts.append, watch_parent=False).start() for r in range(3)]
+    beats[2].stop(clean=True)  # finished: sets its counter to "done"
+    time.sleep(1.2)
     assert not verdicts
+    beats[1].stop(clean=False)
+    beats[1].mark_failed("checkpoint x is corrupted (SHA-256 mismatch)", 2)
+    deadline = time.monotonic() + 3
+    while not verdicts and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (v,) = verdicts
+    assert (v.kind, v.by, v.code) == ("failed", 0, 2)
+    assert v.message == "rank 1 (host h) failed: checkpoint x is corrupted (SHA-256 mismatch)"
     beats[0].stop()
 
 

@@ -21,7 +21,9 @@ daemon threads with their own store client:
 The same `multi_get` reads the `hang` key: when a rank's collective times out it sets `hang`, and every
 rank's beat thread answers by publishing its flight record (the main thread may be blocked in C++).
 
-A rank that finishes sets its counter to `done`, which its watcher accepts as a clean exit.
+A rank that finishes sets its counter to `done`, which its watcher accepts as a clean exit; one that ends
+with an error sets it to `failed` beside the error's first line, which its watcher reports as the cause
+(`rank 1 (host node-b) failed: FileNotFoundError: ...`) - useful when the logs are not shared.
 
 A Python thread can be starved: of the GIL (a long call that holds it) or of CPU (a machine loaded many
 times over). Two rules keep that from being taken for a lost rank: a thread that notices it woke up late
@@ -46,20 +48,23 @@ HANG = "hang"  # set by the first rank whose collective timed out: every rank th
 
 @dataclass
 class Verdict:
-    """Why the job stops: `lost` (a rank or the store vanished), `hang` (a collective timed out) or `stop`."""
+    """Why the job stops: `lost` (a rank or the store vanished), `failed` (a rank ended with an error) or `hang`
+    (a collective timed out)."""
 
     kind: str
     message: str
     by: int  # the rank that decided
     lost: list[int] = field(default_factory=list)
+    code: int = 1  # the exit code every rank ends with (2: a rank failed on bad input)
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "message": self.message, "by": self.by, "lost": self.lost})
+        return json.dumps({"kind": self.kind, "message": self.message, "by": self.by, "lost": self.lost,
+                           "code": self.code})
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Verdict:
         d = json.loads(raw)
-        return cls(d["kind"], d["message"], int(d["by"]), list(d.get("lost", [])))
+        return cls(d["kind"], d["message"], int(d["by"]), list(d.get("lost", [])), int(d.get("code", 1)))
 
 
 def hb_key(rank: int) -> str:
@@ -120,6 +125,17 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the store may be gone at the very end of a job
                 pass
 
+    def mark_failed(self, message: str, code: int = 1) -> None:
+        """This rank ends with an error: its watcher reports the error itself (and its exit code), not a silent
+        rank."""
+        if self.store is None or self.verdict is not None:
+            return
+        try:
+            self.store.set(f"err/{self.rank}", json.dumps({"message": message, "code": code}))
+            self.store.set(hb_key(self.rank), "failed")
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            pass
+
     # ------------------------------------------------------------------ threads
 
     def fire(self, verdict: Verdict, publish: bool = True) -> None:
@@ -162,6 +178,14 @@ class Heartbeat:
                 self.on_hang()
             if value == b"done":
                 continue
+            if value == b"failed":
+                try:
+                    err = json.loads(store.get(f"err/{self.peer}"))
+                except Exception:  # noqa: BLE001
+                    err = {"message": "?", "code": 1}
+                self.fire(Verdict("failed", f"{name_ranks([self.peer], self.hosts)} failed: {err['message']}",
+                                  self.rank, [self.peer], int(err.get("code", 1))))
+                return
             if value != last_value:
                 last_value, last_change = value, now
             elif now - last_change > self.stale:
@@ -200,7 +224,8 @@ class Heartbeat:
             time.sleep(self.interval)
             after = store.multi_get(keys)
             lost = sorted({self.peer} | {r for r, (a, b) in enumerate(zip(before, after))
-                                         if a == b and a != b"done" and r != self.rank and not self.running(r)})
+                                         if a == b and a not in (b"done", b"failed") and r != self.rank
+                                         and not self.running(r)})
         except Exception:  # noqa: BLE001 - keep the first finding
             pass
         return Verdict("lost", f"lost {name_ranks(lost, self.hosts)}: no heartbeat for {silent_s:.1f} s (process "

@@ -234,6 +234,10 @@ class Job:
                 self._await_verdict(self.heartbeat.bound + 3 * self.heartbeat.interval + 1)
         if self.heartbeat is not None:
             self.heartbeat.stop(clean=exc is None)
+            if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                text = str(exc).splitlines()[0][:300] if str(exc) else exc.__class__.__name__
+                user = isinstance(exc, UserError)
+                self.heartbeat.mark_failed(text if user else f"{exc.__class__.__name__}: {text}", 2 if user else 1)
         if self.recorder is not None:
             self.recorder.uninstall()
 
@@ -251,13 +255,13 @@ class Job:
                 from scaletrain.launch import write_error_record
 
                 self.logs.mkdir(parents=True, exist_ok=True)
-                write_error_record(self.logs, self.rank, 1, v.message, plain=True)
+                write_error_record(self.logs, self.rank, v.code, v.message, plain=True)
             if v.by == self.rank or (self.local_rank == 0 and self.hosts[v.by] != self.hosts[self.rank]):
                 sys.stderr.write(f"scaletrain: error: {v.message}\n")
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(1)
+            os._exit(v.code)
 
     # ------------------------------------------------------------------ hangs
 
