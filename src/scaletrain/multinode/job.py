@@ -31,6 +31,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -94,6 +95,7 @@ class Job:
         self.recorder: FlightRecorder | None = None
         self.trainer: Any = None
         self._published_own = False
+        self._publish_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start-up
 
@@ -268,7 +270,11 @@ class Job:
     def _publish_flight(self, exc: BaseException | None = None) -> None:
         """Put this rank's flight record into the store. The main thread's (after its call failed, with the
         traceback that shows what it waited on) is never replaced by the heartbeat thread's."""
-        if self.recorder is not None and not (exc is None and self._published_own):
+        if self.recorder is None:
+            return
+        with self._publish_lock:
+            if exc is None and self._published_own:
+                return
             self._published_own = self._published_own or exc is not None
             try:
                 self.kv.set(f"fr/{self.rank}", json.dumps(self.recorder.dump(exc)))
@@ -310,9 +316,12 @@ class Job:
             return
         keys = [f"fr/{r}" for r in range(self.world)]
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not self.kv.check(keys):
+        dumps: list[dict] = []
+        while time.monotonic() < deadline:  # every record, each naming the call its rank is blocked in
+            dumps = [json.loads(self.kv.get(k)) for k in keys if self.kv.check([k])]
+            if len(dumps) == self.world and all(any(o["blocked"] for o in d["ops"]) for d in dumps):
+                break
             time.sleep(0.05)
-        dumps = [json.loads(self.kv.get(k)) for k in keys if self.kv.check([k])]
         lines = diagnose(dumps)
         step = self.trainer.step if self.trainer is not None else 0
         where = self._write_report(lines, dumps)
