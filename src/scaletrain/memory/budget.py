@@ -8,10 +8,12 @@ What is measured (every step, `mem_resident` in metrics.jsonl, the max over rank
   device, parameters, gradients, optimizer state, activations, staging buffers, temporaries.
 - CPU: the peak resident set size of the process over the step (`VmHWM`, reset when the step begins by writing 5
   to /proc/self/clear_refs) minus the resident set size when the trainer was created (the interpreter, torch and
-  the libraries, which no memory technique changes). This is memory the operating system really gives the
-  process: tensors, allocator caches, I/O staging buffers, thread stacks; the page cache of the offload files
-  is the kernel's, not the process's, and is not counted. Without /proc/self/clear_refs (not Linux) the peak is
-  the process's lifetime peak (`ru_maxrss`), which can only over-state the step's.
+  the libraries, which no memory technique changes) and minus the growth of its file-backed pages since then
+  (`RssFile`: the memory-mapped token file and library code, clean pages the kernel can drop at any time). This
+  is memory the operating system really gives the process: tensors, allocator caches, I/O staging buffers,
+  thread stacks; the page cache of the offload files is the kernel's, not the process's, and is not counted. Without /proc/self/clear_refs (not Linux) the peak is
+  the process's lifetime peak (`ru_maxrss`), which can only over-state the step's. Such runs also make glibc
+  return freed large buffers to the system at once (`return_freed_memory`), so that RSS follows what is live.
 
 A step whose measured bytes exceed the budget stops the run on every rank with a one-line error (exit 2) naming
 the step, the bytes and the planner's prediction.
@@ -75,6 +77,7 @@ class ResidentMeter:
     def __init__(self, budget_bytes: int, plan_bytes: int | None = None):
         self.budget, self.plan = budget_bytes, plan_bytes
         self.baseline = _status_bytes("VmRSS") or _lifetime_peak()
+        self.file_baseline = _status_bytes("RssFile") or 0
         self.exact = False
 
     def begin(self, device: torch.device) -> None:
@@ -87,7 +90,8 @@ class ResidentMeter:
         if device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(device))
         peak = _status_bytes("VmHWM") if self.exact else None
-        return max(0, (peak if peak is not None else _lifetime_peak()) - self.baseline)
+        files = max(0, (_status_bytes("RssFile") or 0) - self.file_baseline)  # mapped data and library pages
+        return max(0, (peak if peak is not None else _lifetime_peak()) - self.baseline - files)
 
     def end(self, device: torch.device, step: int) -> dict[str, int]:
         local = self.measure(device)
@@ -108,10 +112,29 @@ class ResidentMeter:
         return row
 
 
+def return_freed_memory() -> bool:
+    """glibc: serve every allocation of 128 KiB or more with its own mmap, so that freed tensors go back to the
+    operating system at once. By default glibc raises that threshold after the first large free (up to 32 MiB)
+    and keeps later frees in its heap, so a process that streams units through memory keeps the high-water
+    mark of everything it ever freed. False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
 def resident_meter(cfg, env=None) -> ResidentMeter | None:
     """The run's meter: with memory.budget_gb > 0 or parallel.offload=nvme (whose point is what stays resident)."""
     if cfg.memory.budget_gb <= 0 and cfg.parallel.offload != "nvme":
         return None
+    return_freed_memory()
+    with torch.device("meta"):  # torch loads its meta-kernel tables on first use (~70 MB): library, not run
+        torch.nn.Linear(2, 2)(torch.empty(1, 2))
     plan = None
     if cfg.memory.budget_gb > 0:
         try:

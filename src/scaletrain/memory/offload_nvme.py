@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +57,7 @@ from scaletrain.parallel.zero import (
     unit_params,
 )
 
-STEP_CHUNK = 1 << 20
+STEP_CHUNK = 1 << 18
 """Elements of a shard updated at once by the streamed optimizer step (one staging set holds this many of each
 state)."""
 
@@ -124,7 +125,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
             layout["masters"] = (torch.float32, shards)
         if self.nvme_grads:
             layout["grads"] = (self.grad_dtype, shards)
-        tag = f"scaletrain-nvme-{socket.gethostname()}-{os.getpid()}-rank{self.rank:05d}"
+        tag = f"scaletrain-nvme-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{self.rank:05d}"
         self.files = ShardFiles(self._root / tag, layout, threads=self.depth + 1)
         self.master_cat = "masters" if low else "params"
         names = {id(p): n for n, p in module.named_parameters()}
@@ -135,10 +136,12 @@ class NvmeZeroOptimizer(ZeroOptimizer):
                     view = g.full[off: off + p.numel()].view_as(p)
                     if p.device.type == "meta":  # materialise this unit only, by (seed, name)
                         view.copy_(self._init(names[id(p)], tuple(p.shape)).to(p.dtype))
-                        torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+                        # a real (empty) tensor in place of the meta one, keeping the Parameter object (hooks,
+                        # ties); then `.data` as in-memory ZeRO-3: its own version counter, not the flat buffer's
+                        torch.utils.swap_tensors(p, nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad))
                     else:
                         view.copy_(p)
-                        p.data = view
+                    p.data = view
                 shard = g.own(g.full).detach().to("cpu", copy=True)  # (numpy views pin a storage)
                 self.files.write("params", k, shard)
                 if low:
@@ -278,8 +281,8 @@ class NvmeZeroOptimizer(ZeroOptimizer):
                     self.files.read("grads", k, part[: hi - lo], lo)
                     buf[lo:hi] += part[: hi - lo]
             self.files.write("grads", k, buf)
-            self._grad_sq[k] = sum(float(buf[pc.lo: pc.hi].double().square().sum())
-                                   for pc in g.pieces if _is_norm_owner(pc.param))
+            self._grad_sq[k] = [buf[pc.lo: pc.hi].double().square().sum()
+                                for pc in g.pieces if _is_norm_owner(pc.param)]
         finally:
             self._grad_free.append(self.grad_pool[[b.data_ptr() for b in self.grad_pool].index(buf.data_ptr())])
 
@@ -292,15 +295,18 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         if not self.nvme_grads:
             return super().local_grad_sq()
         self._wait_grads()
-        total = sum(self._grad_sq.get(self._k(g), 0.0) for g in self.groups)
-        return torch.tensor(total, dtype=torch.float64, device=self.device)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in self.groups:  # the pieces' sums in in-memory ZeRO-3's order: the same bits
+            for part in self._grad_sq.get(self._k(g), []):
+                sq += part
+        return sq
 
     def scale_grads_(self, coef: float) -> None:
         if not self.nvme_grads:
             return super().scale_grads_(coef)
         self._wait_grads()
         self._grad_muls.append(coef)  # applied chunk by chunk in the step, in this order (as in memory)
-        self._grad_sq = {k: v * coef * coef for k, v in self._grad_sq.items()}
+        self._grad_sq = {k: [v * (coef * coef) for v in parts] for k, parts in self._grad_sq.items()}
 
     def unscale_(self, inv_scale: float) -> bool:
         if not self.nvme_grads:
@@ -308,7 +314,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         if inv_scale != 1.0:
             self.scale_grads_(inv_scale)
         self._wait_grads()
-        return not math.isfinite(sum(self._grad_sq.values()))
+        return not math.isfinite(float(sum(sum(parts) for parts in self._grad_sq.values())))
 
     def zero_grad(self) -> None:
         if not self.nvme_grads:
