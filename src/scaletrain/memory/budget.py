@@ -11,9 +11,10 @@ What is measured (every step, `mem_resident` in metrics.jsonl, the max over rank
   the libraries, which no memory technique changes) and minus the growth of its file-backed pages since then
   (`RssFile`: the memory-mapped token file and library code, clean pages the kernel can drop at any time). This
   is memory the operating system really gives the process: tensors, allocator caches, I/O staging buffers,
-  thread stacks; the page cache of the offload files is the kernel's, not the process's, and is not counted. Without /proc/self/clear_refs (not Linux) the peak is
-  the process's lifetime peak (`ru_maxrss`), which can only over-state the step's. Such runs also make glibc
-  return freed large buffers to the system at once (`return_freed_memory`), so that RSS follows what is live.
+  thread stacks; the page cache of the offload files is the kernel's, not the process's, and is not counted.
+  Without /proc/self/clear_refs (not Linux) the peak is the process's lifetime peak (`ru_maxrss`), which can
+  only over-state the step's. Such runs also make glibc return freed large buffers to the system at once
+  (`return_freed_memory`), so that RSS follows what is live.
 
 A step whose measured bytes exceed the budget stops the run on every rank with a one-line error (exit 2) naming
 the step, the bytes and the planner's prediction.
