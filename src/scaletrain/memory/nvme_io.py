@@ -170,3 +170,34 @@ class ReadAhead:
             _, (buf, fut) = self.staged.popitem(last=False)
             fut.result()
             self.free.append(buf)
+
+
+def measure_bandwidth(directory: str | os.PathLike, nbytes: int = 256 << 20, block: int = 4 << 20,
+                      direct: bool = False) -> tuple[float, float]:
+    """(read, write) bytes/s of `nbytes` written then read back in `block`-byte requests in a scratch file
+    under `directory`, through the engine's own path (positioned vector I/O into tensor memory). `direct=True`
+    opens the file with O_DIRECT and syncs the writes, so the numbers are the device's, not the page cache's."""
+    import tempfile
+    import time
+
+    flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    buf = torch.empty(block + 4096, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 4096  # O_DIRECT needs aligned memory
+    t = buf[start: start + block]
+    t.random_(0, 255)
+    with tempfile.TemporaryDirectory(dir=directory) as d:
+        fd = os.open(os.path.join(d, "bench.bin"), flags, 0o600)
+        try:
+            n = max(1, nbytes // block)
+            t0 = time.perf_counter()
+            for i in range(n):
+                pwrite_from(fd, t, i * block)
+            if direct:
+                os.fsync(fd)
+            t1 = time.perf_counter()
+            for i in range(n):
+                pread_into(fd, t, i * block)
+            t2 = time.perf_counter()
+        finally:
+            os.close(fd)
+    return n * block / (t2 - t1), n * block / (t1 - t0)

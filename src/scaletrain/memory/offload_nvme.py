@@ -608,3 +608,22 @@ def planned_io(cfg) -> tuple[int, int]:
     """(read, written) bytes per step of one rank (`io_per_step`)."""
     shards, e, low, ge = _plan_shards(cfg)
     return io_per_step(shards, e, low, ge, cfg.grad_accum, cfg.parallel.nvme_grads)
+
+
+def step_time(shards: list[int], e: int, low: bool, grad_e: int, micro: int, nvme_grads: bool, read_bw: float,
+              write_bw: float, compute: float, optimizer: float) -> tuple[float, float]:
+    """(exposed I/O of the forward/backward, time of the streamed optimizer step) in seconds.
+
+    One disk serves reads and writes, so their times add. Forward/backward: the parameter reads (2 per unit and
+    micro-batch) and the gradient writes / accumulation reads run behind `compute` (read ahead, written behind);
+    what exceeds it is exposed, plus the first unit's read, which nothing hides. Step: the state reads and writes
+    overlap AdamW's arithmetic (`optimizer`, the in-memory step's time) chunk by chunk: the slower of the two,
+    plus one chunk's read to fill the pipeline."""
+    S = sum(shards)
+    me = 4 if low else e
+    g = grad_e if nvme_grads else 0
+    fb_io = 2 * micro * S * e / read_bw + micro * S * g / write_bw + (micro - 1) * S * g / read_bw
+    exposed = max(0.0, fb_io - compute) + shards[0] * e / read_bw
+    state_io = S * (me + 2 * grad_e + g) / read_bw + S * (me + 2 * grad_e + (e if low else 0)) / write_bw
+    fill = min(STEP_CHUNK, max(shards)) * (me + 2 * grad_e + g) / read_bw
+    return exposed, max(state_io, optimizer) + fill
