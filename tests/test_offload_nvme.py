@@ -27,9 +27,12 @@ RTOL, ATOL = 1e-10, 1e-12
 NVME = {"parallel.zero": 3, "parallel.offload": "nvme"}
 
 
+SHORT = {"train.steps": 3}
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return train_reference({})
+    return train_reference(SHORT)
 
 
 def _same_bits(a, b):
@@ -40,14 +43,14 @@ def _same_bits(a, b):
 
 def test_nvme_on_2_ranks_equals_in_memory_zero3_bit_for_bit_and_the_single_process_run(reference):
     """dp 2 with two micro-batches (gradients accumulated in the files)."""
-    base = {"parallel.dp": 2, "train.micro_batch": 2}
+    base = {**SHORT, "parallel.dp": 2, "train.micro_batch": 2}
     nvme, memory = train_parallel_many([{**base, **NVME}, {**base, "parallel.zero": 3}], 2)
     _same_bits(nvme, memory)
     assert_same_run(reference, nvme, RTOL, ATOL)
 
 
 def test_nvme_on_4_ranks_matches_the_single_process_run(reference):
-    nvme = train_parallel_many([{"parallel.dp": 4, "train.micro_batch": 1, **NVME}], 4)[0]
+    nvme = train_parallel_many([{**SHORT, "parallel.dp": 4, "train.micro_batch": 1, **NVME}], 4)[0]
     assert_same_run(reference, nvme, RTOL, ATOL)
 
 
@@ -65,7 +68,7 @@ def _run(overrides, out=None, stop_after=None):
 def test_single_process_io_memory_and_files_follow_the_formulas(extra):
     """Every step reads and writes exactly `io_per_step`'s bytes; resident bytes per category equal the planner's;
     the files have the planned size; the run equals in-memory ZeRO-3 bit for bit."""
-    over = {**extra, "train.micro_batch": 4, "train.steps": 3}  # two micro-batches per step
+    over = {**extra, "train.micro_batch": 4, "train.steps": 2}  # two micro-batches per step
     t, rows, nvme = _run({**over, **NVME})
     for row in rows:
         assert (row["nvme_read_bytes"], row["nvme_write_bytes"]) == \
@@ -86,13 +89,13 @@ def test_single_process_io_memory_and_files_follow_the_formulas(extra):
 
 def test_checkpoints_move_between_nvme_and_in_memory_zero3(tmp_path):
     """The engine's state has in-memory ZeRO-3's form: an nvme checkpoint resumes in memory (and back) exactly."""
-    over = {"train.steps": 4, "train.checkpoint_every": 2}
+    over = {"train.steps": 2, "train.checkpoint_every": 1}
     _, _, straight = _run({**over, "parallel.zero": 3})
-    _run({**over, **NVME}, tmp_path / "a", stop_after=2)
+    _run({**over, **NVME}, tmp_path / "a", stop_after=1)
     _, _, resumed = _run({**over, "parallel.zero": 3}, tmp_path / "a")
-    assert resumed[0] == {s: straight[0][s] for s in (3, 4)}
+    assert resumed[0] == {2: straight[0][2]}
     _same_bits(({}, straight[1]), ({}, resumed[1]))
-    _run({**over, "parallel.zero": 3}, tmp_path / "b", stop_after=2)
+    _run({**over, "parallel.zero": 3}, tmp_path / "b", stop_after=1)
     _, _, resumed = _run({**over, **NVME}, tmp_path / "b")
     _same_bits(({}, straight[1]), ({}, resumed[1]))
 
