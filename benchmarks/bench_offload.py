@@ -66,10 +66,14 @@ def main() -> None:
 
     from scaletrain.memory.nvme_io import measure_bandwidth
 
-    cached = measure_bandwidth(args.dir, 256 << 20)
-    direct = measure_bandwidth(args.dir, 256 << 20, direct=True)
-    print(f"disk under {args.dir}: page cache read {cached[0] / 1e9:.2f} GB/s, write {cached[1] / 1e9:.2f} GB/s; "
-          f"O_DIRECT read {direct[0] / 1e9:.2f} GB/s, write {direct[1] / 1e9:.2f} GB/s")
+    def median(direct: bool) -> tuple[float, float]:
+        runs = [measure_bandwidth(args.dir, 256 << 20, direct=direct) for _ in range(3)]
+        return sorted(r for r, _ in runs)[1], sorted(w for _, w in runs)[1]
+
+    cached, direct = median(False), median(True)
+    print(f"disk under {args.dir} (median of 3): page cache read {cached[0] / 1e9:.2f} GB/s, "
+          f"write {cached[1] / 1e9:.2f} GB/s; O_DIRECT read {direct[0] / 1e9:.2f} GB/s, "
+          f"write {direct[1] / 1e9:.2f} GB/s")
     ctx = mp.get_context("spawn")
     results = {}
     for name in MODES:
