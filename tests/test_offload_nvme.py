@@ -49,8 +49,10 @@ def test_nvme_on_2_ranks_equals_in_memory_zero3_bit_for_bit_and_the_single_proce
     assert_same_run(reference, nvme, RTOL, ATOL)
 
 
-def test_nvme_on_4_ranks_matches_the_single_process_run(reference):
-    nvme = train_parallel_many([{**SHORT, "parallel.dp": 4, "train.micro_batch": 1, **NVME}], 4)[0]
+def test_nvme_on_4_ranks_equals_in_memory_zero3_and_matches_the_single_process_run(reference):
+    base = {**SHORT, "parallel.dp": 4, "train.micro_batch": 1}
+    nvme, memory = train_parallel_many([{**base, **NVME}, {**base, "parallel.zero": 3}], 4)
+    _same_bits(nvme, memory)
     assert_same_run(reference, nvme, RTOL, ATOL)
 
 
@@ -196,3 +198,38 @@ def test_bad_offload_input_is_one_line_exit_2_before_anything_starts(tmp_path, c
     code, err = _cli(tmp_path, capsys, *sets)
     assert code == 2 and expect in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists(), "something was created before the check"
+
+
+# ------------------------------------------------------------------------- the planner
+
+def test_planners_put_nvme_state_on_disk_and_add_only_the_exposed_disk_time():
+    """Catalog: an nvme layout keeps no model states on the GPU and pays disk time; the search falls back to nvme
+    when even host offload does not fit. Run planner: nvme adds exactly `step_time`'s exposed I/O and the streamed
+    step over the in-memory optimizer; with an infinitely fast disk only the AdamW arithmetic is left."""
+    import math
+
+    from scaletrain.memory.offload_nvme import _plan_shards, step_time
+    from scaletrain.plan.catalog import get_model
+    from scaletrain.plan.costs import Layout, Training, estimate
+    from scaletrain.plan.hardware import get_gpu
+    from scaletrain.plan.run_time import RunProfile, predict_step_time
+    from scaletrain.plan.search import search
+
+    m, gpu, train = get_model("gpt3-175b"), get_gpu("a100-80gb"), Training(global_batch=32)
+    est = estimate(m, gpu, train, Layout(dp=2, tp=8, zero=3, offload="nvme", recompute="full"))
+    assert est.memory["params"] == est.memory["grads"] == est.memory["optimizer"] == 0 and est.fits
+    assert est.time_breakdown["offload"] > 0
+    best = search(m, gpu, 4, train).candidates[0]  # on 4 GPUs not even host offload fits
+    assert best.layout.offload == "nvme" and best.fits
+
+    cfg = make_config({**TINY, **NVME, "train.micro_batch": 4})
+    prof = dict(block_f=0.01, block_b=0.02, embed_f=0.001, embed_b=0.002, head_f=0.003, head_b=0.004,
+                optimizer=0.05, loader=0.001)
+    plain = predict_step_time(make_config({**TINY, "parallel.zero": 3, "train.micro_batch": 4}), RunProfile(**prof))
+    disk = predict_step_time(cfg, RunProfile(**prof, disk_read_bw=1e8, disk_write_bw=5e7))
+    shards, e, low, ge = _plan_shards(cfg)
+    exposed, streamed = step_time(shards, e, low, ge, 2, True, 1e8, 5e7, plain.breakdown["compute"], 0.05)
+    assert math.isclose(disk.step_time_s - plain.step_time_s, exposed + streamed - 0.05, rel_tol=1e-12)
+    assert disk.breakdown["nvme_io"] > 0
+    fast = predict_step_time(cfg, RunProfile(**prof))
+    assert math.isclose(fast.step_time_s, plain.step_time_s, rel_tol=1e-12)
