@@ -50,6 +50,7 @@ from scaletrain.parallel.zero import (
     FlatGroup,
     ZeroOptimizer,
     _all_gather,
+    _in_backward,
     _is_norm_owner,
     _make_group,
     _preserve_version,
@@ -228,6 +229,19 @@ class NvmeZeroOptimizer(ZeroOptimizer):
             self._held[id(g)] = buf
         else:
             self.ahead.give(buf)
+
+    def _make_pre_forward(self, i: int) -> Callable:
+        """In-memory ZeRO-3's hook, except that a recomputation inside backward (activation checkpointing) only
+        waits for its own unit: prefetching the next unit in forward order there would read a unit the backward
+        does not need next."""
+        forward_hook = super()._make_pre_forward(i)
+
+        def hook(module, args):
+            if _in_backward():
+                self._wait_gather(self._unit_group[id(module)])
+                return None
+            return forward_hook(module, args)
+        return hook
 
     def _wait_gather(self, g: FlatGroup) -> None:
         super()._wait_gather(g)
