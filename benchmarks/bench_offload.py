@@ -34,10 +34,13 @@ def _config(args, mode: dict):
     return validate(load_config(None, [f"{k}={v}" for k, v in sets.items()]))
 
 
-def _measure(args, name, q) -> None:
+def _measure(args, name, plan, q) -> None:
+    import os
+
     import torch
 
-    torch.set_num_threads(2)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
     from scaletrain.plan.run_time import collect_samples, estimate_step_time
     from scaletrain.train.trainer import Trainer
 
@@ -48,9 +51,8 @@ def _measure(args, name, q) -> None:
     trainer._train_step = lambda s, drain=True: rows.append(step(s, drain)) or rows[-1]
     trainer.run()
     times = [r["step_time_s"] for r in rows[1:]]
-    planned = estimate_step_time(cfg, collect_samples(cfg, repeats=5))
-    out = {"params": trainer.n_params, "step_s": statistics.median(times), "spread": (min(times), max(times)),
-           "tokens_per_s": cfg.tokens_per_step / statistics.median(times), "plan_step_s": planned.step_time_s,
+    planned = estimate_step_time(cfg, collect_samples(cfg, repeats=5)).step_time_s if plan else None
+    out = {"params": trainer.n_params, "times": times, "plan_step_s": planned,
            **{k: v for k, v in rows[-1].items() if k.startswith(("mem_", "nvme_", "plan_nvme_"))},
            **{k: trainer.mem.get(k, 0) for k in ("mem_params", "mem_grads", "mem_optim")}}
     q.put((name, out))
@@ -62,6 +64,8 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="offload folder (a fast local disk)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the modes, alternating (planner: first round)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = ap.parse_args()
 
     from scaletrain.memory.nvme_io import measure_bandwidth
@@ -75,19 +79,29 @@ def main() -> None:
           f"write {cached[1] / 1e9:.2f} GB/s; O_DIRECT read {direct[0] / 1e9:.2f} GB/s, "
           f"write {direct[1] / 1e9:.2f} GB/s")
     ctx = mp.get_context("spawn")
-    results = {}
-    for name in MODES:
-        q = ctx.Queue()
-        p = ctx.Process(target=_measure, args=(args, name, q))
-        p.start()
-        results.update([q.get()])
-        p.join()
+    results: dict = {}
+    for rnd in range(args.rounds):
+        for name in MODES:
+            q = ctx.Queue()
+            p = ctx.Process(target=_measure, args=(args, name, rnd == 0, q))
+            p.start()
+            _, out = q.get()
+            p.join()
+            if name not in results:
+                results[name] = {**out, "rounds": []}
+            results[name]["rounds"].append(statistics.median(out["times"]))
+            results[name]["all"] = results[name].get("all", []) + out["times"]
+    for r in results.values():
+        r["step_s"] = statistics.median(r["all"])
+        r["spread"] = (min(r["rounds"]), max(r["rounds"]))
+        r["tokens_per_s"] = 2 * 64 / r["step_s"]  # global batch 2 x seq_len 64
     mib = 2**20
     any_r = next(iter(results.values()))
     print(f"\nmodel: {args.layers} layers, d_model {args.d_model}, {any_r['params'] / 1e6:.1f}M parameters "
-          f"(fp32 masters + AdamW = {12 * any_r['params'] / mib:.0f} MiB), 1 process, {args.steps} steps\n")
-    print("| mode | tokens/s | step s (min-max) | planned step s | params / grads / optim MiB resident | "
-          "step resident MiB | read / written MiB per step (formula) |")
+          f"(fp32 masters + AdamW = {12 * any_r['params'] / mib:.0f} MiB), 1 process with {args.threads} thread(s), "
+          f"{args.rounds} rounds of {args.steps} steps (the first step of each left out)\n")
+    print("| mode | tokens/s | step s, median (round medians min-max) | planned step s | "
+          "params / grads / optim MiB resident | step resident MiB | read / written MiB per step (formula) |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         io = "-"
