@@ -247,6 +247,8 @@ def write(page: Page, path: str | os.PathLike) -> Path:
     """Render and write atomically (a temporary file renamed into place): a failure leaves any previous
     page as it was."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a directory; give the name of the HTML file to write")
     text = render(page)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")

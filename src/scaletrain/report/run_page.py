@@ -379,9 +379,5 @@ def write_report(out: str | os.PathLike, to: str | os.PathLike | None = None, pe
 
     run = load_run(out)
     path = Path(to) if to is not None else run.out / REPORT_HTML
-    if path.is_dir():
-        from scaletrain.errors import UserError
-
-        raise UserError(f"--to {path} is a directory; give a file name such as {path / REPORT_HTML}")
     peak = resolve_peak(run, peak_flops, gpu, calibrate)
     return pg.write(build(run, peak, path), path)

@@ -36,6 +36,20 @@ def user_command() -> str:
     return shlex.join([prog, *sys.argv[1:]])
 
 
+def set_user_command(args) -> None:
+    """Remember the `scaletrain train` command for the ranks it launches (they inherit the environment): the
+    parsed arguments written back as one command line, so it reads the same however options were spelled."""
+    argv = ["scaletrain", "train"]
+    if getattr(args, "config", None):
+        argv += ["--config", args.config]
+    for item in getattr(args, "set", []):
+        argv += ["--set", item]
+    if getattr(args, "nproc", None) is not None:
+        argv += ["--nproc", str(args.nproc)]
+    argv += ["--out", str(args.out)]
+    os.environ[COMMAND_ENV] = shlex.join(argv)
+
+
 def device_name(device: torch.device) -> str:
     """A human name of the device: the GPU's product name, or the CPU model."""
     if device.type == "cuda":
