@@ -17,6 +17,7 @@ the line), since JSON has no NaN and the browser's parser would reject the page'
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -210,6 +211,7 @@ def _script_json(obj: Any) -> str:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
 
 
+@functools.lru_cache(maxsize=1)
 def plotly_js() -> str:
     """The plotly.js bundle of the installed `plotly` package (inlined into every page)."""
     try:
