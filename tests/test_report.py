@@ -321,6 +321,26 @@ def test_plan_html_shows_the_numbers_of_plan_json(tmp_path, capsys):
     assert f"{doc['candidates'][0]['mfu']:.1%}" in text
 
 
+def test_every_plan_mode_writes_its_page(tmp_path, capsys):
+    """--params (model states per ZeRO stage), --flops-budget and --config (the run's exact memory)."""
+    from scaletrain.plan import predict_run
+
+    assert main(["plan", "--params", "1e9", "--gpus", "8", "--json", "--html", str(tmp_path / "p.html")]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    _, figs = _page(tmp_path, "p.html")
+    _same(_trace(figs["plan-memory"], "optimizer")["y"], [r["memory_bytes"]["optimizer"] / 2**30 for r in rows])
+    assert main(["plan", "--flops-budget", "1e21", "--gpus", "64", "--top", "2", "--html",
+                 str(tmp_path / "b.html")]) == 0
+    assert 'id="budget-table"' in (tmp_path / "b.html").read_text()
+    (tmp_path / "c.yaml").write_text("model:\n  n_layers: 2\n")
+    assert main(["plan", "--config", str(tmp_path / "c.yaml"), "--gpu", "a100-80gb", "--html",
+                 str(tmp_path / "c.html")]) == 0
+    capsys.readouterr()
+    text, figs = _page(tmp_path, "c.html")
+    pred = predict_run(load_config(tmp_path / "c.yaml"))
+    assert f"{pred['plan_mem_params']:,}" in text and len(figs) == 3
+
+
 def test_scaling_fit_html_draws_the_points_and_the_isoflop_fits(tmp_path, capsys):
     from test_scaling_fit import synthetic, write_csv
 
