@@ -292,15 +292,34 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, capsys)
     (["report", "run", "{dense}", "--peak-flops", "-1"], "--peak-flops must be a positive number"),
     (["report", "run", "{dense}", "--gpu", "tpu-v9"], "tpu-v9"),
     (["report", "run", "{dense}", "--to", "{empty}"], "is a directory"),
+    (["report", "run", "{broken}"], "config.yaml is not valid YAML"),
+    (["report", "run", "{invalid}"], "model.n_heads"),
 ])
 def test_report_command_errors_are_one_line(dense, tmp_path, capsys, argv, message):
     (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.yaml").write_text("model: [\n")
+    (tmp_path / "invalid").mkdir()
+    (tmp_path / "invalid" / "config.yaml").write_text("model:\n  n_heads: 5\n")
     before = (dense / "report.html").stat().st_mtime_ns
-    subs = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "dense": dense}
+    subs = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "dense": dense, "broken": tmp_path / "broken",
+            "invalid": tmp_path / "invalid"}
     assert main([a.format(**subs) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
     assert (dense / "report.html").stat().st_mtime_ns == before
+
+
+def test_a_line_cut_by_a_kill_ends_the_metrics_the_report_shows(dense, tmp_path, capsys):
+    run = tmp_path / "cut"
+    run.mkdir()
+    shutil.copy(dense / "config.yaml", run / "config.yaml")
+    lines = (dense / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:25])
+    assert main(["report", "run", str(run)]) == 0
+    capsys.readouterr()
+    _, figs = _page(run)
+    assert _trace(figs["loss-step"], "train")["x"] == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------- plan and scaling pages
