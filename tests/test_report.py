@@ -218,6 +218,17 @@ def test_mfu_is_planner_flops_times_tokens_per_s_over_peak(dense, tmp_path, caps
     _same(_trace(figs["tokens-per-s"], "MFU")["y"], [r["tokens_per_s"] * flops / 2e9 for r in rows], rel=1e-9)
 
 
+def test_page_data_is_strict_json_that_cannot_close_its_script_tag():
+    assert [pg.finite(x) for x in (1.5, float("nan"), float("inf"), -float("inf"), 3, True, None, "x")] == \
+        [1.5, None, None, None, 3.0, 1.0, None, None]
+    chart = pg.line_chart("c", "</script><script>alert(1)</script>", "x", "y", [pg.series([1, 2], [1.0, 2.0], "a")])
+    text = pg.render(pg.Page("t", "s", [pg.Section("s", "S").add(chart)]))
+    assert "</script><script>alert" not in text
+    assert pg.figures_of(text)["c"]["layout"]["title"]["text"] == "</script><script>alert(1)</script>"
+    with pytest.raises(ValueError):  # a NaN that skipped finite() is refused, not written as invalid JSON
+        pg.render(pg.Page("t", "s", [pg.Section("s", "S").add(pg.Chart("d", [{"y": [float("nan")]}], {}))]))
+
+
 # --------------------------------------------------------------------------- TensorBoard, profiler
 
 

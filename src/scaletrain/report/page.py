@@ -36,6 +36,8 @@ COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#d
 
 def finite(x: Any) -> float | None:
     """A number for a chart: a finite float, or None (JSON null) for NaN, inf, missing or non-numeric."""
+    if type(x) is float:  # the common case, first: x - x is 0.0 exactly when x is finite
+        return x if x - x == 0.0 else None
     if isinstance(x, bool):
         return float(x)
     if isinstance(x, (int, float)) and math.isfinite(x):
