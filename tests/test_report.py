@@ -194,8 +194,11 @@ def test_fp16_loss_scale_and_skipped_steps(tmp_path):
 
     cfg = make_config({**BASE, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
                        "train.micro_batch": 2, "train.eval_every": 0, "train.dtype": "fp16",
-                       "train.loss_scale": 1e30, "train.loss_scale_hysteresis": 1, "train.loss_scale_backoff": 1e-15})
+                       "train.loss_scale": 1e30, "train.loss_scale_hysteresis": 1, "train.loss_scale_backoff": 1e-15,
+                       "train.profile_steps": "2:100"})
     Trainer(cfg, tmp_path).run()
+    # a window past the last step: the run ends inside it and writes what it recorded
+    assert [p.name for p in (tmp_path / "profile").iterdir()] == ["rank0.steps2-3.json"]
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["skipped"] for r in rows] == [True, True, False]
     _, figs = _page(tmp_path)
@@ -287,9 +290,11 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, capsys)
     (tmp_path / "report.html").mkdir()  # the report cannot replace a directory
     (tmp_path / "report.html" / "keep").write_text("x")
     cfg = make_config({**BASE, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
-                       "train.micro_batch": 2, "train.eval_every": 0, "train.checkpoint_every": 2})
+                       "train.micro_batch": 2, "train.eval_every": 0, "train.checkpoint_every": 2,
+                       "train.profile_steps": "3"})
     result = Trainer(cfg, tmp_path).run()
     assert result.final_step == 3
+    assert [p.name for p in (tmp_path / "profile").iterdir()] == ["rank0.steps3-3.json"]  # a single step
     err = [x for x in capsys.readouterr().err.splitlines() if x]
     assert len(err) == 2 and all(x.startswith("scaletrain: warning: writing the run report") for x in err)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
