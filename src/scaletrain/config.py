@@ -180,6 +180,13 @@ class TrainConfig:
     log_noise_scale: bool = False
     """Log the gradient noise scale B_simple = tr(Sigma)/|G|^2 (McCandlish et al., arXiv 1812.06162) from the
     micro-batch and global-batch gradient norms: `noise_scale` etc. in metrics.jsonl (docs/scaling.md)."""
+    report: bool = True
+    """Write the HTML run report OUT/report.html at each checkpoint and at the end (docs/report.md)."""
+    tensorboard: bool = False
+    """Also write every metrics.jsonl scalar as TensorBoard events to OUT/tb/ (needs `pip install scaletrain[tb]`)."""
+    profile_steps: str = ""
+    """`a:b`: record torch.profiler traces of steps a..b on every rank into OUT/profile/ (Chrome/Perfetto JSON,
+    linked from the report); empty = no profiling."""
 
 
 @dataclass
@@ -533,6 +540,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
     errors += _validate_nvme(cfg)
+    errors += _validate_report(cfg)
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -585,6 +593,28 @@ def _validate_noise_scale(cfg: Config) -> list[str]:
     if p.ep > 1 and t.micro_batch * p.ep >= t.global_batch:
         errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
                       f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
+    return errors
+
+
+def _validate_report(cfg: Config) -> list[str]:
+    """train.profile_steps syntax and range; train.tensorboard needs the tensorboard package."""
+    from scaletrain.report.profile import parse_steps
+
+    t = cfg.train
+    errors = []
+    try:
+        window = parse_steps(t.profile_steps)
+    except ConfigError as e:
+        errors.append(str(e))
+    else:
+        if window is not None and window[0] > t.steps:
+            errors.append(f"train.profile_steps ({t.profile_steps}) starts after the last step (train.steps = "
+                          f"{t.steps}): nothing would be profiled")
+    if t.tensorboard:
+        from scaletrain.report.tensorboard import available
+
+        if not available():
+            errors.append("train.tensorboard=true needs the tensorboard package: pip install 'scaletrain[tb]'")
     return errors
 
 

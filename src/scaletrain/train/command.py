@@ -80,6 +80,9 @@ def cmd_train(args) -> int:
         if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
             check_before_launch(cfg, Path(args.out), local_world_size(env.world_size))
         return run_worker(cfg, Path(args.out), env)
+    from scaletrain.report.runinfo import set_user_command
+
+    set_user_command(args)  # the command as the user gave it, for the run report
     nproc = args.nproc if args.nproc is not None else cfg.world_size
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
@@ -174,7 +177,8 @@ def summary(out: Path, n_params: int, result, seconds: float) -> None:
         f"throughput      {result.tokens_per_s:,.0f} tokens/s over {len(result.losses)} steps "
         f"({seconds:.0f} s wall){f', resumed from step {result.resumed_from}' if result.resumed_from else ''}",
         f"outputs         {out}/metrics.jsonl, {out}/checkpoints/, loss curve {png}"
-        + (f", expert load {load_png}" if load_png else ""),
+        + (f", expert load {load_png}" if load_png else "")
+        + (f", report {out / 'report.html'}" if (out / "report.html").is_file() else ""),
         _memory_line(rows[-1]),
     ]
     print("\n".join(x for x in lines if x))
