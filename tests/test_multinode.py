@@ -28,7 +28,7 @@ TESTS = Path(__file__).parent
 # fp32 on purpose: the two-node run must be bit-identical to the same layout on one machine
 BASE = {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32, "train.global_batch": 8,
         "train.micro_batch": 2, "train.eval_every": 0, "train.dtype": "fp32", "train.warmup_steps": 2,
-        "parallel.heartbeat_s": 3, "parallel.timeout_s": 30}
+        "parallel.heartbeat_s": 3, "parallel.timeout_s": 30, "train.report": False}
 HB = BASE["parallel.heartbeat_s"]
 # the run that is stopped, killed and resumed: long enough to be interrupted twice, checkpoints every 2 steps
 LONG = {**BASE, "parallel.dp": 2, "model.d_model": 64, "model.seq_len": 64, "train.global_batch": 16,
@@ -231,7 +231,7 @@ def test_heartbeat_names_a_frozen_rank_within_the_bound():
 
     beats = [Heartbeat(client, r, 3, hosts, 1.0, lambda v, r=r: verdicts.setdefault(r, (time.monotonic(), v)),
                        watch_parent=False).start() for r in range(3)]
-    time.sleep(1.5)
+    time.sleep(1.2)
     assert not verdicts, verdicts  # all alive: nobody is blamed
     frozen = time.monotonic()
     beats[1]._stop.set()  # rank 1 stops beating without saying "done"
@@ -246,52 +246,69 @@ def test_heartbeat_names_a_frozen_rank_within_the_bound():
         b.stop(clean=False)
 
 
+class _FreezableStore:
+    """A dict with the store calls the heartbeat makes; once `frozen` is set every call blocks, like a TCPStore
+    client whose server was SIGSTOPped (the connection stays open and no call ever returns)."""
+
+    def __init__(self, data: dict, frozen, released):
+        self.data, self.frozen, self.released = data, frozen, released
+
+    def _gate(self):
+        if self.frozen.is_set():
+            self.released.wait()
+
+    def add(self, key, n):
+        self._gate()
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
+    def multi_get(self, keys):
+        self._gate()
+        return [self.data[k] for k in keys]
+
+    def set(self, key, value):
+        self._gate()
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def compare_set(self, key, expected, desired):
+        self._gate()
+        if self.data.get(key, b"") == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+
 def test_heartbeat_names_the_host_of_a_frozen_store():
-    """The store (torchrun's agent on the rank-0 node) is SIGSTOPped: its calls never return, so the guard thread
+    """The store (torchrun's agent on the rank-0 node) freezes: its calls never return, so the guard thread
     decides within the bound that rank 0's host is lost."""
-    import torch.distributed as dist
+    import threading
 
     from scaletrain.multinode.heartbeat import ABORT, HANG, Heartbeat, hb_key
 
-    port = free_port()
-    server = subprocess.Popen([PY, "-c", "import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', "
-                               "int(sys.argv[1]), is_master=True, wait_for_workers=False); print('up', flush=True); "
-                               "time.sleep(120)", str(port)], stdout=subprocess.PIPE, text=True)
+    data = {ABORT: b"", HANG: b"", hb_key(0): b"1", hb_key(1): b"1"}
+    frozen, released = threading.Event(), threading.Event()
+    verdicts: dict[int, tuple[float, object]] = {}
+
+    def fire(v, r):
+        verdicts.setdefault(r, (time.monotonic(), v))
+
+    beats = [Heartbeat(lambda: _FreezableStore(data, frozen, released), r, 2, ["h0", "h1"], 1.0,
+                       lambda v, r=r: fire(v, r), " at node-a:29400", watch_parent=False).start() for r in range(2)]
     try:
-        assert server.stdout.readline().strip() == "up"
-
-        def client():
-            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
-                                 wait_for_workers=False)
-
-        c = client()
-        for k in (ABORT, HANG):
-            c.set(k, "")
-        for r in range(2):
-            c.add(hb_key(r), 1)
-        verdicts: dict[int, tuple[float, object]] = {}
-
-        def fire(v, r):
-            verdicts.setdefault(r, (time.monotonic(), v))
-
-        beats = [Heartbeat(client, r, 2, ["h0", "h1"], 1.0, lambda v, r=r: fire(v, r), f" at 127.0.0.1:{port}",
-                           watch_parent=False).start() for r in range(2)]
         time.sleep(0.5)
-        os.kill(server.pid, signal.SIGSTOP)
-        frozen = time.monotonic()
-        while len(verdicts) < 2 and time.monotonic() < frozen + 5:
+        assert not verdicts
+        frozen.set()
+        at_freeze = time.monotonic()
+        while len(verdicts) < 2 and time.monotonic() < at_freeze + 5:
             time.sleep(0.02)
         for r in (0, 1):
             at, v = verdicts[r]
-            assert v.message.startswith(f"lost rank 0 (host h0): the job's store at 127.0.0.1:{port} on that host "
+            assert v.message.startswith("lost rank 0 (host h0): the job's store at node-a:29400 on that host "
                                         "stopped answering (no answer for"), v.message
-            assert at - frozen <= 1.0 + 0.5, f"decided {at - frozen:.2f} s after the freeze"
+            assert at - at_freeze <= 1.0 + 0.5, f"decided {at - at_freeze:.2f} s after the freeze"
+    finally:
         for b in beats:
             b._stop.set()
-    finally:
-        server.kill()
-        os.kill(server.pid, signal.SIGCONT)
-        server.wait()
+        released.set()
 
 
 def test_heartbeat_accepts_a_rank_that_finished_and_reports_one_that_failed():
