@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +73,7 @@ class FlightRecorder:
         self.size, self.rank, self.host = size, rank, host
         self.ring: list[list | None] = [None] * size
         self.n = 0  # calls recorded so far
-        self.counts: Counter = Counter()  # ("coll", group) or (direction, peer, tag) -> calls so far
+        self.counts: dict[tuple, int] = {}  # ("coll", group) or (direction, peer, tag) -> calls so far
         self.groups: dict[int, tuple[int, ...]] = {}  # id(group) -> global ranks (None group: the world)
         self.group_names: dict[int, str] = {}
         self.step_of: Callable[[], int] = lambda: 0
@@ -117,29 +116,36 @@ class FlightRecorder:
     def _wrap(self, name: str, fn: Callable, spec: tuple) -> Callable:
         t_i, g_i, p_i, tag_i, direction = spec
         peer_kw = PEER_KW.get(name)
-        record = self._record
-
         group_kw = f"group_{peer_kw}" if peer_kw else ""
+        record, monotonic, ref, Tensor = self._record, time.monotonic, weakref.ref, torch.Tensor
+        n_group = g_i + 1 if g_i is not None else 1 << 30
+        n_peer = p_i + 1 if p_i is not None else 1 << 30
+        n_tag = tag_i + 1 if tag_i is not None else 1 << 30
 
         def recorded(*args, **kwargs):
-            group = kwargs.get("group", args[g_i] if g_i is not None and len(args) > g_i else None)
-            peer = (kwargs.get(peer_kw, args[p_i] if p_i is not None and len(args) > p_i else None)
-                    if peer_kw else None)
-            if peer is None and kwargs.get(group_kw) is not None:  # a peer given as a rank of the group
-                peer = self.global_rank(group, kwargs[group_kw])
-            tag = kwargs.get("tag", args[tag_i] if tag_i is not None and len(args) > tag_i else 0) if direction else 0
-            tensor = args[t_i] if t_i is not None and len(args) > t_i else None
-            entry = record(name, group, peer, tag, tensor, direction)
+            n = len(args)
+            group = args[g_i] if n >= n_group else None
+            peer = args[p_i] if n >= n_peer else None
+            tag = args[tag_i] if n >= n_tag else 0
+            if kwargs:
+                group = kwargs.get("group", group)
+                if peer_kw:
+                    peer = kwargs.get(peer_kw, peer)
+                    if peer is None and kwargs.get(group_kw) is not None:  # a peer given as a rank of the group
+                        peer = self.global_rank(group, kwargs[group_kw])
+                tag = kwargs.get("tag", tag)
+            tensor = args[t_i] if t_i is not None and n > t_i else None
+            entry = record(name, group, peer, tag if direction else 0, tensor if type(tensor) is Tensor or
+                           isinstance(tensor, Tensor) else None, direction)
             try:
                 out = fn(*args, **kwargs)
             except BaseException as e:
                 entry[ERR] = f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}" if str(e) else repr(e)
                 raise
             if out is not None and hasattr(out, "is_completed"):
-                entry[WORK] = weakref.ref(out)
+                entry[WORK] = ref(out)
             else:
-                entry[T1] = time.monotonic()
-            self.last_activity = entry[T1] or entry[T0]
+                entry[T1] = self.last_activity = monotonic()
             return out
 
         recorded.__name__ = recorded.__qualname__ = name
@@ -151,18 +157,15 @@ class FlightRecorder:
         gid = id(group)
         if gid not in self.groups:
             self.groups[gid] = self._ranks(group)
-        if direction:
-            key = (direction, peer, tag)
-        else:
-            key = ("coll", gid)
-        self.counts[key] += 1
-        now = time.monotonic()
-        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None
-        dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else None
-        entry = [self.n, name, gid, peer, tag, shape, dtype, self.step_of(), now, None, None, self.counts[key], None]
-        self.ring[self.n % self.size] = entry
-        self.n += 1
-        self.last_activity = now
+        key = (direction, peer, tag) if direction else ("coll", gid)
+        num = self.counts.get(key, 0) + 1
+        self.counts[key] = num
+        now = self.last_activity = time.monotonic()
+        n = self.n
+        entry = [n, name, gid, peer, tag, None if tensor is None else tensor.shape,
+                 None if tensor is None else tensor.dtype, self.step_of(), now, None, None, num, None]
+        self.ring[n % self.size] = entry
+        self.n = n + 1
         return entry
 
     def global_rank(self, group, group_rank: int) -> int:
