@@ -120,6 +120,7 @@ def _steps(rank: int, world: int, store_path: str, port: int, blocks: int, steps
         t.step += 1
         t.train_step(t.step)
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}  # process CPU time: all threads, no waiting counted
     calls = 0
     for b in range(blocks * len(MODES)):
         mode = MODES[b % len(MODES)]
@@ -134,23 +135,24 @@ def _steps(rank: int, world: int, store_path: str, port: int, blocks: int, steps
 
             hb = Heartbeat(client, rank, world, ["h"] * world, 5.0, lambda v: None, watch_parent=False).start()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             t.step += 1
             t.train_step(t.step)
         times[mode].append((time.perf_counter() - t0) / steps * 1e3)
+        cpu[mode].append((time.process_time() - c0) / steps * 1e3)
         if rec is not None:
             calls = rec.n // steps
             rec.uninstall()
         if hb is not None:
             hb.stop(clean=False)
     if rank == 0:
-        q.put((times, calls))
+        q.put((times, cpu, calls))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def step_cost(blocks: int, steps: int) -> tuple[dict[str, list[float]], int]:
+def step_cost(blocks: int, steps: int) -> tuple[dict[str, list[float]], dict[str, list[float]], int]:
     from scaletrain.launch import free_port
 
     ctx = mp.get_context("spawn")
@@ -202,19 +204,28 @@ def main() -> None:
     print(f"| added by the recorder | {wrapped - bare:.0f} |\n")
     res = collective_cost(args.blocks, args.calls)
     print(f"| gloo all_reduce, 2 processes | recorder off, us/call (median of {args.blocks} blocks, spread) "
-          "| recorder on | ratio on/off |\n|---|---|---|---|")
+          "| recorder on | ratio of medians on/off | ratio of minima |\n|---|---|---|---|---|")
     for label in ("1 float", "256 KiB"):
         off, on = res[f"{label} off"], res[f"{label} on"]
         mo, mn = statistics.median(off), statistics.median(on)
         print(f"| {label} | {mo:.1f} ({min(off):.1f}-{max(off):.1f}) | {mn:.1f} ({min(on):.1f}-{max(on):.1f}) "
-              f"| {mn / mo:.3f} |")
-    times, calls = step_cost(args.blocks, args.steps)
+              f"| {mn / mo:.3f} | {min(on) / min(off):.3f} |")
+    times, cpu, calls = step_cost(args.blocks, args.steps)
     base = statistics.median(times["off"])
+    low = min(times["off"])
     print(f"\n| dp=2 training step, tiny model, 2 processes ({calls} recorded calls per step) | ms per step (median "
-          f"of {args.blocks} blocks of {args.steps} steps, spread) | ratio to off |\n|---|---|---|")
+          f"of {args.blocks} blocks of {args.steps} steps, spread) | ratio of medians to off | ratio of minima |"
+          "\n|---|---|---|---|")
     for m in MODES:
         v = times[m]
-        print(f"| {m} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(v) / base:.3f} |")
+        print(f"| {m} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(v) / base:.3f} "
+              f"| {min(v) / low:.3f} |")
+    cbase = statistics.median(cpu["off"])
+    print("\n| same blocks: rank 0's process CPU time per step (all its threads; waiting is free) | ms (median, "
+          "spread) | ratio of medians to off |\n|---|---|---|")
+    for m in MODES:
+        v = cpu[m]
+        print(f"| {m} | {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f}) | {statistics.median(v) / cbase:.3f} |")
     if args.runs:
         st = cli_cost(args.runs, args.steps)
         off, on = st["off"], st["on"]

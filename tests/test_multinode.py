@@ -414,6 +414,7 @@ def test_network_choice_and_endpoint_errors(monkeypatch):
     from scaletrain.multinode import network
 
     assert network.split_endpoint("node1:29400") == ("node1", 29400)
+    assert network.split_endpoint("node1") == ("node1", 29400)
     assert network.split_endpoint("[fd00::1]:5") == ("fd00::1", 5)
     for bad in ("node1:0", "node1:http", ":29400"):
         with pytest.raises(UserError, match="is not HOST:PORT"):
@@ -512,3 +513,19 @@ def test_slurm_example_runs_our_launcher_with_a_valid_command_line(tmp_path):
     check_arguments(args)
     assert args.func is cmd_train and (args.nnodes, args.nproc, args.restarts) == (2, 8, 2)
     assert args.rdzv_endpoint == "gpu-node-07:29400" and args.out == "/shared/runs/t" and args.config == "run.yaml"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
+    (["--restarts", "-1"], "--restarts must be >= 0, got -1"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node1:"], "rendezvous endpoint 'node1:' is not HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node1:70000"], "rendezvous endpoint 'node1:70000' is not HOST:PORT"),
+])
+def test_launcher_arguments_are_refused_before_anything_starts(argv, fragment, tmp_path, capsys):
+    from scaletrain.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scaletrain: error: ") and fragment in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()

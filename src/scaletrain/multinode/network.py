@@ -36,11 +36,11 @@ class NetChoice:
 
 
 def split_endpoint(endpoint: str, default_port: int = 29400) -> tuple[str, int]:
-    """`host:port`, `host`, `[v6addr]:port` -> (host, port); a bad port is a UserError naming it."""
+    """`host:port`, `host` (torchrun's default port), `[v6addr]:port` -> (host, port); a bad one is a UserError."""
     host, port = endpoint.strip(), str(default_port)
     if host.startswith("["):
         inner, _, rest = host[1:].partition("]")
-        host, port = inner, rest.removeprefix(":") or port
+        host, port = inner, rest.removeprefix(":") if rest else port
     elif host.count(":") == 1:
         host, port = host.split(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
