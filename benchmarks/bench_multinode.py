@@ -1,7 +1,8 @@
 """Cost of the multi-node supervision (issue 17): the flight recorder per collective, heartbeat + recorder per step.
 
 1. The recorder's wrapper alone: a wrapped no-op against the bare no-op, in one process (ns per call).
-2. Per collective: 2 gloo processes run blocks of `--calls` all_reduces (one float, and 256 KiB) with the
+2. Per collective, one process: the real `dist.all_reduce` path on a group of one, with and without the recorder.
+   Per collective, 2 gloo processes run blocks of `--calls` all_reduces (one float, and 256 KiB) with the
    recorder installed and not, alternating blocks; median microseconds per call of each, and their ratio.
 3. Per training step, in one pair of processes: a dp=2 Trainer runs blocks of `--steps` steps cycling through
    nothing / recorder / heartbeat (heartbeat_s=5: a store round trip pair every 0.625 s per rank) / both.
@@ -45,6 +46,31 @@ def wrapper_cost(n: int = 200_000) -> tuple[float, float]:
             fn(t)
         out.append((time.perf_counter() - t0) / n * 1e9)
     return min(out[0], out[2]), min(out[1], out[3])
+
+
+def one_process_cost(blocks: int = 40, calls: int = 1000) -> dict[str, list[float]]:
+    """The real `dist.all_reduce` call path (torch's decorators, gloo's dispatch) on a group of one process:
+    no peer to wait for, so what the recorder adds is not hidden behind network time; blocks alternate."""
+    from scaletrain.multinode.flight import FlightRecorder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0, world_size=1)
+        res: dict[str, list[float]] = {}
+        for size, label in ((1, "1 float"), (65536, "256 KiB")):
+            t = torch.ones(size)
+            for _ in range(200):
+                dist.all_reduce(t)
+            for b in range(2 * blocks):
+                on = b % 2 == 1
+                rec = FlightRecorder(256).install() if on else None
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    dist.all_reduce(t)
+                res.setdefault(f"{label} {'on' if on else 'off'}", []).append((time.perf_counter() - t0) / calls * 1e6)
+                if rec is not None:
+                    rec.uninstall()
+        dist.destroy_process_group()
+    return res
 
 
 def _collectives(rank: int, world: int, store_path: str, blocks: int, calls: int, q) -> None:
@@ -126,7 +152,7 @@ def _steps(rank: int, world: int, store_path: str, port: int, blocks: int, steps
         mode = MODES[b % len(MODES)]
         rec = FlightRecorder(256, rank).install() if mode in ("recorder", "both") else None
         if rec is not None:
-            rec.step_of = lambda: t.step
+            rec.stepper = t
         hb = None
         if mode in ("heartbeat", "both"):
             def client():
@@ -202,6 +228,14 @@ def main() -> None:
     print("| recorder wrapper around a no-op | ns per call |\n|---|---|")
     print(f"| bare no-op | {bare:.0f} |\n| wrapped (entry written, step read, time taken) | {wrapped:.0f} |")
     print(f"| added by the recorder | {wrapped - bare:.0f} |\n")
+    one = one_process_cost()
+    print("| gloo all_reduce on a group of 1 (40 alternating blocks of 1000 calls) | off: us/call min, median | "
+          "on | added (min, median) |\n|---|---|---|---|")
+    for label in ("1 float", "256 KiB"):
+        off, on = one[f"{label} off"], one[f"{label} on"]
+        print(f"| {label} | {min(off):.2f}, {statistics.median(off):.2f} | {min(on):.2f}, {statistics.median(on):.2f} "
+              f"| {min(on) - min(off):+.2f}, {statistics.median(on) - statistics.median(off):+.2f} |")
+    print()
     res = collective_cost(args.blocks, args.calls)
     print(f"| gloo all_reduce, 2 processes | recorder off, us/call (median of {args.blocks} blocks, spread) "
           "| recorder on | ratio of medians on/off | ratio of minima |\n|---|---|---|---|---|")

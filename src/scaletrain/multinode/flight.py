@@ -58,7 +58,11 @@ PEER_KW = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src
            "recv": "src", "irecv": "src"}
 MODULES = (dist, c10d)
 
-# entry fields (a list per call, cheaper to build than an object)
+class _NoSteps:
+    step = 0
+
+
+# entry fields (a list per call, cheaper to build than an object); T1 is True once a synchronous call returned
 SEQ, OP, GROUP, PEER, TAG, SHAPE, DTYPE, STEP, T0, T1, WORK, NUM, ERR = range(13)
 
 _installed: FlightRecorder | None = None
@@ -73,10 +77,10 @@ class FlightRecorder:
         self.size, self.rank, self.host = size, rank, host
         self.ring: list[list | None] = [None] * size
         self.n = 0  # calls recorded so far
-        self.counts: dict[tuple, int] = {}  # ("coll", group) or (direction, peer, tag) -> calls so far
+        self.counts: dict = {}  # id(group) (collectives) or (direction, peer, tag) -> calls so far
         self.groups: dict[int, tuple[int, ...]] = {}  # id(group) -> global ranks (None group: the world)
         self.group_names: dict[int, str] = {}
-        self.step_of: Callable[[], int] = lambda: 0
+        self.stepper: Any = _NoSteps()  # an object whose `.step` is the current step (the trainer)
         self.last_activity = time.monotonic()
         self._saved: list[tuple[Any, str, Any]] = []
         self.main_thread = threading.main_thread().ident
@@ -114,13 +118,15 @@ class FlightRecorder:
                 self.group_names.setdefault(id(group), label)  # the first name wins (edp may be dp itself)
 
     def _wrap(self, name: str, fn: Callable, spec: tuple) -> Callable:
+        """The wrapper of one function: the hot path of the recorder, kept to plain Python operations."""
         t_i, g_i, p_i, tag_i, direction = spec
         peer_kw = PEER_KW.get(name)
         group_kw = f"group_{peer_kw}" if peer_kw else ""
-        record, monotonic, ref, Tensor = self._record, time.monotonic, weakref.ref, torch.Tensor
-        n_group = g_i + 1 if g_i is not None else 1 << 30
-        n_peer = p_i + 1 if p_i is not None else 1 << 30
-        n_tag = tag_i + 1 if tag_i is not None else 1 << 30
+        monotonic, ref, Tensor = time.monotonic, weakref.ref, torch.Tensor
+        never = 1 << 30
+        n_tensor, n_group = (t_i + 1 if t_i is not None else never), (g_i + 1 if g_i is not None else never)
+        n_peer, n_tag = (p_i + 1 if p_i is not None else never), (tag_i + 1 if tag_i is not None else never)
+        groups, counts, ring, size, rec = self.groups, self.counts, self.ring, self.size, self
 
         def recorded(*args, **kwargs):
             n = len(args)
@@ -132,20 +138,34 @@ class FlightRecorder:
                 if peer_kw:
                     peer = kwargs.get(peer_kw, peer)
                     if peer is None and kwargs.get(group_kw) is not None:  # a peer given as a rank of the group
-                        peer = self.global_rank(group, kwargs[group_kw])
+                        peer = rec.global_rank(group, kwargs[group_kw])
                 tag = kwargs.get("tag", tag)
-            tensor = args[t_i] if t_i is not None and n > t_i else None
-            entry = record(name, group, peer, tag if direction else 0, tensor if type(tensor) is Tensor or
-                           isinstance(tensor, Tensor) else None, direction)
+            tensor = args[t_i] if n >= n_tensor else None
+            gid = id(group)
+            if gid not in groups:
+                groups[gid] = rec._ranks(group)
+            key = (direction, peer, tag) if direction else gid
+            num = counts.get(key, 0) + 1
+            counts[key] = num
+            now = monotonic()
+            i = rec.n
+            if isinstance(tensor, Tensor):
+                entry = [i, name, gid, peer, tag, tensor.shape, tensor.dtype, rec.stepper.step, now, None, None,
+                         num, None]
+            else:
+                entry = [i, name, gid, peer, tag, None, None, rec.stepper.step, now, None, None, num, None]
+            ring[i % size] = entry
+            rec.n = i + 1
+            rec.last_activity = now
             try:
                 out = fn(*args, **kwargs)
             except BaseException as e:
                 entry[ERR] = f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}" if str(e) else repr(e)
                 raise
             if out is not None and hasattr(out, "is_completed"):
-                entry[WORK] = ref(out)
+                entry[WORK] = ref(out)  # completion is asked only when the ring is dumped
             else:
-                entry[T1] = self.last_activity = monotonic()
+                entry[T1] = True  # a synchronous call that returned
             return out
 
         recorded.__name__ = recorded.__qualname__ = name
@@ -154,18 +174,18 @@ class FlightRecorder:
         return recorded
 
     def _record(self, name: str, group, peer, tag, tensor, direction: str) -> list:
+        """One entry, as the wrapper writes it (for tests that build a record without a process group)."""
         gid = id(group)
         if gid not in self.groups:
             self.groups[gid] = self._ranks(group)
-        key = (direction, peer, tag) if direction else ("coll", gid)
+        key = (direction, peer, tag) if direction else gid
         num = self.counts.get(key, 0) + 1
         self.counts[key] = num
         now = self.last_activity = time.monotonic()
-        n = self.n
-        entry = [n, name, gid, peer, tag, None if tensor is None else tensor.shape,
-                 None if tensor is None else tensor.dtype, self.step_of(), now, None, None, num, None]
-        self.ring[n % self.size] = entry
-        self.n = n + 1
+        entry = [self.n, name, gid, peer, tag, None if tensor is None else tensor.shape,
+                 None if tensor is None else tensor.dtype, self.stepper.step, now, None, None, num, None]
+        self.ring[self.n % self.size] = entry
+        self.n += 1
         return entry
 
     def global_rank(self, group, group_rank: int) -> int:
@@ -226,10 +246,10 @@ class FlightRecorder:
                 # a wait that raised leaves gloo's work "completed": the blocked entry of a failure failed
                 "state": "failed" if e[SEQ] == blocked and exc is not None else self.state(e),
             })
-        counts = {("coll " + self.group_label(k[1])) if k[0] == "coll" else f"{k[0]} {k[1]} {k[2]}": n
+        counts = {f"{k[0]} {k[1]} {k[2]}" if isinstance(k, tuple) else "coll " + self.group_label(k): n
                   for k, n in self.counts.items()}
         try:
-            step = int(self.step_of())
+            step = int(self.stepper.step)
         except Exception:  # noqa: BLE001 - a dump must never fail
             step = -1
         where = [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in frames

@@ -222,7 +222,7 @@ class Job:
         """Let the flight recorder stamp entries with the trainer's step and name the mesh's groups."""
         self.trainer = trainer
         if self.recorder is not None:
-            self.recorder.step_of = lambda: trainer.step
+            self.recorder.stepper = trainer
             self.recorder.name_groups(dict(trainer.mesh.groups))
 
     # ------------------------------------------------------------------ stopping
