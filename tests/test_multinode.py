@@ -109,6 +109,30 @@ def test_two_nodes_dp2xtp2_with_the_readme_torchrun_command_equals_nproc_4(hosts
         assert all(f["interface"].startswith("stmn") for f in facts)  # the veth, never lo or 127.0.1.1
 
 
+def test_verify_under_torchrun_spans_both_nodes(hosts, tmp_path):
+    """`torchrun --nnodes 2 ... -m scaletrain verify`: the dp=2 side is the two-node job (one rank per host), rank 0
+    alone runs the single-process reference and prints the comparison; the other node prints nothing of it."""
+    port = free_port()
+    procs = []
+    for i in (0, 1):
+        argv = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{hosts.host(0)}:{port}", "-m", "scaletrain", "verify", "--small",
+                "--set", "train.steps=2", "--set", "parallel.dp=2", "--set", "parallel.heartbeat_s=3",
+                "--set", "parallel.timeout_s=60"]
+        procs.append(hosts.start(i, argv, tmp_path, f"verify-{i}"))
+    for p in procs:
+        assert hosts.wait(p, 240) == 0, hosts.output(p.name)
+    outs = [hosts.output(p.name)[0] for p in procs]
+    spans = "2 processes on 2 hosts: node-a, node-b" if hosts.isolated else "2 processes on 1 host:"
+    head = [x for x in "".join(outs).splitlines() if x.startswith("verify: ")]
+    assert len(head) == 1 and head[0].startswith(f"verify: dp=2 tp=1 pp=1 zero=0 ({spans}") \
+        and head[0].endswith("against 1 process, 2 steps, fp64"), head
+    who = [i for i, o in enumerate(outs) if "PASS (rtol 1e-09, atol 1e-11)" in o]
+    assert len(who) == 1 and "parameters: " in outs[who[0]], outs  # one comparison, printed by rank 0's node
+    # every step's loss is printed beside the reference's (the PASS above says they agree within rtol)
+    assert len([x for x in outs[who[0]].splitlines() if x.split()[:1] in (["1"], ["2"])]) == 2, outs[who[0]]
+
+
 def wait_for_record(path: Path, seconds: float) -> dict:
     deadline = time.time() + seconds
     while not path.exists() and time.time() < deadline:
