@@ -490,6 +490,34 @@ Root Cause (first observed failure):
     assert "traceback in" not in capsys.readouterr().err
 
 
+def test_sigkill_of_rank_1_in_a_local_run_names_rank_1_and_only_logs_that_exist(tmp_path):
+    """Issue 21, end to end: `scaletrain train --nproc 2`, rank 1's worker SIGKILLed mid-run. The one line names
+    rank 1 and SIGKILL (not rank 0's lost peer), exit 1, and every path it points at exists."""
+    import psutil
+
+    out = tmp_path / "run"
+    cfg = {**BASE, "parallel.dp": 2, "train.steps": 10_000, "train.checkpoint_every": 0}
+    p = subprocess.Popen([PY, "-m", "scaletrain", "train", "--nproc", "2", "--out", str(out), *sets(cfg)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for_step(out, 2, [p])
+        (agent,) = psutil.Process(p.pid).children()  # torchrun; its children are the workers
+        (victim,) = [c for c in agent.children() if c.environ().get("RANK") == "1"]
+        victim.kill()
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("scaletrain: error: rank 1 (local rank 1 on host ") and \
+        "was killed by SIGKILL (exit code -9); the other ranks were stopped" in line, err[-3000:]
+    assert "Traceback" not in err
+    for path in (w.split(")")[0] for w in line.split("(its output: ")[1:]):
+        assert Path(path).exists(), line
+
+
 def test_new_config_keys_are_validated():
     from harness import make_config
 
