@@ -518,6 +518,38 @@ def test_sigkill_of_rank_1_in_a_local_run_names_rank_1_and_only_logs_that_exist(
         assert Path(path).exists(), line
 
 
+def test_restarts_on_one_machine_resume_from_the_newest_checkpoint_exactly(tmp_path):
+    """`scaletrain train --nproc 2 --restarts 1`: rank 1's worker SIGKILLed after step 4; torchrun restarts both
+    ranks, they resume from the newest complete checkpoint and finish with exit 0; metrics.jsonl equals the
+    uninterrupted run's in every computed field."""
+    import psutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cfg = {**BASE, "parallel.dp": 2, "train.steps": 12, "train.checkpoint_every": 2}
+    ref = subprocess.Popen([PY, "-m", "scaletrain", "train", "--nproc", "2", "--out", str(tmp_path / "ref"),
+                            *sets(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    out = tmp_path / "run"
+    p = subprocess.Popen([PY, "-m", "scaletrain", "train", "--nproc", "2", "--restarts", "1", "--out", str(out),
+                          *sets(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for_step(out, 4, [p])
+        (agent,) = psutil.Process(p.pid).children()
+        (victim,) = [c for c in agent.children() if c.environ().get("RANK") == "1"]
+        victim.kill()
+        killed_after = rows(out)[-1]["step"]
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        for q in (p, ref):
+            if q.poll() is None:
+                q.kill()
+    assert p.returncode == 0, stderr[-3000:]
+    assert killed_after < cfg["train.steps"], "the run ended before the kill: the test proves nothing"
+    resumed = int(stdout.split("resumed from step ")[1].split()[0])
+    assert 2 <= resumed <= killed_after and resumed % 2 == 0, (resumed, killed_after)
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    assert [computed(r) for r in rows(out)] == [computed(r) for r in rows(tmp_path / "ref")]
+
+
 def test_new_config_keys_are_validated():
     from harness import make_config
 
