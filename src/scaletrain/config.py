@@ -560,6 +560,12 @@ def _validate_hardening(cfg: Config) -> list[str]:
     errors = [f"{', '.join(bad)} must be finite" for bad in [non_finite_keys(cfg)] if bad]
     if cfg.train.steps > MAX_STEPS:
         errors.append(f"train.steps ({cfg.train.steps:,}) is above the limit of {MAX_STEPS:,}")
+    if cfg.model.moe.experts == 0 and cfg.model.moe.router not in ROUTERS:  # with experts, _validate_moe says it
+        errors.append(f"model.moe.router must be one of {', '.join(ROUTERS)}, got {cfg.model.moe.router!r}")
+    part = cfg.parallel.partition
+    if cfg.parallel.pp == 1 and part not in ("uniform", "params", "time") and \
+            not all(x.strip().isdigit() for x in part.split(",")):  # with pp > 1, validate_pipeline says it
+        errors.append(f"parallel.partition must be uniform, params, time or block counts like 2,3,3; got {part!r}")
     return errors
 
 

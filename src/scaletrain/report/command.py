@@ -83,7 +83,7 @@ def _planned(args) -> int:
     if p * m * v > MAX_TIMELINE_OPS:
         raise UserError(f"--pp ({p}) x --microbatches ({m}) x --virtual-stages ({v}) = {p * m * v:,} is above the "
                         f"limit of {MAX_TIMELINE_OPS:,} (one bar per microbatch per stage)")
-    out = check_output_file(args.out or "timeline.png", "--out", (".png",))
+    out = check_output_file(args.out if args.out is not None else "timeline.png", "--out", (".png",))
     if args.trace:
         check_output_file(args.trace, "--trace", (".json",))
     problems = schedule_constraints(args.schedule, p, m, v)
@@ -97,7 +97,7 @@ def _planned(args) -> int:
     sim = simulate(build_schedule(args.schedule, p, m, v), args.t_f / v, args.t_b / v, args.t_w / v)
     title = (f"{args.schedule}: pp={p}, microbatches={m}{f', virtual stages={v}' if v > 1 else ''};"
              f" bubble {sim.bubble:.3f}")
-    draw_timeline(sim, out, title=title)
+    draw_timeline(sim, out, title=title, time_unit="units of --t-f")
     if args.trace:
         Path(args.trace).write_text(json.dumps(to_chrome_trace(sim)))
     print(f"schedule        {args.schedule} (pp={p}, microbatches={m}, virtual stages={v}; "

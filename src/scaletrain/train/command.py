@@ -55,16 +55,9 @@ def cmd_config_show(args) -> int:
     if not args.doc:
         sys.stdout.write(cfg.to_yaml())
         return 0
-    from dataclasses import fields
+    from scaletrain.config_doc import doc_text
 
-    from scaletrain.config import field_docs
-
-    for section in fields(cfg):
-        node = getattr(cfg, section.name)
-        docs = field_docs(type(node))
-        print(f"{section.name}:")
-        for f in fields(node):
-            print(f"  {f.name}: {getattr(node, f.name)!r:<14} # {docs.get(f.name, '')}")
+    sys.stdout.write(doc_text(cfg))
     return 0
 
 
@@ -91,11 +84,15 @@ def cmd_train(args) -> int:
     validate(cfg, nproc)
     out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
     from scaletrain.data import load_tokens
+    from scaletrain.train.announce import first_line, status
 
+    first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
+    status(f"loading data ({cfg.data.source})")
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (memory/budget.py)
     warn_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
+    status("building the model" if nproc == 1 else f"starting {nproc} processes")
     if nproc == 1:
         return run_single(cfg, out)
     from scaletrain.launch import launch_local
