@@ -36,7 +36,7 @@ MAX_SAMPLE_TOKENS = 100_000
 """`sample --tokens` above this is refused (generation is one forward pass per token)."""
 MAX_TIMELINE_STAGES = 256
 """`report timeline --pp` above this is refused (one chart row per stage)."""
-MAX_TIMELINE_OPS = 200_000
+MAX_TIMELINE_OPS = 20_000
 """`report timeline`: pp x microbatches x virtual stages above this is refused (simulated and drawn per op)."""
 
 

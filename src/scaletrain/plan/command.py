@@ -134,6 +134,12 @@ def run(args) -> int:
         raise UserError(f"--top must be >= 1, got {args.top}")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    from scaletrain.guards import check_output_file  # outputs checked before the search, not after it
+
+    if args.png is not None:
+        check_output_file(args.png, "--png", (".png",))
+    if args.html is not None:
+        check_output_file(args.html, "--html")
     if args.flops_budget is not None:
         from scaletrain.scaling.budget import run_budget
 

@@ -37,8 +37,7 @@ def add_parser(sub) -> None:
     peak = r.add_mutually_exclusive_group()
     peak.add_argument("--calibrate", action="store_true",
                       help="MFU against this machine's measured matmul FLOP/s (for CPU runs)")
-    peak.add_argument("--peak-flops", type=positive_float, default=None, metavar="F",
-                      help="MFU against F FLOP/s per rank")
+    peak.add_argument("--peak-flops", type=float, default=None, metavar="F", help="MFU against F FLOP/s per rank")
     peak.add_argument("--gpu", default=None, help="MFU against a catalog GPU's peak (scaletrain plan's names)")
     r.set_defaults(func=cmd_run)
     t = rsub.add_parser("timeline", help="pipeline schedule as a Gantt chart: planned, or measured in a run")
@@ -63,6 +62,8 @@ def add_parser(sub) -> None:
 def cmd_run(args) -> int:
     from scaletrain.report.run_page import write_report
 
+    if args.to is not None and not Path(args.to).is_dir():  # a folder: write_report says so itself
+        check_output_file(args.to, "--to")
     path = write_report(args.out, args.to, args.peak_flops, args.gpu, args.calibrate)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
