@@ -74,6 +74,8 @@ def cmd_train(args) -> int:
         validate(cfg, env.world_size)
         if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
             check_before_launch(cfg, Path(args.out), local_world_size(env.world_size))
+        if env.rank == 0:
+            mark_run(Path(args.out))  # under torchrun too, so a later `train --out` knows the folder is a run
         return run_worker(cfg, Path(args.out), env)
     from scaletrain.report.runinfo import set_user_command
 
