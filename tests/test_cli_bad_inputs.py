@@ -100,6 +100,8 @@ CONFIG_ROWS = (
         ("parallel.bucket_mb", 0), ("parallel.timeout_s", 0), ("parallel.microbatches", -1),
         ("parallel.zero", 4), ("train.grad_clip", -1), ("train.min_lr", 5),
     )]
+    + [("data.source=", ["data.source must be builtin", "got ''"]), ("train.dtype=", ["train.dtype", "got ''"]),
+       ("=3", ["unknown config key ''"]), ("train.nosuch=1", ["unknown config key 'train.nosuch'"])]
     + [("train.steps=100000001", ["train.steps (100,000,001)", "above the limit of 100,000,000"]),
        ("train.steps=1e30", ["train.steps", "'1e30'"])]
 )
@@ -157,6 +159,8 @@ CLI_ROWS = [
     (TL + ["--schedule", "zigzag"], ["zigzag"]),
     (TL + ["--pp", "four"], ["--pp", "expected an integer", "'four'"]),
     (["verify", "--rtol", "-1"], ["--rtol", ">= 0", "'-1'"]),
+    (["verify", "--dtype", "bogus"], ["train.dtype", "'bogus'"]),
+    (["verify", "--set", "parallel.dp=0"], ["parallel.dp must be positive, got 0"]),
     (["verify", "--rtol", "nan"], ["--rtol", "finite"]),
     (["verify", "--atol", "inf"], ["--atol", "finite"]),
     (["verify", "--atol=-1e-9"], ["--atol", ">= 0"]),
@@ -277,6 +281,17 @@ def _file_case(kind: str, tmp: Path) -> tuple[list[str], list[str]]:
         return ["scaling", "fit", str(tmp / "none.csv"), "--plot", str(f / "p")], ["which is a file"]
     if kind == "html-is-folder":
         return ["scaling", "fit", str(tmp / "none.csv"), "--html", str(folder)], ["is a folder"]
+    if kind == "timeline-run-not-a-trace":
+        js = tmp / "t.json"
+        js.write_text('{"x": 1}')
+        return [*TL, "--run", str(js)], ["is not a scaletrain pipeline trace"]
+    if kind == "sample-without-checkpoint":
+        run = tmp / "nock"
+        run.mkdir()
+        (run / "config.yaml").write_text("train:\n  steps: 2\n")
+        return ["sample", "--out", str(run)], ["no complete checkpoint"]
+    if kind == "fit-folder-without-runs":
+        return ["scaling", "fit", str(folder)], ["no run folders"]
     if kind == "fit-bad-csv":
         csv = tmp / "runs.csv"
         csv.write_text("params,tokens,flops\n1,2,3\n")
@@ -292,7 +307,8 @@ FILE_ROWS = ["config-folder", "config-missing", "config-scalar-section", "config
              "config-binary", "config-unknown-key", "config-nan", "config-inf-steps", "out-under-file",
              "out-is-file", "out-user-folder", "demo-out-user-folder", "cache-dir-under-file",
              "data-source-folder-empty", "timeline-out-folder", "timeline-out-under-file", "plot-is-file",
-             "plot-under-file", "html-is-folder", "fit-bad-csv", "fit-nan-csv"]
+             "plot-under-file", "html-is-folder", "fit-bad-csv", "fit-nan-csv", "timeline-run-not-a-trace",
+             "sample-without-checkpoint", "fit-folder-without-runs"]
 
 
 @pytest.mark.parametrize("kind", FILE_ROWS)

@@ -562,6 +562,8 @@ def _validate_hardening(cfg: Config) -> list[str]:
         errors.append(f"train.steps ({cfg.train.steps:,}) is above the limit of {MAX_STEPS:,}")
     if cfg.model.moe.experts == 0 and cfg.model.moe.router not in ROUTERS:  # with experts, _validate_moe says it
         errors.append(f"model.moe.router must be one of {', '.join(ROUTERS)}, got {cfg.model.moe.router!r}")
+    if not cfg.data.source.strip():  # an empty path would read the current folder as the corpus
+        errors.append("data.source must be builtin, a text file or folder, or a .bin token file; got ''")
     part = cfg.parallel.partition
     if cfg.parallel.pp == 1 and part not in ("uniform", "params", "time") and \
             not all(x.strip().isdigit() for x in part.split(",")):  # with pp > 1, validate_pipeline says it
