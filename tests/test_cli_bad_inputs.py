@@ -430,9 +430,12 @@ def test_closed_pipe_is_quiet():
 
 
 def test_config_doc_is_aligned_yaml_without_reprs():
+    import yaml
+
     from scaletrain.config_doc import doc_text
 
     text = doc_text(Config())
+    assert yaml.safe_load(text) == Config().to_dict()  # the documented view is the config itself, as YAML
     assert "MoEConfig(" not in text and "'gelu'" not in text and "True" not in text
     assert "  moe:" in text and "    experts: 0" in text and "  mlp: gelu" in text
     columns = {line.index("# ") for line in text.splitlines() if "# " in line}
