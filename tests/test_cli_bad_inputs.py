@@ -511,3 +511,26 @@ def test_scaling_fit_refuses_two_model_sizes_and_reports_progress(tmp_path):
     with pytest.raises(UserError, match=r"cannot identify alpha: the runs have 2 distinct model sizes"):
         fit_all(load_points(csv), (3,), bootstrap=0, progress=heard.append)
     assert heard == ["approach 3"]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, tmp_path, monkeypatch):
+    """Long work is interruptible: a real SIGINT during the drawing ends the command with one line, exit 130."""
+    import signal
+    import threading
+    import time
+
+    from scaletrain.parallel.pipeline import draw
+
+    timers = []
+
+    def slow_draw(*args, **kwargs):  # stands in for a long drawing; a real SIGINT arrives while it runs
+        timers.append(threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)))
+        timers[0].start()
+        time.sleep(60)
+        raise AssertionError("SIGINT did not arrive")
+
+    monkeypatch.setattr(draw, "draw_timeline", slow_draw)
+    code = call(["report", "timeline", "--out", str(tmp_path / "t.png")])
+    timers[0].join()
+    assert code == 130 and capsys.readouterr().err == "scaletrain: interrupted\n"
+    assert not (tmp_path / "t.png").exists()
