@@ -86,6 +86,11 @@ class ModelConfig:
     """Layer-norm epsilon."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (model.moe.experts > 0)."""
+    reversible: bool = False
+    """Reversible blocks (RevNet arXiv 1707.04585, Reformer arXiv 2001.04451): the residual stream is split into two
+    halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
+    backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
+    architecture, not a free saving (docs/memory.md)."""
 
 
 @dataclass
@@ -210,6 +215,14 @@ class MemoryConfig:
     """Move saved block checkpoints to host memory between forward and backward."""
     compress: str = "none"
     """Saved-activation compression (Gist): none, relu-mask, bf16, int8, or a comma list."""
+    contiguous: bool = False
+    """ZeRO-R memory defragmentation (arXiv 1910.02054 Sec. 6.3): activation checkpoints (under recompute) and the
+    transient gradient buffers of data parallelism / ZeRO live in arenas allocated once per run and reused every
+    step. Bit-identical to false (memory/contiguous.py)."""
+    count_allocations: bool = False
+    """Log `mem_alloc_count` and `mem_alloc_bytes`: allocator calls of one steady-state training step's forward and
+    backward (step 2; CPU: the profiler's memory events, CUDA: torch.cuda.memory_stats, which also gives
+    `mem_cuda_allocated_peak` and `mem_cuda_reserved_peak`). Costs one profiled step on CPU."""
 
 
 @dataclass
@@ -517,6 +530,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                       f"parallel.tp ({p.tp})")
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
+    errors += _validate_reversible(cfg)
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -543,6 +557,13 @@ def _validate_noise_scale(cfg: Config) -> list[str]:
         errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
                       f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
     return errors
+
+
+def _validate_reversible(cfg: Config) -> list[str]:
+    """model.reversible: the halves' widths, and the modes that have nothing to act on (model/reversible.py)."""
+    from scaletrain.model.reversible import refusals
+
+    return refusals(cfg)
 
 
 ROUTERS = ("topk", "switch", "expert_choice")
