@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 
