@@ -531,6 +531,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
     errors += _validate_reversible(cfg)
+    errors += _validate_contiguous(cfg)
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -562,6 +563,13 @@ def _validate_noise_scale(cfg: Config) -> list[str]:
 def _validate_reversible(cfg: Config) -> list[str]:
     """model.reversible: the halves' widths, and the modes that have nothing to act on (model/reversible.py)."""
     from scaletrain.model.reversible import refusals
+
+    return refusals(cfg)
+
+
+def _validate_contiguous(cfg: Config) -> list[str]:
+    """memory.contiguous needs something to put in its arenas (memory/contiguous.py)."""
+    from scaletrain.memory.contiguous import refusals
 
     return refusals(cfg)
 

@@ -177,26 +177,43 @@ class Held:
     back to its pool when autograd drops the checkpoint (after the backward that used it). Read the data through
     `tensor` each time (settling may move it)."""
 
-    __slots__ = ("slot", "__weakref__")
+    __slots__ = ("slot", "strides", "__weakref__")
 
-    def __init__(self, slot: Slot):
-        self.slot = slot
+    def __init__(self, slot: Slot, strides: tuple[int, ...] | None = None):
+        self.slot, self.strides = slot, strides
         weakref.finalize(self, slot.release)
 
     @property
     def tensor(self) -> torch.Tensor:
-        return self.slot.tensor
+        t = self.slot.tensor
+        return t if self.strides is None else t.as_strided(t.shape, self.strides)
 
     @property
     def nbytes(self) -> int:
         return self.slot.pool.numel * self.slot.pool.dtype.itemsize
 
 
-def hold_copy(t: torch.Tensor, arena: Arena, device: torch.device | None = None, pin: bool = False) -> Held:
-    """`t` copied into a slot of `arena` (on `device`, default t's; pinned host memory with `pin`)."""
-    held = Held(arena.take(t.shape, t.dtype, device if device is not None else t.device, pin))
+def hold_copy(t: torch.Tensor, arena: Arena, device: torch.device | None = None, pin: bool = False,
+              keep_order: bool = True) -> Held:
+    """`t` copied into a slot of `arena` (on `device`, default t's; pinned host memory with `pin`), laid out in t's
+    dimension order (as `torch.empty_like` would, so the recomputation runs the same kernels on it), or contiguous
+    with `keep_order=False` (as activation offload has always copied)."""
+    strides = torch.empty_like(t, device="meta").stride() if keep_order else None
+    held = Held(arena.take(t.shape, t.dtype, device if device is not None else t.device, pin), strides)
     held.tensor.copy_(t.detach(), non_blocking=pin)
     return held
+
+
+def refusals(cfg: Any) -> list[str]:
+    """What `validate()` refuses for memory.contiguous: a run with nothing for the arenas to hold."""
+    mem, p = cfg.memory, cfg.parallel
+    if not mem.contiguous:
+        return []
+    if mem.recompute.strip().lower() == "none" and not mem.offload_activations and p.zero < 2:
+        return [f"memory.contiguous has nothing to hold with memory.recompute=none, no activation offload and "
+                f"parallel.zero={p.zero}: it arranges activation checkpoints and ZeRO-2/3's transient gradient "
+                "buffers (plain data parallelism and ZeRO-1 already keep their gradient buckets for the whole run)"]
+    return []
 
 
 def engine_arena(engine: Any) -> Arena:

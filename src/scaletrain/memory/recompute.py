@@ -143,7 +143,7 @@ class _Host:
         pin = t.device.type == "cuda"
         self.nbytes = t.numel() * t.element_size()
         if arena is not None:
-            self.held = hold_copy(t, arena, torch.device("cpu"), pin)
+            self.held = hold_copy(t, arena, torch.device("cpu"), pin, keep_order=False)
             stats._add(self.held, self.nbytes)
             return
         self.held = None

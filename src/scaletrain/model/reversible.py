@@ -103,6 +103,14 @@ class ReversibleBlock(Block):
         y2 = x2 + self.g(y1)
         return torch.cat([y1, y2], dim=-1)
 
+    @torch.no_grad()
+    def inverse(self, y: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The block input rebuilt from its output: x2 = y2 - G(y1), x1 = y1 - F(x2) (in evaluation mode, or with
+        the dropout state the forward had)."""
+        y1, y2 = y.chunk(2, dim=-1)
+        x2 = y2 - self.g(y1)
+        return torch.cat([y1 - self.f(x2, rope), x2], dim=-1)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if not (self.custom_backward and torch.is_grad_enabled() and x.requires_grad):
             # evaluation, the gradient check's reference, or an input without a gradient path (never inside our
@@ -250,10 +258,9 @@ def refusals(cfg: Config) -> list[str]:
     elif m.position == "rope" and (half.d_model // m.n_heads) % 2:
         errors.append(f"model.reversible with rope needs an even head size, got d_model/2/n_heads = "
                       f"{half.d_model // m.n_heads}")
-    if p.tp > 1:
-        for what, value in (("half of model.d_model", half.d_model), ("the halves' MLP hidden size", ffn_size(half))):
-            if value % p.tp:
-                errors.append(f"model.reversible: {what} ({value}) is not divisible by parallel.tp ({p.tp})")
+    if p.tp > 1 and ffn_size(half) % p.tp:  # (the halves' width follows from n_heads % tp, checked by validate)
+        errors.append(f"model.reversible: the halves' MLP hidden size ({ffn_size(half)}) is not divisible by "
+                      f"parallel.tp ({p.tp})")
     try:
         kind = parse_recompute(mem.recompute).kind
     except Exception:  # noqa: BLE001 - validate() reports the syntax error itself
