@@ -41,14 +41,21 @@ def model_config(**sets):
 
 
 def grads_of(model, idx, tgt, custom: bool, seed: int = 11):
-    """Loss and parameter gradients of one forward/backward, through the custom backward or plain autograd."""
+    """Loss and parameter gradients through the custom backward or plain autograd: two micro-batches whose forwards
+    both run before the one backward (as GPipe does), so the reverse pass must restore what each forward read."""
     for b in reversible_blocks(model):
         b.custom_backward = custom
-    begin_step(model, 5, 3, 0)  # layout-independent dropout keyed by (seed, step, row)
+    begin_step(model, 5, 3, 0)  # layout-independent dropout: masks keyed by (seed, step, row)
+    ctx = model.blocks[0].context
     begin_moe_step(model, 5, 3, 0)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # torch's dropout stream
-    loss = loss_sum(model(idx), tgt)
+    rows = idx.shape[0] // 2
+    losses = []
+    for i in range(2):
+        ctx.at_micro(i, rows)
+        losses.append(loss_sum(model(idx[i * rows:(i + 1) * rows]), tgt[i * rows:(i + 1) * rows]))
+    loss = losses[0] + losses[1]
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -70,7 +77,7 @@ def test_custom_backward_matches_autograd_through_the_same_forward(variant):
     cfg = model_config(**VARIANTS[variant])
     model = build_gpt(cfg.model, 1, "cpu", torch.float64)
     g = torch.Generator().manual_seed(0)
-    idx, tgt = torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+    idx, tgt = torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)
     loss_c, grads_c = grads_of(model, idx, tgt, custom=True)
     loss_a, grads_a = grads_of(model, idx, tgt, custom=False)
     assert torch.equal(loss_c, loss_a)  # the same forward
