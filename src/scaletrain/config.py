@@ -216,9 +216,9 @@ class MemoryConfig:
     compress: str = "none"
     """Saved-activation compression (Gist): none, relu-mask, bf16, int8, or a comma list."""
     contiguous: bool = False
-    """ZeRO-R memory defragmentation (arXiv 1910.02054 Sec. 6.3): activation checkpoints (under recompute) and the
-    transient gradient buffers of data parallelism / ZeRO live in arenas allocated once per run and reused every
-    step. Bit-identical to false (memory/contiguous.py)."""
+    """ZeRO-R memory defragmentation (arXiv 1910.02054 Sec. 6.3): activation checkpoints (under recompute or
+    activation offload) and ZeRO-2/3's per-micro-batch gradient buffers live in arenas allocated once per run and
+    reused every step. Bit-identical to false (memory/contiguous.py)."""
     count_allocations: bool = False
     """Log `mem_alloc_count` and `mem_alloc_bytes`: allocator calls of one steady-state training step's forward and
     backward (step 2; CPU: the profiler's memory events, CUDA: torch.cuda.memory_stats, which also gives
