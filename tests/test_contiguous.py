@@ -5,8 +5,8 @@ Claims:
   moving live slots with their data; a later step that needs no more slots allocates nothing;
 - with memory.contiguous=true losses and gradients are bit-identical to false (fp32 and fp64, dropout on) for every
   recompute mode that keeps checkpoints (full, every:k, selective, offloaded), for ZeRO-2/3's gradient buffers, and
-  on 2 ranks for dp x ZeRO-2/3, tp with partitioned checkpoints, and pp (1F1B, and 2BW whose next batch keeps its
-  checkpoints across the step boundary while the arena settles);
+  on 2 ranks for dp x ZeRO-2/3 (also with NVMe offload), tp with partitioned checkpoints, and PipeDream-2BW, whose
+  next batch keeps its checkpoints across the step boundary while the arena settles;
 - after the first step nothing more is allocated for the arena (its buffer count stays, nothing grows late), and
   the step's allocator calls drop by exactly what the arena took over: one host buffer per offloaded checkpoint,
   one bucket buffer (plus a reduce-scatter output with dp > 1) per ZeRO-2/3 bucket and micro-batch;
@@ -136,10 +136,13 @@ def test_contiguous_is_bit_identical_and_allocates_its_arena_once(mode):
         assert saved == 0
 
 
-def test_contiguous_with_nothing_to_hold_is_refused():
-    cfg = load_config(None, ["memory.contiguous=true"])
-    with pytest.raises(ConfigError, match="memory.contiguous has nothing to hold"):
-        validate(cfg)
+@pytest.mark.parametrize("sets, words", [
+    (["memory.contiguous=true"], "memory.contiguous has nothing to hold"),
+    (["memory.count_allocations=true", "train.profile_steps=1:3"], r"train.profile_steps \(1:3\) also records"),
+])
+def test_what_contiguous_and_the_count_cannot_do_is_refused(sets, words):
+    with pytest.raises(ConfigError, match=words):
+        validate(load_config(None, sets))
 
 
 # --------------------------------------------------------------------------- allocation counts
@@ -189,6 +192,7 @@ LAYOUTS = {
     "dp2-zero3": {"parallel.dp": 2, "parallel.zero": 3},
     "tp2-partitioned-every2": {"parallel.tp": 2, "memory.recompute": "every:2", "memory.partition_checkpoints": "true"},
     "pp2-2bw-full": {"parallel.pp": 2, "parallel.schedule": "2bw", "memory.recompute": "full"},
+    "dp2-zero3-nvme": {"parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "nvme"},  # + offload_dir below
 }
 
 
@@ -211,8 +215,10 @@ def _rank_pairs(rank, world, layouts):
 
 
 @pytest.fixture(scope="module")
-def pairs():
-    return run_ranks(_rank_pairs, 2, LAYOUTS, timeout=300)[0]
+def pairs(tmp_path_factory):
+    layouts = {name: dict(lay) for name, lay in LAYOUTS.items()}
+    layouts["dp2-zero3-nvme"]["parallel.offload_dir"] = str(tmp_path_factory.mktemp("nvme"))
+    return run_ranks(_rank_pairs, 2, layouts, timeout=300)[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

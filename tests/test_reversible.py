@@ -7,7 +7,7 @@ Claims:
 - saved activations and the peak of a forward+backward do not grow with depth (equal at 2, 4 and 8 blocks), while
   the standard block's grow by its per-layer bytes and full recomputation's by one B·T·C input per block;
 - the reversible model trained in any layout (dp, ZeRO 1-3, tp, tp + sp, pp with 1F1B / GPipe / interleaved,
-  experts over ep; world size 2) equals its own single-process run, fp64, with dropout: every step's loss and every
+  experts over ep, ZeRO-3 with NVMe offload; world size 2) equals its own single-process run, fp64, with dropout: every step's loss and every
   final parameter within rtol 1e-10 (measured: <= 3e-13 relative to each tensor's max); PipeDream-2BW equals the
   single-process 2BW rule (dp x tp and dp x pp x ZeRO-3 on 4 ranks: `scaletrain verify`, docs/memory.md);
 - the planner's `mem_activations` equals the measurement in every one of those layouts, to the byte;
@@ -170,6 +170,7 @@ TWO = {
     "pp2-gpipe": {"parallel.pp": 2, "parallel.schedule": "gpipe"},
     "pp2-interleaved": {"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2},
     "dp2-ep2-moe": {"parallel.dp": 2, "parallel.ep": 2, "_base": "moe"},
+    "dp2-zero3-nvme": {"parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "nvme"},  # + offload_dir below
 }
 TWO_BW = {"model.reversible": "true", "model.n_layers": 4, "parallel.pp": 2, "parallel.schedule": "2bw",
           "train.micro_batch": 2, "train.global_batch": 4, "train.steps": 4}
@@ -196,10 +197,11 @@ def _rank_runs(rank, world, layouts):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     from test_pipeline_exec import reference_2bw
 
     two = {name: _overrides(lay) for name, lay in TWO.items()}
+    two["dp2-zero3-nvme"]["parallel.offload_dir"] = str(tmp_path_factory.mktemp("nvme"))
     two["pp2-2bw"] = {**TINY, **TWO_BW}
     results = run_ranks(_rank_runs, 2, two, timeout=300)[0]  # one set of processes for all (start-up is the cost)
     refs = {"base": train_reference(BASE), "moe": train_reference(MOE)}
