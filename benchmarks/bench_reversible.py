@@ -14,8 +14,9 @@
    time, with and without, for the modes that keep checkpoints or transient gradient buffers.
 
 Every configuration trains on the builtin corpus from the same weights and data, fp32, one micro-batch per step
-(sweep 3: two); the configurations of a table take their timed steps in turn after two warm-up steps each. Prints
-markdown tables; `--json PATH` also writes the numbers.
+(sweep 3: two); the configurations of a table take their timed steps in turn after two warm-up steps each; step
+times are reported as process CPU time (steadier on a shared machine) and wall time. Prints markdown tables;
+`--json PATH` also writes the numbers.
 
     python benchmarks/bench_reversible.py [--d-model 256 --heads 8 --seq 128 --batch 4 --depths 2,4,8,16 --steps 5]
 """
@@ -51,6 +52,7 @@ def run_round_robin(trainers: dict[str, Trainer], steps: int, peak: bool) -> dic
     one timed step per trainer; then (optionally) one step each under TensorPeak. Returns per trainer:
     median/min/max step time, its memory fields, the peak."""
     times: dict[str, list[float]] = {n: [] for n in trainers}
+    cpu: dict[str, list[float]] = {n: [] for n in trainers}
     rows: dict[str, dict] = {}
     for name, t in trainers.items():
         for _ in range(2):
@@ -59,13 +61,16 @@ def run_round_robin(trainers: dict[str, Trainer], steps: int, peak: bool) -> dic
     for _ in range(steps):
         for name, t in trainers.items():
             t.step += 1
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             t.train_step(t.step)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             rows[name].update(t.memory())
     out = {}
     for name, t in trainers.items():
         res = {"median_s": statistics.median(times[name]), "min_s": min(times[name]), "max_s": max(times[name]),
+               "cpu_median_s": statistics.median(cpu[name]), "cpu_min_s": min(cpu[name]),
+               "cpu_max_s": max(cpu[name]),
                "params": t.n_params, **{k: v for k, v in rows[name].items() if k.startswith(("mem_", "plan_mem_"))}}
         if peak:
             with TensorPeak() as tp:
@@ -74,6 +79,10 @@ def run_round_robin(trainers: dict[str, Trainer], steps: int, peak: bool) -> dic
             res["peak"] = tp.peak
         out[name] = res
     return out
+
+
+def _span(r: dict, prefix: str) -> str:
+    return f"{r[prefix + 'median_s']:.3f} [{r[prefix + 'min_s']:.3f}, {r[prefix + 'max_s']:.3f}]"
 
 
 def depth_sweep(args) -> dict:
@@ -88,16 +97,17 @@ def depth_sweep(args) -> dict:
         trainers = {m: make_trainer(args, layers, *sets) for m, sets in modes.items()}
         results[layers] = run_round_robin(trainers, args.steps, peak=True)
     print(f"\n### Activation memory and step time vs depth (d_model {args.d_model}, {args.heads} heads, seq "
-          f"{args.seq}, batch {args.batch}, fp32; step time: median of {args.steps}, [min, max])\n")
+          f"{args.seq}, batch {args.batch}, fp32, {torch.get_num_threads()} thread(s); times: median of "
+          f"{args.steps} [min, max])\n")
     print("| layers | blocks | params | saved for backward (MiB) | planner (MiB) | peak of a step (MiB) | "
-          "step time (s) |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+          "step CPU time (s) | step wall time (s) |")
+    print("|---:|---|---:|---:|---:|---:|---|---|")
     for layers, res in results.items():
         for m, r in res.items():
             plan = r.get("plan_mem_activations")
             plan_s = f"{plan / MiB:.3f}" if plan is not None else "-"
             print(f"| {layers} | {m} | {r['params']:,} | {r['mem_activations'] / MiB:.3f} | {plan_s} | "
-                  f"{r['peak'] / MiB:.2f} | {r['median_s']:.3f} [{r['min_s']:.3f}, {r['max_s']:.3f}] |")
+                  f"{r['peak'] / MiB:.2f} | {_span(r, 'cpu_')} | {_span(r, '')} |")
     return results
 
 
@@ -158,14 +168,15 @@ def contiguous_sweep(args) -> dict:
                                              "memory.count_allocations=true", micro=2)
     res = run_round_robin(trainers, args.steps, peak=False)
     print(f"\n### Contiguous buffers: allocations of a steady-state step ({layers} layers, d_model {args.d_model}, "
-          f"2 micro-batches of {args.batch}, fp32; step time: median of {args.steps})\n")
-    print("| mode | contiguous | allocations / step | allocated MiB / step | arena MiB | step time (s) |")
-    print("|---|---|---:|---:|---:|---|")
+          f"2 micro-batches of {args.batch}, fp32, {torch.get_num_threads()} thread(s); times: median of "
+          f"{args.steps} [min, max])\n")
+    print("| mode | contiguous | allocations / step | allocated MiB / step | arena MiB | step CPU time (s) | "
+          "step wall time (s) |")
+    print("|---|---|---:|---:|---:|---|---|")
     for (m, on), r in res.items():
         arena = r.get("mem_arena_bytes")
         print(f"| {m} | {on} | {r['mem_alloc_count']:,} | {r['mem_alloc_bytes'] / MiB:.2f} | "
-              f"{arena / MiB if arena is not None else 0:.2f} | {r['median_s']:.3f} [{r['min_s']:.3f}, "
-              f"{r['max_s']:.3f}] |")
+              f"{arena / MiB if arena is not None else 0:.2f} | {_span(r, 'cpu_')} | {_span(r, '')} |")
     return {f"{m} / {on}": r for (m, on), r in res.items()}
 
 
@@ -178,9 +189,11 @@ def main() -> None:
     ap.add_argument("--depths", default="2,4,8,16")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--only", choices=("depth", "reconstruction", "contiguous"), default=None)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadier on a shared machine)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.depths = [int(x) for x in args.depths.split(",")]
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     out = {}
     if args.only in (None, "depth"):
