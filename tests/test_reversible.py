@@ -7,10 +7,12 @@ Claims:
 - saved activations and the peak of a forward+backward do not grow with depth (equal at 2, 4 and 8 blocks), while
   the standard block's grow by its per-layer bytes and full recomputation's by one B·T·C input per block;
 - the reversible model trained in any layout (dp, ZeRO 1-3, tp, tp + sp, pp with 1F1B / GPipe / interleaved,
-  experts over ep, ZeRO-3 with NVMe offload; world size 2) equals its own single-process run, fp64, with dropout: every step's loss and every
-  final parameter within rtol 1e-10 (measured: <= 3e-13 relative to each tensor's max); PipeDream-2BW equals the
-  single-process 2BW rule (dp x tp and dp x pp x ZeRO-3 on 4 ranks: `scaletrain verify`, docs/memory.md);
-- the planner's `mem_activations` equals the measurement in every one of those layouts, to the byte;
+  experts over ep, ZeRO-3 with NVMe offload; world size 2) equals its own single-process run, fp64, with dropout:
+  every step's loss and every final parameter within rtol 1e-10 (measured: <= 3e-13 relative to each tensor's
+  max); PipeDream-2BW equals the single-process 2BW rule (dp x tp and dp x pp x ZeRO-3 on 4 ranks:
+  `scaletrain verify`, docs/memory.md);
+- the planner's `mem_activations` equals the measurement in every one of those layouts, to the byte; the analytic
+  cost model counts the built model's parameters, depth-independent activations and one more forward per block;
 - selective recomputation on top is bit-identical; what has nothing to act on is refused in one line.
 """
 
@@ -153,6 +155,34 @@ def test_selective_recomputation_on_reversible_blocks_is_bit_identical():
     assert torch.equal(out[0][0], out[1][0])
     for name in out[0][1]:
         assert torch.equal(out[0][1][name], out[1][1][name]), name
+
+
+@pytest.mark.parametrize("extra", [{}, {"model.mlp": "swiglu", "model.position": "rope", "model.bias": "false"},
+                                   {"model.moe.experts": 4, "model.moe.every": 2}])
+def test_analytic_planner_knows_reversible_blocks(extra):
+    """The cost model's ModelSpec(reversible=True): parameter count (and tensor count) of the model we build,
+    activations that do not depend on depth, and one more forward of the blocks in the hardware FLOPs."""
+    from scaletrain.model import count_params
+    from scaletrain.plan.catalog import from_model_config
+    from scaletrain.plan.costs import Layout, Training, estimate, forward_flops_per_token, param_counts, step_flops
+    from scaletrain.plan.hardware import get_gpu
+
+    acts = []
+    for layers in (4, 16):
+        cfg = model_config(**{"model.n_layers": layers, "model.d_model": 64, **extra})
+        spec = from_model_config(cfg.model)
+        model = build_gpt(cfg.model, 1, "meta")
+        assert param_counts(spec).tensors == len(list(model.parameters()))
+        from scaletrain.plan.costs import total_params
+
+        assert total_params(spec) == count_params(model)
+        acts.append(estimate(spec, get_gpu("a100-80gb"), Training(16, "fp32"), Layout(micro_batch=8)).memory[
+            "activations"])
+        model_f, hw_f = step_flops(spec, 1000, "none")
+        mats, attn, _ = forward_flops_per_token(spec)
+        assert hw_f == pytest.approx(model_f + 1000 * (mats + attn) + 3000 * (mats - forward_flops_per_token(
+            spec, padded=False)[0]))
+    assert acts[0] == acts[1]
 
 
 # --------------------------------------------------------------------------- layouts against one process
