@@ -11,9 +11,10 @@ gradients into pre-allocated contiguous buffers as they are produced. `memory.co
   `selective`; also partitioned and host-offloaded checkpoints) are copied into slots of an `Arena` by the
   recomputation's saved-tensor hooks (`memory/recompute.py`), and the slot is handed back when autograd drops the
   checkpoint (after its backward);
-- data parallelism (`parallel/data_parallel.py`) keeps every `.grad` a view of its bucket for the whole run instead
-  of letting the first backward of a step allocate fresh gradients that are then copied into the bucket; under
-  bf16/fp16 the low-precision gradients also get persistent bucket buffers, added into the fp32 ones by the hook;
+- plain data parallelism and ZeRO-1 are left as they are: their flat gradient buckets already live for the whole
+  run (`parallel/data_parallel.py`); over several ranks a step's first backward hands autograd's own gradient
+  tensor to the hook, which copies it into the bucket and drops it at once: accumulating into a kept bucket view
+  would allocate the same tensor, as an op output, and drop it as soon;
 - ZeRO-2/3 (`parallel/zero.py`) take the transient full-bucket gradient buffers and reduce-scatter outputs of every
   micro-batch from the arena instead of allocating them.
 
