@@ -307,3 +307,31 @@ def test_reversible_odd_split_on_the_command_line_is_one_line_exit_2(capsys, tmp
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "model.d_model (33) must be even" in lines[0], lines[0]
     assert not out.exists()
+
+
+def test_plan_command_line_reversible_flag(capsys):
+    """`scaletrain plan --reversible` (custom dimensions): the estimate is of the reversible model (fewer
+    parameters, activations that do not grow with depth, while the standard model's do); an odd hidden size is one
+    line, exit 2."""
+    import json
+
+    from scaletrain.cli import main
+
+    def plan(layers, *extra):
+        code = main(["plan", "--layers", str(layers), "--hidden", "256", "--heads", "4", "--vocab", "256",
+                     "--seq-len", "64", "--gpus", "1", "--global-batch", "8", "--layout", "dp=1,micro_batch=8",
+                     "--json", *extra])
+        assert code == 0
+        doc = json.loads(capsys.readouterr().out)
+        return doc["model"], doc["candidates"][0]["memory_bytes"]["activations"]
+
+    (std8, a8), (std16, a16) = plan(8), plan(16)
+    (rev8, r8), (rev16, r16) = plan(8, "--reversible"), plan(16, "--reversible")
+    assert rev8["reversible"] and not std8["reversible"]
+    assert rev16["params"] < std16["params"] and r8 == r16 < a8 < a16
+    code = main(["plan", "--layers", "4", "--hidden", "33", "--heads", "3", "--vocab", "256", "--seq-len", "64",
+                 "--gpus", "1", "--global-batch", "8", "--reversible"])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "hidden size (33) in two halves: it must be even" in lines[0], lines[0]
