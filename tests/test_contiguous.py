@@ -4,7 +4,8 @@ Claims:
 - an arena's slots are reused; settling replaces a pool's buffers by one contiguous buffer of the peak slot count,
   moving live slots with their data; a later step that needs no more slots allocates nothing;
 - with memory.contiguous=true losses and gradients are bit-identical to false (fp32 and fp64, dropout on) for every
-  recompute mode that keeps checkpoints (full, every:k, selective, offloaded), for ZeRO-2/3's gradient buffers, and
+  recompute mode that keeps checkpoints (full, every:k, selective, offloaded; selective on reversible blocks, where
+  only the block being rebuilt holds its q, k, v), for ZeRO-2/3's gradient buffers, and
   on 2 ranks for dp x ZeRO-2/3 (also with NVMe offload), tp with partitioned checkpoints, and PipeDream-2BW, whose
   next batch keeps its checkpoints across the step boundary while the arena settles;
 - after the first step nothing more is allocated for the arena (its buffer count stays, nothing grows late), and
@@ -108,9 +109,11 @@ MODES = {
     "none-offload": {"memory.recompute": "none", "memory.offload_activations": "true"},
     "zero2": {"parallel.zero": 2},
     "zero3-full": {"parallel.zero": 3, "memory.recompute": "full"},
+    "reversible-selective": {"model.reversible": "true", "memory.recompute": "selective"},
 }
 MICRO = 2
-SLOTS = {"full": [L], "every2": [L // 2], "selective": [3 * L]}  # block inputs; segment inputs; q, k, v per block
+# block inputs; segment inputs; q, k, v per block; q, k, v of the one block a reversible backward rebuilds at a time
+SLOTS = {"full": [L], "every2": [L // 2], "selective": [3 * L], "reversible-selective": [3]}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
