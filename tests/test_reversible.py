@@ -11,7 +11,8 @@ Claims:
   every step's loss and every final parameter within rtol 1e-10 (measured: <= 3e-13 relative to each tensor's
   max); PipeDream-2BW equals the single-process 2BW rule (dp x tp and dp x pp x ZeRO-3 on 4 ranks:
   `scaletrain verify`, docs/memory.md);
-- the planner's `mem_activations` equals the measurement in every one of those layouts, to the byte; the analytic
+- the planner's `mem_activations` equals the measurement in every one of those layouts, to the byte (and in one
+  process under bf16 and with selective recomputation); the analytic
   cost model counts the built model's parameters, depth-independent activations and one more forward per block;
 - selective recomputation on top is bit-identical; what has nothing to act on is refused in one line.
 """
@@ -270,6 +271,19 @@ def test_planner_predicts_reversible_activation_bytes_exactly(runs, name):
     mem = results[name][2]
     for category in ("activations", "params", "grads", "optim"):
         measured, planned = mem[category]
+        assert measured == planned, (category, measured, planned)
+
+
+@pytest.mark.parametrize("extra", [{"train.dtype": "bf16"}, {"train.dtype": "bf16", "model.position": "rope"},
+                                   {"train.dtype": "fp32", "memory.recompute": "selective"}])
+def test_planner_predicts_reversible_bytes_in_low_precision_and_with_selective(extra):
+    """One process: under bf16 the final norm saves an fp32 copy, so the last chunk's output stream counts as well
+    (plan.run_memory.reversible_chunk_bytes); selective recomputation adds nothing to what the forward keeps."""
+    from scaletrain.train.trainer import Trainer
+
+    t = Trainer(make_config({**BASE, "train.steps": 1, **extra}))
+    t.run()
+    for category, (measured, planned) in measured_and_planned(t).items():
         assert measured == planned, (category, measured, planned)
 
 
