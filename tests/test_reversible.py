@@ -3,7 +3,8 @@
 Claims:
 - the custom backward (rebuild each block's input from its output, then differentiate) gives the gradients autograd
   gives through the same forward, in fp64 to 1e-10 relative (measured: <= 6e-16), with layout-independent and
-  torch dropout, RoPE, SwiGLU and mixture-of-experts blocks with router noise, random routing and expert dropout;
+  torch dropout, RoPE, SwiGLU and mixture-of-experts blocks (top-k with router noise, random routing and expert
+  dropout; switch; expert choice);
 - saved activations and the peak of a forward+backward do not grow with depth (equal at 2, 4 and 8 blocks), while
   the standard block's grow by its per-layer bytes and full recomputation's by one B·T·C input per block;
 - the reversible model trained in any layout (dp, ZeRO 1-3, tp, tp + sp, pp with 1F1B / GPipe / interleaved,
@@ -72,6 +73,7 @@ VARIANTS = {
             "model.moe.random_routing": "true", "model.moe.expert_dropout": 0.1, "model.dropout": 0.1},
     "switch": {"model.moe.experts": 4, "model.moe.group_tokens": 16, "model.moe.router": "switch",
                "model.moe.router_noise": 0.1},
+    "expert-choice": {"model.moe.experts": 4, "model.moe.group_tokens": 16, "model.moe.router": "expert_choice"},
 }
 
 
