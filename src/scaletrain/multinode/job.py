@@ -310,7 +310,10 @@ class Job:
             first = self.kv.compare_set(HANG, "", str(self.rank)) == str(self.rank).encode()
         except Exception:  # noqa: BLE001
             return
-        wait = max(2.0, 3 * self.heartbeat.interval) if self.heartbeat is not None else 2.0
+        # a peer's own call times out up to a timeout after ours (it may have been posted later), and only then does
+        # its record name the call it was blocked in: wait for that too, bounded (a rank outside any recorded call
+        # never names one)
+        wait = (max(2.0, 3 * self.heartbeat.interval) if self.heartbeat is not None else 2.0) + min(self.timeout, 10.0)
         if not first:  # the reporter's verdict reaches this rank through the heartbeat
             self._await_verdict(wait + 5.0)
             return
