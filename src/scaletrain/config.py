@@ -564,9 +564,11 @@ def _validate_tp_nd(cfg: Config) -> list[str]:
     mode = p.tp_mode
     if mode not in TP_MODES:
         return [f"parallel.tp_mode must be one of {', '.join(TP_MODES)}, got {mode!r}"]
-    if p.tp_depth < 1 or (mode != "2.5d" and p.tp_depth != 1):
+    if mode != "2.5d" and p.tp_depth != 1:
         return [f"parallel.tp_depth ({p.tp_depth}) is the depth of parallel.tp_mode=2.5d; it must be 1 with "
-                f"parallel.tp_mode={mode}" if mode != "2.5d" else f"parallel.tp_depth must be >= 1, got {p.tp_depth}"]
+                f"parallel.tp_mode={mode}"]
+    if p.tp_depth < 1:
+        return [f"parallel.tp_depth must be >= 1, got {p.tp_depth}"]
     if mode == "1d":
         return []
     shape = grid_shape(mode, p.tp, p.tp_depth)

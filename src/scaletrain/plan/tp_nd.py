@@ -237,9 +237,22 @@ def check_layout(m, lay) -> None:
         raise UserError(f"mixture-of-experts {why}")
 
 
-def zero_group(lay) -> int:
-    """Ranks holding the same parameters, over which gradients are reduced and ZeRO shards: dp, or dp x d (2.5D)."""
-    return lay.dp * (lay.tp_depth if lay.tp_mode == "2.5d" else 1)
+def as_2d(lay):
+    """The 2D layout a 2.5D one costs the same as: each of the d depth layers is a q x q SUMMA grid on 1/d of the
+    micro-batch's sequences with the same weight blocks, and the depth's gradient sum is a data-parallel
+    reduction (tp2p5d.py), so 2.5D (dp, d, q, micro-batch b) moves the bytes and holds the memory of 2D (dp x d,
+    q, micro-batch b / d) on the same ranks (the depth fibre is q^2 ranks apart, like the next dp replica)."""
+    from dataclasses import replace
+
+    d, q = grid(lay.tp_mode, lay.tp, lay.tp_depth)
+    if lay.micro_batch % d:
+        raise UserError(f"micro_batch ({lay.micro_batch}) is not divisible by tp_depth ({d})")
+    return replace(lay, tp_mode="2d", tp=q * q, tp_depth=1, dp=lay.dp * d, micro_batch=lay.micro_batch // d)
+
+
+def dims_of(m, micro_batch: int, elem: int) -> Dims:
+    """The `Dims` of a catalog model's layer for one micro-batch in `elem`-byte elements."""
+    return Dims(micro_batch, m.seq_len, m.d_model, m.ffn, m.mlp, m.bias, m.kv_heads * m.head_dim, elem, max(elem, 4))
 
 
 def stage_params(m, lay):
