@@ -44,11 +44,6 @@ def make_plan(cfg, grid: Grid):
     return plan(grid, cfg.train.micro_batch, cfg.model.d_model)
 
 
-def optimizer_dim(cfg) -> str:
-    """The mesh group over which the engine's optimizer reduces gradients: dp, or dp x depth for 2.5d."""
-    return "dp_dep" if cfg.parallel.tp_mode == "2.5d" else "dp"
-
-
 def local_activation_shape(cfg) -> tuple[int, int, int]:
     """This rank's block of a (micro_batch, seq_len, d_model) activation (what pipeline stages exchange)."""
     s = shape_of(cfg)

@@ -167,8 +167,6 @@ class Plan2D:
     """How the GPT's modules become 2D layers, and where this rank's pieces sit (used by the pass in
     `tensor_nd.__init__`). 2.5D (tp2p5d.Plan2p5D) is this plan on each depth layer."""
 
-    optimizer_dim = "dp"  # the mesh group over which gradients are reduced (every rank holds distinct weights)
-
     def __init__(self, grid: Grid, micro_batch: int, d_model: int):
         self.grid, self.h = grid, d_model
         self.layer_rows = micro_batch // grid.shape.depth  # sequences of this depth layer

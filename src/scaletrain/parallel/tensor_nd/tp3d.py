@@ -172,8 +172,6 @@ class Position3D(nn.Module):
 class Plan3D:
     """How the GPT's modules become 3D layers, and where this rank's pieces sit (see tp2d.Plan2D)."""
 
-    optimizer_dim = "dp"
-
     def __init__(self, grid: Grid, micro_batch: int, d_model: int):
         self.grid, self.h = grid, d_model
         self.block = micro_batch // (grid.q * grid.q)
