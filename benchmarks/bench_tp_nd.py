@@ -6,7 +6,8 @@ on gloo CPU processes of one thread, from the same (seed, name) weights. A step 
 backward and AdamW on one micro-batch. The modes are timed in alternating blocks (1d, 2d, 1d, 2d, ...) so they see
 the same machine load; the table gives the median over blocks of tokens/s with the range, the bytes autograd saves
 per rank on the first forward (`mem_activations`), the parameter bytes per rank, and the bytes each rank sends per
-step by collective (CommStats, ring conventions of parallel/comm.py). The first-step losses are printed: equal
+step by collective (CommStats, ring conventions of parallel/comm.py: `tp.*` from the tensor-parallel layers, a
+bare `all_reduce` the gradient reduction, which 2.5d runs over its depth). The first-step losses are printed: equal
 across modes (they compute the same function).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_tp_nd.py --world 4 8 [--layers 4 --d-model 256 --heads 8 --seq 128
@@ -111,7 +112,7 @@ def measure(world: int, args) -> None:
     print("|---|---|---|---|---|---|---|")
     for name, r in rates.items():
         acts, params, sent = info[name]
-        kinds = ", ".join(f"{k.removeprefix('tp.')} {v:,}" for k, v in sorted(sent.items()))
+        kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(sent.items()))  # tp.*: the tp layers; else gradients
         print(f"| {name} | {statistics.median(r):,.0f} | {min(r):,.0f}-{max(r):,.0f} | {acts:,} | {params:,} | "
               f"{sum(sent.values()):,} | {kinds} |")
 

@@ -1,12 +1,12 @@
 """2D (Optimus), 2.5D (Tesseract) and 3D tensor parallelism compute the single-process run; their memory and
 communication equal the formulas; what they do not support is refused.
 
-Equivalence: the real Trainer in fp64 on the byte data (harness TINY: 2 layers, d_model 32, 4 heads, seq 32,
-4 steps of 8 sequences in micro-batches of 2, or 4 where the grid splits a micro-batch into 4 blocks), compared
+Equivalence: the real Trainer in fp64 on the byte data (harness TINY: 2 layers, d_model 32, 4 heads, seq 32;
+2 steps of 8 sequences in micro-batches of 2, or 4 where the grid splits a micro-batch into 4 blocks), compared
 at every step's loss and every final gathered parameter with the single-process run. Tolerance rtol 1e-11 /
 atol 1e-12, the 1D tests' (test_tensor_parallel.py): measured differences are at most 8.9e-16 in the loss and
 1.2e-14 in any parameter (summation order: SUMMA adds q partial products, the layer norm sums hidden blocks),
-so a wrong block, a missing reduction or a mis-scaled gradient (1e-3 or more after 4 steps) fails. bf16 is
+so a wrong block, a missing reduction or a mis-scaled gradient (1e-3 or more after 2 steps) fails. bf16 is
 compared with the single-process bf16 run by test_precision_layouts.py's measured tolerances and recipe.
 
 Memory: the trainer's measured parameter, gradient, optimizer and activation bytes (max over ranks) equal the
@@ -31,6 +31,7 @@ from scaletrain.config import load_config, validate
 from scaletrain.errors import ConfigError, UserError
 
 RTOL, ATOL = 1e-11, 1e-12
+BASE = {**TINY, "train.steps": 2}
 G2 = {"parallel.tp": 4, "parallel.tp_mode": "2d"}
 G3 = {"parallel.tp": 8, "parallel.tp_mode": "3d", "train.micro_batch": 4}
 G25 = {"parallel.tp": 8, "parallel.tp_mode": "2.5d", "parallel.tp_depth": 2, "train.micro_batch": 4}
@@ -63,7 +64,7 @@ def _trainer(rank, world, overrides, out=None):
     from scaletrain.distributed import DistEnv
     from scaletrain.train.trainer import Trainer
 
-    return Trainer(make_config({**TINY, **overrides}), out, DistEnv(rank, world, 0, "test"))
+    return Trainer(make_config({**BASE, **overrides}), out, DistEnv(rank, world, 0, "test"))
 
 
 def _train(rank, world, overrides):
@@ -131,13 +132,14 @@ def world8():
 _refs: dict = {}
 
 
-def _reference(overrides: dict, steps_key: str = "") -> tuple:
-    single = {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
+def _reference(overrides: dict) -> tuple:
+    """The single-process run of the same model, data, seed and precision (no parallelism, no recomputation)."""
+    single = {k: v for k, v in overrides.items() if not k.startswith(("parallel.", "memory."))}
     key = json.dumps(single, sort_keys=True)
     if key not in _refs:
         from scaletrain.train.trainer import Trainer
 
-        t = Trainer(make_config({**TINY, **single}))
+        t = Trainer(make_config({**BASE, **single}))
         losses, norms = {}, {}
         while t.step < t.cfg.train.steps:
             t.step += 1

@@ -188,9 +188,6 @@ class Plan2D:
     def head_block(self) -> int:
         return self.grid.j
 
-    def local_activation(self, seq_len: int) -> tuple[int, int, int]:
-        """Shape of this rank's block of a (B, T, h) activation (what pipeline stages send)."""
-        return self.block, seq_len, self.h // self.grid.q
 
     # the layers
     def linear(self, dense: nn.Linear, role: str, parts: int = 1) -> nn.Module:

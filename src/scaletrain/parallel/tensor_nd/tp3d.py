@@ -190,8 +190,6 @@ class Plan3D:
     def head_block(self) -> int:
         return self.grid.j
 
-    def local_activation(self, seq_len: int) -> tuple[int, int, int]:
-        return self.block, seq_len, self.h // self.grid.q
 
     def linear(self, dense: nn.Linear, role: str, parts: int = 1) -> nn.Module:
         return Linear3D(dense, self.grid, role, parts)
