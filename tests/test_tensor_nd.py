@@ -43,9 +43,7 @@ RUNS4 = {
     "2d recompute full": {**G2, "memory.recompute": "full"},
     "2d swiglu rope untied biasless V257 dropout selective": {**G2, **VARIANTS, "memory.recompute": "selective"},
 }
-BF16 = {"2d bf16": {**RECIPE, **G2, "train.dtype": "bf16"},
-        "2d bf16 lr x1.1 (fault)": {**RECIPE, **G2, "train.dtype": "bf16", "train.lr": 1.1 * RECIPE["train.lr"]},
-        "2d fp16": {**RECIPE, **G2, "train.dtype": "fp16"}}
+BF16 = {"2d bf16": {**RECIPE, **G2, "train.dtype": "bf16"}, "2d fp16": {**RECIPE, **G2, "train.dtype": "fp16"}}
 RUNS8 = {
     "3d": G3,
     "2.5d zero1": {**G25, "parallel.zero": 1},
@@ -99,15 +97,12 @@ def _probe(overrides):
 
 
 def _resume(rank, world, out):
-    """1 step, checkpoint, a new trainer resumes for step 2; against 2 straight steps."""
+    """1 step, checkpoint, a new trainer resumes for step 2 (compared with the straight "2d" run)."""
     overrides = {**G2, "train.steps": 2, "train.checkpoint_every": 1}
-    first = _trainer(rank, world, overrides, out)
-    first.run(stop_after=1)
+    _trainer(rank, world, overrides, out).run(stop_after=1)
     resumed = _trainer(rank, world, overrides, out)
     r = resumed.run()
-    straight = _trainer(rank, world, overrides)
-    s = straight.run()
-    return r.resumed_from, r.losses, s.losses, resumed.full_state(), straight.full_state()
+    return r.resumed_from, r.losses, resumed.full_state()
 
 
 def _session(rank, world, runs, probes, extra):
@@ -186,17 +181,12 @@ def test_2d_low_precision_matches_single_process_of_the_same_precision(world4, d
     assert within(d, TOL[dtype]), f"{name}: {d} exceeds {TOL[dtype]}"
 
 
-def test_bf16_comparison_catches_a_learning_rate_ten_percent_off(world4):
-    ref = _reference(BF16["2d bf16"])
-    d = differences(ref, world4["runs"]["2d bf16 lr x1.1 (fault)"][:3])
-    assert not within(d, TOL["bf16"]), d
-
-
 def test_2d_checkpoint_resumes_exactly(world4):
-    resumed_from, resumed, straight, state, straight_state = world4["resume"]
+    resumed_from, resumed, state = world4["resume"]
+    straight, _, straight_state, _ = world4["runs"]["2d"]
     assert resumed_from == 1 and list(resumed) == [2]
     assert resumed[2] == straight[2]
-    assert all(torch.equal(state[k], straight_state[k]) for k in state)
+    assert state.keys() == straight_state.keys() and all(torch.equal(state[k], straight_state[k]) for k in state)
 
 
 # ----------------------------------------------------------------------------- memory and communication
@@ -318,16 +308,14 @@ def test_validate_accepts_the_grids_of_the_issue():
         validate(load_config(None, [f"{k}={v}" for k, v in {**TINY, **o}.items()]))
 
 
-def test_cli_refuses_a_bad_grid_in_one_line(tmp_path):
-    import subprocess
-    import sys
+def test_cli_refuses_a_bad_grid_in_one_line(tmp_path, capsys):
+    from scaletrain.cli import main
 
-    p = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--nproc", "8", "--out", str(tmp_path / "o"),
-                        "--set", "parallel.tp=8", "--set", "parallel.tp_mode=2d"], capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 2
-    assert p.stderr.strip().count("\n") == 0 and "is not a square q x q" in p.stderr
-    assert "Traceback" not in p.stderr and not (tmp_path / "o").exists()
+    code = main(["train", "--nproc", "8", "--out", str(tmp_path / "o"), "--set", "parallel.tp=8",
+                 "--set", "parallel.tp_mode=2d"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().count("\n") == 0 and "parallel.tp (8) is not a square q x q" in err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
 
 
 # ----------------------------------------------------------------------------- the planner
