@@ -288,6 +288,8 @@ def test_saved_activations_per_layer_are_one_over_t_of_one_process(world4, world
      "parallel.pp (2) > 1 with parallel.tp_mode=2.5d is not available"),
     (["parallel.tp=4", "parallel.tp_mode=2d", "parallel.pp=2", "parallel.schedule=zb-h1"],
      "parallel.schedule=zb-h1 with parallel.tp_mode=2d is not available"),
+    (["parallel.tp=4", "parallel.tp_mode=2d", "parallel.pp=2", "parallel.partition=time"],
+     "parallel.partition=time with parallel.tp_mode=2d is not available"),
     (["parallel.tp=4", "parallel.tp_mode=2d", "model.moe.experts=4"],
      "model.moe.experts (4) > 0 with parallel.tp_mode=2d is not available"),
     (["parallel.tp=4", "parallel.tp_mode=2d", "optim.name=adafactor"], "optim.name=adafactor with parallel.tp_mode"),

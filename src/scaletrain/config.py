@@ -655,6 +655,9 @@ def _validate_tp_nd(cfg: Config) -> list[str]:
     if p.pp > 1 and mode != "2d":
         errors.append(f"parallel.pp ({p.pp}) > 1 {why} (parallel.tp_mode=2d is): 2.5d/3d stages are not wired "
                       "into the pipeline")
+    if p.pp > 1 and p.partition == "time":
+        errors.append(f"parallel.partition=time {why}: its profile runs one rank's blocks alone, and a grid block "
+                      "needs its row and column peers (use uniform, params or block counts)")
     if p.pp > 1 and p.schedule in ("zb-h1", "2bw"):
         errors.append(f"parallel.schedule={p.schedule} {why}: zero-bubble's split backward would run the grid's "
                       "backward collectives twice, and 2BW's weight versions are not wired to it")
