@@ -42,8 +42,9 @@ RUNS4 = {
     "2d": G2,
     "2d swiglu rope untied biasless V257 dropout selective": {**G2, **VARIANTS, "memory.recompute": "selective"},
 }
-# fp16 runs 4 of the recipe's 8 steps (CI time): compared with the 8-step tolerances, an upper bound for 4 steps
-BF16 = {"2d bf16": {**RECIPE, **G2, "train.dtype": "bf16"},
+# 4 of the recipe's 8 steps (CI time), compared with its 8-step tolerances (an upper bound for 4 steps; a learning
+# rate 10% off still fails them)
+BF16 = {"2d bf16": {**RECIPE, **G2, "train.dtype": "bf16", "train.steps": 4},
         "2d fp16": {**RECIPE, **G2, "train.dtype": "fp16", "train.steps": 4}}
 RUNS8 = {
     "3d": G3,
