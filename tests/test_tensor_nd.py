@@ -301,6 +301,10 @@ def test_saved_activations_per_layer_are_one_over_t_of_one_process(world4, world
     (["parallel.tp=4", "parallel.tp_mode=2d", "parallel.dp=2", "parallel.zero=1", "parallel.offload=optimizer"],
      "parallel.offload=optimizer with parallel.tp_mode=2d is not available"),
     (["parallel.tp=4", "parallel.tp_mode=2d", "train.log_noise_scale=true"], "train.log_noise_scale with"),
+    (["parallel.tp=4", "parallel.tp_mode=2d", "model.reversible=true"],
+     "model.reversible with parallel.tp_mode=2d is not available"),
+    (["parallel.tp=4", "parallel.tp_mode=2d", "memory.recompute=full", "memory.contiguous=true"],
+     "memory.contiguous with parallel.tp_mode=2d is not available"),
 ])
 def test_validate_refuses_grid_layouts_it_cannot_run_naming_the_values(overrides, message):
     with pytest.raises(ConfigError) as e:

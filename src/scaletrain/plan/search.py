@@ -161,7 +161,7 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
 def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[str, int, int, int]]:
     """(tp_mode, tp, tp_depth, sequence blocks of a micro-batch) to search: 1D over the divisors of the GPU count
     up to a node (heads divisible); 2D / 2.5D / 3D over the q^2, d q^2 (2 <= d <= q) and q^3 grids dividing it
-    (any size: their groups are q wide; heads divisible by q, widths by q^2; dense models only)."""
+    (any size: their groups are q wide; heads divisible by q, widths by q^2; dense, non-reversible models only)."""
     from scaletrain.parallel.tensor_nd.grid import grid_shape
 
     out = []
@@ -178,7 +178,7 @@ def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[
 
                     grid(mode, tp, depth)
                 s = grid_shape(mode, tp, depth)
-                if s is None or s.q < 2 or (mode == "2.5d" and not 2 <= depth <= s.q) or m.n_experts:
+                if s is None or s.q < 2 or (mode == "2.5d" and not 2 <= depth <= s.q) or m.n_experts or m.reversible:
                     continue
                 if m.n_heads % s.q or m.kv_heads % s.q or m.d_model % (s.q * s.q) or m.ffn % (s.q * s.q):
                     continue

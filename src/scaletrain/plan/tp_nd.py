@@ -235,6 +235,8 @@ def check_layout(m, lay) -> None:
         raise UserError(f"schedule={lay.schedule} {why}")
     if lay.ep > 1 or m.n_experts:
         raise UserError(f"mixture-of-experts {why}")
+    if m.reversible:
+        raise UserError(f"reversible blocks {why}")
 
 
 def as_2d(lay):
