@@ -348,7 +348,7 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
 
 def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {values!r}")
     hints = _field_types(type(node))
     for key, value in values.items():
         dotted = f"{prefix}{key}"
@@ -392,6 +392,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"--config {p} is a folder; give a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
@@ -428,7 +430,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     environment); None skips that check (e.g. `config show`).
     """
     m, p, t, o, d, mem = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.data, cfg.memory
-    errors: list[str] = []
+    errors: list[str] = _validate_hardening(cfg)
 
     def positive(name: str, value: float) -> None:
         if value <= 0:
@@ -571,6 +573,24 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if errors:
         raise ConfigError("; ".join(errors))
     return cfg
+
+
+def _validate_hardening(cfg: Config) -> list[str]:
+    """NaN and infinity in any float key, and the documented upper bound on train.steps (guards.py)."""
+    from scaletrain.guards import MAX_STEPS, non_finite_keys
+
+    errors = [f"{', '.join(bad)} must be finite" for bad in [non_finite_keys(cfg)] if bad]
+    if cfg.train.steps > MAX_STEPS:
+        errors.append(f"train.steps ({cfg.train.steps:,}) is above the limit of {MAX_STEPS:,}")
+    if cfg.model.moe.experts == 0 and cfg.model.moe.router not in ROUTERS:  # with experts, _validate_moe says it
+        errors.append(f"model.moe.router must be one of {', '.join(ROUTERS)}, got {cfg.model.moe.router!r}")
+    if not cfg.data.source.strip():  # an empty path would read the current folder as the corpus
+        errors.append("data.source must be builtin, a text file or folder, or a .bin token file; got ''")
+    part = cfg.parallel.partition
+    if cfg.parallel.pp == 1 and part not in ("uniform", "params", "time") and \
+            not all(x.strip().isdigit() for x in part.split(",")):  # with pp > 1, validate_pipeline says it
+        errors.append(f"parallel.partition must be uniform, params, time or block counts like 2,3,3; got {part!r}")
+    return errors
 
 
 def _validate_nvme(cfg: Config) -> list[str]:
