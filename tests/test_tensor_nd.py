@@ -51,6 +51,9 @@ RUNS8 = {
     "2.5d zero1": {**G25, "parallel.zero": 1},
     "2d x dp2 zero1 recompute full": {**G2, "parallel.dp": 2, "parallel.zero": 1, "memory.recompute": "full"},
     "2d x pp2": {**G2, "parallel.pp": 2},
+    "2d x pp2 gpipe": {**G2, "parallel.pp": 2, "parallel.schedule": "gpipe"},
+    "2d x pp2 interleaved": {**G2, "parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+                             "model.n_layers": 4},
     "3d dropout rope biasless": {**G3, "model.dropout": 0.1, "model.position": "rope", "model.bias": False},
 }
 PROBES4 = {"2d": G2, "1d": {"parallel.tp": 4}}
@@ -283,6 +286,10 @@ def test_saved_activations_per_layer_are_one_over_t_of_one_process(world4, world
      "parallel.zero=2 with parallel.tp_mode=2d is not available"),
     (["parallel.tp=4", "parallel.tp_mode=2d", "parallel.dp=2", "parallel.zero=3"],
      "parallel.zero=3 with parallel.tp_mode=2d is not available"),
+    (["parallel.tp=8", "parallel.tp_mode=3d", "parallel.dp=2", "train.micro_batch=4"],
+     "parallel.dp (2) > 1 with parallel.tp_mode=3d is not available"),
+    (["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.dp=2", "train.micro_batch=4"],
+     "parallel.dp (2) > 1 with parallel.tp_mode=2.5d is not available"),
     (["parallel.tp=8", "parallel.tp_mode=3d", "parallel.pp=2", "train.micro_batch=4"],
      "parallel.pp (2) > 1 with parallel.tp_mode=3d is not available"),
     (["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.pp=2", "train.micro_batch=4"],

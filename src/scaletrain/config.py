@@ -690,6 +690,9 @@ def _validate_tp_nd(cfg: Config) -> list[str]:
     if p.pp > 1 and mode != "2d":
         errors.append(f"parallel.pp ({p.pp}) > 1 {why} (parallel.tp_mode=2d is): 2.5d/3d stages are not wired "
                       "into the pipeline")
+    if p.dp > 1 and mode != "2d":
+        errors.append(f"parallel.dp ({p.dp}) > 1 {why} (parallel.tp_mode=2d is): dp x {mode} needs 16 or more "
+                      "processes, more than any equivalence test runs")
     if p.pp > 1 and p.partition == "time":
         errors.append(f"parallel.partition=time {why}: its profile runs one rank's blocks alone, and a grid block "
                       "needs its row and column peers (use uniform, params or block counts)")
