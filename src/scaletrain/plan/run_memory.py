@@ -459,9 +459,11 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
 
 
 def predicts_activations(cfg: Config) -> bool:
-    """Whether `activation_bytes` models this run: not with activation compression, nor for MoE layers
-    with router noise, random routing or expert dropout (their extra saved tensors are not counted)."""
+    """Whether `activation_bytes` models this run: not with activation compression, autocast or torch.compile, nor
+    for MoE layers with router noise, random routing or expert dropout (their extra saved tensors are not counted)."""
     if cfg.memory.compress != "none":
         return False
+    if getattr(cfg.train, "precision", "dtype") != "dtype" or getattr(cfg.train, "compile", False):
+        return False  # autocast's cast copies and inductor's fused kernels save other tensors (docs/gpu.md)
     moe = cfg.model.moe
     return not _experts(cfg) or (moe.router_noise == 0 and not moe.random_routing and moe.expert_dropout == 0)
