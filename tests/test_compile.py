@@ -13,7 +13,7 @@ add to inductor's numerics proven here is how the graph is captured.
 
 import pytest
 import torch
-from harness import TINY, assert_same_run, train_parallel_many, train_reference
+from harness import assert_same_run, train_parallel_many, train_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -37,8 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     (["train.compile=true", "model.dropout=0.1"], ["model.dropout=0.1"]),
     (["train.compile=true", "memory.compress=int8"], ["memory.compress=int8"]),
     (["train.compile=true", "memory.offload_activations=true"], ["memory.offload_activations=True"]),
-], ids=["precision value", "autocast needs fp32", "autocast moe", "compile tp", "compile zb-h1", "compile moe", "compile dropout",
-        "compile compress", "compile offload"])
+], ids=["precision value", "autocast needs fp32", "autocast moe", "compile tp", "compile zb-h1", "compile moe",
+        "compile dropout", "compile compress", "compile offload"])
 def test_refused_settings_name_their_values(sets, words):
     with pytest.raises(ConfigError) as e:
         validate(load_config(None, sets))
