@@ -338,7 +338,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         y = (g_sp if self.sequence_parallel else g).apply(y, self.group, self.stats)
-        return y if self.bias is None else y + self.bias
+        # the bias in the output's dtype: under autocast a whole nn.Linear adds it in bf16, and so does this one
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}/{group_size(self.group)}, out={self.out_features}"
