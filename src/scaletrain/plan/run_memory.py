@@ -176,6 +176,10 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
     from scaletrain.parallel.zero import predict_bytes_per_rank
 
     par, o = cfg.parallel, cfg.optim
+    if par.offload == "nvme":  # ZeRO-Infinity: only staging buffers are resident (memory/offload_nvme.py)
+        from scaletrain.memory.offload_nvme import planned_state_bytes
+
+        return planned_state_bytes(cfg, module)
     kw = dict(optimizer=o.name, beta1=o.use_beta1, momentum=o.momentum > 0)
     experts = [p for p in params if getattr(p, "_st_expert", False)]
     if not experts:

@@ -74,6 +74,11 @@ def run_signature(cfg: Config) -> dict[str, Any]:
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | os.PathLike | None = None, env: DistEnv | None = None,
                  progress: bool = False):
+        from scaletrain.memory.budget import resident_meter
+        from scaletrain.memory.offload_nvme import resolve_offload_dir
+
+        self.resident = resident_meter(cfg, env)  # memory.budget_gb / nvme: resident bytes measured per step
+        cfg = resolve_offload_dir(cfg, out_dir)  # offload=nvme: the folder of the shard files
         self.cfg = cfg
         self.rank = env.rank if env else 0
         self.device = pick_device(cfg.train.device, env.local_rank if env else 0)
@@ -212,6 +217,8 @@ class Trainer:
         return p.pp > 1 and p.schedule == "2bw" and p.zero == 0 and not self.cfg.model.moe.experts
 
     def _train_step(self, step: int, drain: bool = True) -> dict[str, Any]:
+        if self.resident is not None:
+            self.resident.begin(self.device)
         mark = self.timer.begin()
         cfg = self.cfg
         self.comm.reset()
@@ -277,6 +284,10 @@ class Trainer:
             if self.scaler is not None:
                 row["loss_scale"] = scale
         row.update({f"comm_{kind}_bytes": n for kind, n in sorted(self.comm.bytes.items())})  # sent by this rank
+        if hasattr(opt, "step_report"):  # offload=nvme: bytes read and written this step, next to the formula
+            row.update(opt.step_report())
+        if self.resident is not None:  # stops the run (on every rank) when over memory.budget_gb
+            row.update(self.resident.end(self.device, step))
         row.update(moe)
         row.update(noise)
         return row
