@@ -77,6 +77,19 @@ def test_autocast_keeps_fp32_state_and_computes_matmuls_in_bf16():
     assert isinstance(row["loss"], float) and isinstance(row["grad_norm"], float)
 
 
+
+def test_autocast_with_nvme_offload_equals_autocast_in_memory_zero3():
+    """ZeRO-Infinity streams the same fp32 AdamW pieces as in-memory ZeRO-3: under autocast too, bit for bit."""
+    base = {**TINY, "train.precision": "autocast-bf16", "train.dtype": "fp32", "train.steps": 3, "parallel.zero": 3}
+    runs = []
+    for overrides in (base, {**base, "parallel.offload": "nvme"}):
+        t = Trainer(make_config(overrides))
+        runs.append((t.run().losses, t.full_state()))
+    (memory, memory_state), (nvme, nvme_state) = runs
+    assert memory == nvme and len(memory) == 3
+    for name, value in memory_state.items():
+        assert torch.equal(value, nvme_state[name]), name
+
 # ----------------------------------------------------------------------------- the trainer against plain torch
 
 
@@ -270,3 +283,24 @@ def test_cuda_memory_fields_beside_the_plan(monkeypatch):
     row = t.memory()
     assert row["mem_cuda_max_allocated"] == 3 << 30 and row["mem_cuda_max_reserved"] == 4 << 30
     assert row["plan_mem_total"] == sum(row[f"plan_mem_{c}"] for c in ("params", "grads", "optim", "activations"))
+
+
+def test_batches_for_a_cuda_device_are_staged_in_one_pinned_buffer(monkeypatch):
+    """One page-locked copy of a rank's inputs and targets per step when the device is CUDA, none on a CPU (a fake
+    pin_memory: this torch has no CUDA)."""
+    from scaletrain.data.loader import staged
+
+    pins = []
+
+    def fake_pin(t):
+        pins.append(t.shape)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: False)
+    loader = BatchLoader(load_tokens("builtin"), 16, 8, 0)
+    x, y = loader.global_batch_at(3)
+    gx, gy = staged(x[:4], y[:4], torch.device("cuda", 1))
+    assert pins == [(2, 4, 16)] and torch.equal(gx, x[:4]) and torch.equal(gy, y[:4])
+    assert gx.untyped_storage().data_ptr() == gy.untyped_storage().data_ptr()  # one buffer
+    assert staged(x, y, torch.device("cpu")) == (x, y) and len(pins) == 1
