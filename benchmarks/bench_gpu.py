@@ -218,6 +218,28 @@ def fmt_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
+def plan_table(table: dict, sizes: list[str], variants: list[str], args, gpu: str) -> None:
+    """The planner's side of every row, without training: `scaletrain plan --config FILE --gpu GPU --json`."""
+    print(f"planner --gpu {gpu}; train.precision=autocast-bf16; predictions only (nothing trained)")
+    print("| model | variant | planned step s | planned tokens/s | planned total GiB | params | grads | optim | "
+          "activations (GiB, run-exact) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        if size not in table:
+            raise SystemExit(f"unknown size {size!r} (known: {', '.join(table)})")
+        for v in variants:
+            sets = config_sets(table[size], args.steps, "cuda", VARIANTS[v])
+            cfg = validate(load_config(None, sets), 1)
+            plan = planner(sets, gpu)
+            if "error" in plan:
+                print(f"| {size} | {v} | {plan['error']} | | | | | | |")
+                continue
+            pred = plan["run_prediction"]
+            cats = [fmt_bytes(pred.get(f"plan_mem_{k}")) for k in ("params", "grads", "optim", "activations")]
+            print(f"| {size} | {v} | {plan['step_time_s']:.3f} | {cfg.tokens_per_step / plan['step_time_s']:,.0f} | "
+                  f"{fmt_bytes(plan['memory_total'])} | {' | '.join(cats)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="two tiny models (CPU end-to-end check)")
@@ -229,6 +251,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="peak TFLOP/s for MFU on a device not in the catalog")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print only the planner's predictions for the rows (no training; runs anywhere)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -242,6 +266,8 @@ def main() -> None:
     for v in variants:
         if v not in VARIANTS:
             raise SystemExit(f"unknown variant {v!r} (known: {', '.join(VARIANTS)})")
+    if args.plan_only:
+        return plan_table(table, sizes, variants, args, gpu)
     print(f"device: {name}; torch {torch.__version__}; planner --gpu {gpu}; {args.repeats} blocks of {args.steps} "
           f"steps per side; train.precision=autocast-bf16")
     rows = []

@@ -15,7 +15,8 @@ rank, which is fp32 in that fault's run and must fail the check.
 
 Collective placement (tests/placement.py): the same processes run every job with the check on, plus two short jobs
 for the paths the layouts above do not reach (expert all-to-all and MoE statistics, the gradient noise scale,
-evaluation, the fp16 skip flags, Adafactor's statistics under ZeRO-Offload).
+evaluation, the fp16 skip flags, Adafactor's statistics under ZeRO-Offload, ZeRO-Infinity and the memory budget's
+resident-bytes maximum).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ CHECKED_STEPS = 2  # collective placement is checked in the first steps of each 
 PLACEMENT_ONLY = {
     "dp2 zero1 offload optimizer, autocast-bf16": {
         **AC, "parallel.dp": 2, "parallel.zero": 1, "parallel.offload": "optimizer", "train.steps": 2},
+    "dp2 zero3 nvme offload, memory budget, on_nan=skip": {
+        "parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "nvme", "memory.budget_gb": 64,
+        "train.on_nan": "skip", "train.steps": 2},
     "dp2 ep2 MoE, noise scale, eval, on_nan=skip": {
         "parallel.dp": 2, "parallel.ep": 2, "model.moe.experts": 4, "train.log_noise_scale": True,
         "train.eval_every": 2, "train.on_nan": "skip", "train.steps": 2, "train.dtype": "bf16"},

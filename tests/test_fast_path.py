@@ -78,12 +78,17 @@ def test_autocast_keeps_fp32_state_and_computes_matmuls_in_bf16():
 
 
 
-def test_autocast_with_nvme_offload_equals_autocast_in_memory_zero3():
-    """ZeRO-Infinity streams the same fp32 AdamW pieces as in-memory ZeRO-3: under autocast too, bit for bit."""
-    base = {**TINY, "train.precision": "autocast-bf16", "train.dtype": "fp32", "train.steps": 3, "parallel.zero": 3}
+@pytest.mark.parametrize("overrides", [
+    {"train.precision": "autocast-bf16", "train.dtype": "fp32"},
+    {"train.dtype": "fp16"},  # the skip flags: the loss's and the gradients' as one device tensor
+    {"train.on_nan": "skip"},
+], ids=["autocast-bf16", "fp16", "on_nan=skip"])
+def test_nvme_offload_equals_in_memory_zero3_bit_for_bit(overrides):
+    """ZeRO-Infinity streams the same AdamW pieces as in-memory ZeRO-3, and reports its overflow flag the same way."""
+    base = {**TINY, **overrides, "train.steps": 3, "parallel.zero": 3}
     runs = []
-    for overrides in (base, {**base, "parallel.offload": "nvme"}):
-        t = Trainer(make_config(overrides))
+    for extra in ({}, {"parallel.offload": "nvme"}):
+        t = Trainer(make_config({**base, **extra}))
         runs.append((t.run().losses, t.full_state()))
     (memory, memory_state), (nvme, nvme_state) = runs
     assert memory == nvme and len(memory) == 3
