@@ -90,6 +90,9 @@ def _worker(rank: int, world: int, store_dir: str):
     device = distributed.pick_device("auto", env.local_rank)
     distributed.init(env, 123.0, device)
     mesh = Mesh.build(ParallelDims(dp=world), 123.0)
+    # both ranks through the new group before either tears its connections down (gloo underneath; a rank that
+    # returned at once could close the pair while the other still completed its connection)
+    dist.all_reduce(torch.zeros(1), group=mesh.group("dp"))
     return {"env": env, "device": device, "events": events, "dp": mesh.members["dp"],
             "collective_device": collective_device(mesh.group("dp")), "world_device": collective_device()}
 
