@@ -2,18 +2,21 @@
 
 fp64 on CPU, TorchInductor (C++ kernels built with the machine's compiler): the fused kernels sum in another order
 than eager's, measured at most 1.5e-14 relative on the final parameters over 4 steps; the tolerance is 1e-12 (that of
-the fp64 layout tests). The compiled run's blocks share one graph and nothing breaks it. The inductor runs here use
-one tiny model, so the compiled kernels (cached on disk) serve every run of this file: compile time counts against
-the test budget. The layouts whose blocks have the same graph run with inductor (dp 2 x ZeRO-3, whose hooks gather
-and release the parameters around each compiled block, and pp 2); the compositions that change the graph
-(recomputation full / selective / every:k, autocast-bf16) go through the same capture (TorchDynamo) and autograd
-tracing (AOTAutograd) with the aot_eager backend, which runs the captured graph without generating code: what they
-add to inductor's numerics proven here is how the graph is captured.
+the fp64 layout tests). The compiled run's blocks share one graph and nothing breaks it. That is the one inductor run
+of this file (one tiny model): code generation costs about 15 s of CPU time, which counts against the test budget.
+The layouts (dp 2 x ZeRO-3, whose hooks gather and release the parameters around each compiled block; ZeRO-Offload;
+pp 2 with 1F1B, GPipe, 2BW, interleaved) and the compositions that change the graph (recomputation full / selective /
+every:k, bf16, fp16, autocast-bf16, nvme offload) go through the same capture (TorchDynamo) and autograd tracing
+(AOTAutograd) with the aot_eager backend ($SCALETRAIN_COMPILE_BACKEND), which runs the captured graphs without
+generating code: what they add to inductor's numerics proven here is how the graph is captured and run around the
+parallel machinery.
 """
 
 import pytest
 import torch
 from harness import assert_same_run, train_parallel_many, train_reference
+
+from scaletrain.parallel.compile import BACKEND_ENV
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,7 +37,7 @@ def test_compiled_blocks_equal_eager_in_fp64_and_share_one_graph(eager):
     assert_same_run(eager, compiled, 1e-12, 1e-12)
 
 
-def test_compiled_zero3_and_pipeline_equal_single_process_eager(eager):
+def test_compiled_zero3_and_pipeline_equal_single_process_eager(eager, monkeypatch):
     """Layouts equal to the single-process run, compiled; PipeDream-2BW (one step of weight delay, so not equal to
     it) and the interleaved schedule (4 layers: another model) compiled against their eager selves."""
     layouts = [{"parallel.dp": 2, "parallel.zero": 3}, {"parallel.pp": 2},
@@ -44,6 +47,7 @@ def test_compiled_zero3_and_pipeline_equal_single_process_eager(eager):
              {"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "model.n_layers": 4}]
     jobs = [{**o, "train.compile": True} for o in layouts]
     jobs += [job for o in pairs for job in (o, {**o, "train.compile": True})]
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")  # inherited by the spawned ranks
     runs = train_parallel_many(jobs, 2, timeout=600)
     for run in runs[:len(layouts)]:
         assert_same_run(eager, run, 1e-10, 1e-12)
@@ -62,11 +66,20 @@ def test_compiled_zero3_and_pipeline_equal_single_process_eager(eager):
 def test_compositions_capture_the_same_computation(monkeypatch, overrides, tol):
     """aot_eager runs the captured forward and backward graphs as they are: equal to eager up to the order of
     operations the graph fixes (fp64 1e-12; autocast-bf16's fp32 sums 1e-6)."""
-    from scaletrain.parallel import compile as compile_pass
-
-    monkeypatch.setattr(compile_pass, "BACKEND", "aot_eager")
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
     torch._dynamo.reset()
+    overrides = {**overrides, "train.steps": 2}
     assert_same_run(train_reference(overrides), train_reference({**overrides, "train.compile": True}), tol, tol)
+
+
+def test_an_unknown_compile_backend_is_refused(monkeypatch):
+    from harness import make_config
+
+    from scaletrain.errors import ConfigError
+
+    monkeypatch.setenv(BACKEND_ENV, "no-such-backend")
+    with pytest.raises(ConfigError, match="SCALETRAIN_COMPILE_BACKEND=no-such-backend is not a torch.compile backend"):
+        make_config({"train.compile": True})
 
 
 def test_compiled_blocks_under_nvme_offload_equal_eager(monkeypatch):
@@ -74,10 +87,9 @@ def test_compiled_blocks_under_nvme_offload_equal_eager(monkeypatch):
     from harness import TINY, make_config
     from torch._dynamo.utils import counters
 
-    from scaletrain.parallel import compile as compile_pass
     from scaletrain.train.trainer import Trainer
 
-    monkeypatch.setattr(compile_pass, "BACKEND", "aot_eager")
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
     torch._dynamo.reset()
     counters.clear()
     runs = []

@@ -19,6 +19,7 @@ What it is not made to work with is refused by `compile_errors` (validate()), ea
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -52,6 +53,10 @@ def compile_errors(cfg: Any) -> list[str]:
     if not cfg.train.compile:
         return []
     errors = []
+    name = compile_backend()
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        errors.append(f"{BACKEND_ENV}={name} is not a torch.compile backend "
+                      f"(known: {', '.join(torch._dynamo.list_backends(exclude_tags=()))})")
     for key, (applies, why) in REFUSED.items():
         if applies(cfg):
             value = _value(cfg, KEYS[key])
@@ -66,7 +71,15 @@ def _value(cfg: Any, dotted: str) -> Any:
     return node
 
 
-BACKEND = "inductor"  # what train.compile uses; tests of compositions swap in "aot_eager" (same capture, no codegen)
+BACKEND = "inductor"  # what train.compile uses
+BACKEND_ENV = "SCALETRAIN_COMPILE_BACKEND"  # another torch.compile backend, e.g. aot_eager (same capture, no codegen)
+
+
+def compile_backend() -> str:
+    """The torch.compile backend of train.compile: inductor, or the one $SCALETRAIN_COMPILE_BACKEND names (`aot_eager`
+    runs the captured graphs as they are: it tells a capture problem from a code-generation one, and the tests use it
+    to keep compile time out of their budget)."""
+    return os.environ.get(BACKEND_ENV) or BACKEND
 
 
 def apply_compile(engine: Any, backend: str | None = None) -> int:
@@ -75,5 +88,5 @@ def apply_compile(engine: Any, backend: str | None = None) -> int:
 
     blocks = [b for run in block_runs(engine.module) for b in run]
     for b in blocks:
-        b.forward = torch.compile(b.forward, backend=backend or BACKEND)
+        b.forward = torch.compile(b.forward, backend=backend or compile_backend())
     return len(blocks)
