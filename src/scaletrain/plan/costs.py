@@ -105,6 +105,10 @@ class Layout:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     offload: str = "none"
+    tp_mode: str = "1d"
+    """`1d` (Megatron), `2d`, `2.5d`, `3d` (plan/tp_nd.py)."""
+    tp_depth: int = 1
+    """The depth d of tp_mode=2.5d."""
 
     @property
     def world(self) -> int:
@@ -112,10 +116,13 @@ class Layout:
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute",
-                                               "schedule", "virtual_stages", "sequence_parallel", "offload")}
+                                               "schedule", "virtual_stages", "sequence_parallel", "offload",
+                                               "tp_mode", "tp_depth")}
 
     def short(self) -> str:
-        s = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth})" if self.tp_depth > 1
+                                                                      else ")")
+        s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
         s += f" z{self.zero} mb{self.micro_batch} {self.recompute}"
@@ -200,7 +207,7 @@ class ParamCounts:
 
 @functools.lru_cache(maxsize=256)
 def param_counts(m: ModelSpec) -> ParamCounts:
-    h, f, b = m.d_model, m.ffn, int(m.bias)
+    d, h, f, b = m.d_model, m.width, m.ffn, int(m.bias)  # stream and block widths (h < d: reversible blocks)
     kv = m.kv_heads * m.head_dim
     qkv = h * (h + 2 * kv) + b * (h + 2 * kv)
     proj_w, proj_b = h * h, b * h
@@ -216,10 +223,10 @@ def param_counts(m: ModelSpec) -> ParamCounts:
     moe = (qkv + proj_w, proj_b + 2 * norm + h * m.n_experts, m.n_experts * n_mats * h * f)
     layer_tp, layer_rep, layer_expert = (((L - Lm) * d + Lm * x) / L for d, x in zip(dense, moe))
     tensors_layers = (L - Lm) * (tensors_attn + tensors_mlp) + Lm * (tensors_attn + n_mats + 1)
-    position = m.seq_len * h if m.position == "learned" else 0
-    head = 0 if m.tie_embeddings else m.vocab_size * h
+    position = m.seq_len * d if m.position == "learned" else 0
+    head = 0 if m.tie_embeddings else m.vocab_size * d
     tensors = 1 + (position > 0) + tensors_layers + (1 + b) + (head > 0)
-    return ParamCounts(m.vocab_size * h, position, layer_tp, layer_rep, layer_expert, norm, head, tensors)
+    return ParamCounts(m.vocab_size * d, position, layer_tp, layer_rep, layer_expert, d * (1 + b), head, tensors)
 
 
 def total_params(m: ModelSpec) -> int:
@@ -229,7 +236,7 @@ def total_params(m: ModelSpec) -> int:
 
 def expert_params(m: ModelSpec) -> int:
     """Parameters of one expert MLP (bias-free)."""
-    return (3 if m.mlp == "swiglu" else 2) * m.d_model * m.ffn if m.n_experts else 0
+    return (3 if m.mlp == "swiglu" else 2) * m.width * m.ffn if m.n_experts else 0
 
 
 def active_params(m: ModelSpec) -> int:
@@ -275,7 +282,7 @@ def layer_matmul_flops(m: ModelSpec, padded: bool = True) -> tuple[float, float]
     MLPs, replicated over tp: routers and experts). An MoE layer's experts compute `expert_slots_per_token`
     rows per token when `padded` (capacity_factor x k: empty capacity slots are computed too, GShard /
     Switch), k rows otherwise (the useful work, for model FLOPs / MFU)."""
-    h, f = m.d_model, m.ffn
+    h, f = m.width, m.ffn
     kv = m.kv_heads * m.head_dim
     attn_mats = h * (h + 2 * kv) + h * h
     mlp = (3 if m.mlp == "swiglu" else 2) * h * f
@@ -287,17 +294,17 @@ def layer_matmul_flops(m: ModelSpec, padded: bool = True) -> tuple[float, float]
 def forward_flops_per_token(m: ModelSpec, padded: bool = True) -> tuple[float, float, float]:
     """(layer matmuls, attention core, logits) forward FLOPs per token for the whole model."""
     split, rep = layer_matmul_flops(m, padded)
-    return split + rep, 4.0 * m.n_layers * m.seq_len * m.d_model, 2.0 * m.vocab_size * m.d_model
+    return split + rep, 4.0 * m.n_layers * m.seq_len * m.width, 2.0 * m.vocab_size * m.d_model
 
 
 def step_flops(m: ModelSpec, tokens: float, recompute: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one optimizer step over `tokens` tokens. Model FLOPs count the
     routed tokens' expert work (6 N_active per token plus attention); hardware FLOPs also the empty
-    capacity slots and the recomputation."""
+    capacity slots and the recomputation (reversible blocks run every layer's forward again in backward)."""
     mats, attn, logits = forward_flops_per_token(m, padded=False)
     model = 3.0 * (mats + attn + logits) * tokens
     padded = forward_flops_per_token(m)[0]
-    extra = {"none": 0.0, "selective": attn, "full": padded + attn}[recompute]
+    extra = {"none": 0.0, "selective": attn, "full": padded + attn}[recompute] + (padded + attn) * m.reversible
     return model, model + (3.0 * (padded - mats) + extra) * tokens
 
 
@@ -314,7 +321,7 @@ def layer_activation_bytes(m: ModelSpec, tokens: float, t: int, sp: bool, recomp
     swiglu: 4e.f); attention core (standard, split over tp): softmax e.as, dropout mask as, dropout
     output e.as. With e=2, f=4h, kv=h and dropout this is exactly sbh(10 + 24/t + 5as/(ht)).
     """
-    h, f, a, s = m.d_model, m.ffn, m.n_heads, m.seq_len
+    h, f, a, s = m.width, m.ffn, m.n_heads, m.seq_len
     kv = m.kv_heads * m.head_dim
     drop = 1 if m.dropout else 0
     if recompute == "full":
@@ -341,7 +348,7 @@ def moe_layer_bytes_per_token(m: ModelSpec, elem: int) -> float:
     r = max(elem, 4)
     slots = m.expert_slots_per_token
     hidden = (4 if m.mlp == "swiglu" else 2) * m.ffn
-    return slots * elem * (hidden + 2 * m.d_model) + elem * m.d_model + r * (2 * m.n_experts + 1) + 16 * m.top_k
+    return slots * elem * (hidden + 2 * m.width) + elem * m.width + r * (2 * m.n_experts + 1) + 16 * m.top_k
 
 
 def inflight_chunks(schedule: str, p: int, m: int, v: int) -> int:
@@ -583,9 +590,13 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
     if n_gpus is not None and lay.world != n_gpus:
         raise UserError(f"layout dp ({lay.dp}) x tp ({lay.tp}) x pp ({lay.pp}) = {lay.world}"
                         f" does not match --gpus ({n_gpus})")
-    if m.n_heads % lay.tp:
+    if lay.tp_mode != "1d" or lay.tp_depth != 1:  # 2d / 2.5d / 3d: the grid's own constraints
+        from scaletrain.plan import tp_nd
+
+        tp_nd.check_layout(m, lay)
+    elif m.n_heads % lay.tp:
         raise UserError(f"heads ({m.n_heads}) is not divisible by tp ({lay.tp})")
-    if m.kv_heads % lay.tp and lay.tp % m.kv_heads:
+    elif m.kv_heads % lay.tp and lay.tp % m.kv_heads:
         raise UserError(f"kv heads ({m.kv_heads}) and tp ({lay.tp}) do not divide each other")
     chunks = lay.pp * lay.virtual_stages
     if m.n_layers % chunks:
@@ -624,11 +635,11 @@ def factored_statistics(m: ModelSpec) -> float:
     matrix (an n x m matrix keeps n + m, not n·m) over the model's elements, weighted like the parameters.
     Our engine keeps them whole on every rank under ZeRO (`parallel/zero_factored.py`); they are tiny
     (about 2/d_model of the parameters)."""
-    h, f, kv = m.d_model, m.ffn, m.kv_heads * m.head_dim
+    d, h, f, kv = m.d_model, m.width, m.ffn, m.kv_heads * m.head_dim
     n_mats = 3 if m.mlp == "swiglu" else 2
     layer = (h + h + 2 * kv) + 2 * h + n_mats * (h + f)
-    position = m.seq_len + h if m.position == "learned" else 0
-    rows_cols = m.n_layers * layer + (m.vocab_size + h) * (1 + (not m.tie_embeddings)) + position
+    position = m.seq_len + d if m.position == "learned" else 0
+    rows_cols = m.n_layers * layer + (m.vocab_size + d) * (1 + (not m.tie_embeddings)) + position
     return rows_cols / total_params(m)
 
 
@@ -674,17 +685,26 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     edp = lay.dp // lay.ep
     first, last = stage_params(m, lay)
     tokens = b * s
+    if lay.tp_mode != "1d":  # 2d / 2.5d / 3d (plan/tp_nd.py): their parameters per rank
+        from scaletrain.plan import tp_nd
+
+        if lay.tp_mode == "2.5d":  # the same bytes and times as 2d with d times the dp (tp_nd.as_2d)
+            return replace(estimate(m, gpu, train, tp_nd.as_2d(lay), a, n_gpus, memory_only), layout=lay)
+        first, last = tp_nd.stage_params(m, lay)
 
     # ---- memory of the most loaded rank (first or last stage)
-    sp = lay.sequence_parallel
+    # (the grid modes split every activation over the t ranks: Korthikanti's fully partitioned form, as with sp)
+    sp = lay.sequence_parallel or lay.tp_mode != "1d"
     kind, seg = recompute_kind(lay.recompute)
     layer_act = layer_activation_bytes(m, tokens, t, sp, kind, train.attention, eb)
     layers_per_chunk = m.n_layers / (p * v)
     chunks = inflight_chunks(lay.schedule, p, mbs, v)
     acts = layer_act * layers_per_chunk * chunks / seg  # every:k keeps one input per segment of k blocks
     if kind == "full":  # one segment's full activations live while it is recomputed
-        acts += seg * layer_activation_bytes(m, tokens, t, lay.sequence_parallel, "none", train.attention, eb)
-    sp_div = t if lay.sequence_parallel else 1
+        acts += seg * layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
+    sp_div = t if sp else 1
+    if m.reversible:  # a chunk keeps its output stream; one layer's activations live while it is rebuilt
+        acts = chunks * tokens * eb * h / sp_div + layer_act
     # first stage: embedding output (+ dropout mask) per in-flight microbatch; last stage: final norm
     # and head inputs plus fp32 logits for the loss, 4sbv/t (Korthikanti Sec. 4.3)
     first_extra = tokens * (eb + (1 if m.dropout else 0)) * h / sp_div * min(chunks, mbs)
@@ -740,7 +760,8 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     tokens = b * s
     n_gpus = lay.world
     peak = gpu.peak_flops
-    d = h / t
+    nd = lay.tp_mode != "1d"  # 2d / 3d (plan/tp_nd.py): a rank's GEMMs are h/q wide, every activation is split
+    d = m.width / t if not nd else m.width / round(t ** (0.5 if lay.tp_mode == "2d" else 1 / 3))
     eff = gpu.gemm_efficiency * d / (d + a.gemm_half_dim)
     hbm = gpu.hbm_bandwidth * a.hbm_efficiency
     mats_split, mats_rep = layer_matmul_flops(m)
@@ -751,11 +772,16 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     t_gemm = tokens * (mats_split / t + mats_rep) / m.n_layers / (peak * eff)
     attn_eff = eff * (a.attn_efficiency if train.attention == "standard" else 1.0)
     t_attn = tokens * attn / m.n_layers / t / (peak * attn_eff)
-    stored = layer_activation_bytes(m, tokens, t, lay.sequence_parallel, "none", train.attention, eb)
+    sp = lay.sequence_parallel or nd
+    stored = layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
     t_mem = a.mem_traffic * stored / hbm
     tp_link = group_link(gpu, t, 1, a)
-    msg = tokens * h * eb
+    msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
     t_tp = 2 * allreduce_time(msg, t, tp_link)  # 2 all-reduces (or AG + RS pairs with sp) per pass
+    if nd:  # the grid's collectives per layer, each on its group's link
+        from scaletrain.plan import tp_nd
+
+        t_tp, t_tp_nd_b = tp_nd.layer_comm_time(lay.tp_mode, t, tp_nd.dims_of(m, b, eb), gpu, a)
     # expert all-to-alls: dispatch + combine of capacity_factor x k slots per token, on the ep group (ranks
     # t apart: intra- or inter-node by `group_link`), per MoE layer; n_moe = the MoE share of the layers
     n_moe = m.n_moe_layers / m.n_layers
@@ -765,9 +791,9 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     f_layer = t_gemm + t_attn + t_mem
     recompute = {"none": 0.0, "full": f_layer + t_tp + t_ep,
                  "selective": t_attn + (a.mem_traffic * (stored - layer_activation_bytes(
-                     m, tokens, t, lay.sequence_parallel, "selective", train.attention, eb)) / hbm)}
-    r_layer = recompute[recompute_kind(lay.recompute)[0]]
-    t_tp_b = t_tp * (1 - a.tp_overlap)
+                     m, tokens, t, sp, "selective", train.attention, eb)) / hbm)}
+    r_layer = recompute[recompute_kind(lay.recompute)[0]] + recompute["full"] * m.reversible
+    t_tp_b = (t_tp_nd_b if nd else t_tp) * (1 - a.tp_overlap)
 
     # ---- stage level (the slower of the first and the last stage)
     t_logits = tokens * logits / t / (peak * eff) + a.mem_traffic * tokens * 4 * m.vocab_size / t / hbm
@@ -870,8 +896,11 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
         "dp_comm": t_dp, "optimizer": t_opt, "offload": t_off,
     }
     tp_bytes = 0.0
-    if t > 1:
-        n_coll = 4 + (2 if recompute_kind(lay.recompute)[0] == "full" else 0)
+    if t > 1 and nd:
+        per_layer = tp_nd.layer_comm_bytes(lay.tp_mode, t, tp_nd.dims_of(m, b, eb), 1, recompute_kind(lay.recompute)[0])
+        tp_bytes = mbs * lps * sum(per_layer.values())
+    elif t > 1:
+        n_coll = 4 + (2 if recompute_kind(lay.recompute)[0] == "full" or m.reversible else 0)
         tp_bytes = mbs * lps * n_coll * 2 * (t - 1) / t * msg
     ep_bytes = mbs * lps * n_moe * 4 * (lay.ep - 1) / lay.ep * a2a_bytes if lay.ep > 1 else 0.0
     pp_total = mbs * 2 * v * pp_bytes if p > 1 else 0.0

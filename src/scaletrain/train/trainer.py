@@ -65,7 +65,8 @@ def run_signature(cfg: Config) -> dict[str, Any]:
     p, t = cfg.parallel, cfg.train
     return {
         "model": cfg.to_dict()["model"],
-        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero},
+        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero,
+                   **({"tp_mode": p.tp_mode, "tp_depth": p.tp_depth} if p.tp_mode != "1d" else {})},
         "seed": t.seed, "global_batch": t.global_batch, "micro_batch": t.micro_batch, "dtype": t.dtype,
         "data_source": cfg.data.source, "optim": cfg.to_dict()["optim"],
     }
@@ -87,7 +88,7 @@ class Trainer:
         self.progress = progress and self.rank == 0
         p, t = cfg.parallel, cfg.train
 
-        self.mesh = Mesh.build(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep), p.timeout_s)
+        self.mesh = Mesh.build(ParallelDims.from_config(p), p.timeout_s)
         self.dp_group, self.dp_rank = self.mesh.group("dp"), self.mesh.local_rank("dp")
         self.comm = CommStats()
 
@@ -342,10 +343,14 @@ class Trainer:
 
     def memory(self) -> dict[str, int]:
         """Measured bytes per category and the peak so far (max over ranks); on CUDA also the allocator's peaks
-        beside the planner's total (device/cuda_memory.py). Allocator statistics are host-side: no device read."""
+        beside the planner's total (device/cuda_memory.py; host-side statistics: no device read); with
+        memory.count_allocations, the allocator calls of step 2 (memory/contiguous.py)."""
+        from scaletrain.memory.contiguous import allocation_report
+
         local = {"mem_peak": peak_bytes(self.device), **cuda_memory_fields(self.device)}
         peaks = {k: int(v) for k, v in zip(local, all_reduce_max_list([float(v) for v in local.values()]))}
-        return {**self.mem, **peaks, **(planned_total(self.mem) if len(local) > 1 else {})}
+        return {**self.mem, **allocation_report(self.engine), **peaks,
+                **(planned_total(self.mem) if len(local) > 1 else {})}
 
     # ------------------------------------------------------------------ loop
 
