@@ -37,8 +37,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     (["train.compile=true", "model.dropout=0.1"], ["model.dropout=0.1"]),
     (["train.compile=true", "memory.compress=int8"], ["memory.compress=int8"]),
     (["train.compile=true", "memory.offload_activations=true"], ["memory.offload_activations=True"]),
+    (["train.precision=autocast-bf16", "model.reversible=true"], ["autocast-bf16", "model.reversible=True"]),
+    (["train.precision=autocast-bf16", "memory.contiguous=true"], ["autocast-bf16", "memory.contiguous=True"]),
+    (["train.compile=true", "model.reversible=true"], ["train.compile=true", "model.reversible=True"]),
+    (["train.compile=true", "memory.contiguous=true"], ["train.compile=true", "memory.contiguous=True"]),
+    (["train.precision=autocast-bf16", "parallel.tp=4", "parallel.tp_mode=2d"], ["autocast-bf16", "tp_mode=2d"]),
 ], ids=["precision value", "autocast needs fp32", "autocast moe", "compile tp", "compile zb-h1", "compile moe",
-        "compile dropout", "compile compress", "compile offload"])
+        "compile dropout", "compile compress", "compile offload", "autocast reversible", "autocast contiguous",
+        "compile reversible", "compile contiguous", "autocast tp_mode"])
 def test_refused_settings_name_their_values(sets, words):
     with pytest.raises(ConfigError) as e:
         validate(load_config(None, sets))

@@ -42,10 +42,17 @@ REFUSED = {  # (condition on the config, reason)
                             "activation offload moves saved tensors with saved-tensor hooks inside the blocks"),
     "partition_checkpoints": (lambda c: c.memory.partition_checkpoints,
                               "partitioned checkpoints gather with saved-tensor hooks inside the blocks"),
+    "reversible": (lambda c: c.model.reversible,
+                   "reversible blocks recompute their inputs in a custom backward that compile is not proven with"),
+    "contiguous": (lambda c: c.memory.contiguous,
+                   "the contiguous arenas hand out saved tensors through hooks inside the blocks"),
+    "tp_mode": (lambda c: c.parallel.tp_mode != "1d",
+                "the 2D / 2.5D / 3D layers' collectives inside each block break its graph"),
 }
 KEYS = {"zb": "parallel.schedule", "tp": "parallel.tp", "moe": "model.moe.experts", "dropout": "model.dropout",
         "compress": "memory.compress", "offload_activations": "memory.offload_activations",
-        "partition_checkpoints": "memory.partition_checkpoints"}
+        "partition_checkpoints": "memory.partition_checkpoints", "reversible": "model.reversible",
+        "contiguous": "memory.contiguous", "tp_mode": "parallel.tp_mode"}
 
 
 def compile_errors(cfg: Any) -> list[str]:
