@@ -98,13 +98,17 @@ class Metrics:
             self.f = None
 
 
-def default_store():
-    """The store of the default process group (None in a single process)."""
+def default_store(unwrap: bool = False):
+    """The store of the default process group (None in a single process); with `unwrap`, the store under its
+    prefixes, where keys written by the launcher (which hosts it) are visible."""
     if not dist.is_initialized():
         return None
     from torch.distributed import distributed_c10d
 
-    return distributed_c10d._get_default_store()
+    store = distributed_c10d._get_default_store()
+    while unwrap and isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 class StoreBarrier:

@@ -254,7 +254,7 @@ class Coordinator(_Server):
         self.reissue: list[int] = []
         self.inbox: queue.Queue = queue.Queue()
         self.progress = progress
-        self.store = default_store() if p.ps_tolerate_loss else None
+        self.store = default_store(unwrap=True) if p.ps_tolerate_loss else None
         self.lr_scale = lr_multiplier(cfg.optim)
         self.param_bytes = model.numel * model.flat.element_size()
         self.moved = 0  # payload bytes into and out of the servers since the last update
@@ -646,9 +646,9 @@ class PSRunner:
         return result
 
     def _finish(self) -> None:
-        """After a death the job's groups cannot meet all ranks again: leave without the final barrier."""
-        lost = bool(getattr(self.role, "lost", ())) or getattr(self.role, "lost_peers", False)
-        if lost and dist.is_initialized():
+        """A job that tolerates deaths leaves without the final barrier over all ranks: a worker may be gone, or
+        die while the others finish. All messages have been delivered by now (every worker said goodbye)."""
+        if self.cfg.parallel.ps_tolerate_loss and dist.is_initialized():
             dist.destroy_process_group()
 
     def full_state(self) -> dict[str, torch.Tensor]:
