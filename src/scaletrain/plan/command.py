@@ -267,7 +267,8 @@ def _run_config(args) -> int:
 
 def _sync_comm(args, model, gpu, train, lay, outer: str = "avg") -> dict | None:
     """The synchronisation comparison (`plan/async_costs.py`) when --servers or --local-steps is given."""
-    servers, h, bw = getattr(args, "servers", None), getattr(args, "local_steps", None), getattr(args, "server_bw", None)
+    servers, h = getattr(args, "servers", None), getattr(args, "local_steps", None)
+    bw = getattr(args, "server_bw", None)
     if servers is None and h is None:
         return None
     for flag, value in (("--servers", servers), ("--local-steps", h)):

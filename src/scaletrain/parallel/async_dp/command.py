@@ -43,7 +43,7 @@ def final_params(out: Path, cfg) -> tuple[dict[str, torch.Tensor], int]:
             layout.scatter(shard, s, flat)
     else:
         flat.copy_(ckpt.load_rank(found, 0)["params"])
-    return {n: v.clone() for n, v in zip(model.names, model.views(flat))}, int(meta["step"])
+    return model.state_with(flat), int(meta["step"])
 
 
 def cmd_replay(args) -> int:

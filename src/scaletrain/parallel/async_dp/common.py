@@ -57,6 +57,7 @@ class Metrics:
     def __init__(self, out: Path | None, cfg: Config, resume_step: int, progress: bool):
         self.f = None
         self.bar = None
+        self.rows: list[dict[str, Any]] = []  # every row this invocation wrote (kept for tests and benchmarks)
         self.log_every, self.steps = cfg.train.log_every, cfg.train.steps
         if out is None:
             return
@@ -80,6 +81,7 @@ class Metrics:
 
     def write(self, row: dict[str, Any]) -> None:
         step = row["step"]
+        self.rows.append(row)
         if self.f is not None and (step % self.log_every == 0 or step == self.steps):
             self.f.write(json.dumps(row) + "\n")
             self.f.flush()

@@ -148,25 +148,43 @@ class HogwildRunner:
     # ---- one ticket
 
     def _ticket(self, n: int) -> None:
-        ticket = Ticket(n, self.dp)
-        model, shm = self.model, self.shared
+        read, loss = self._read_and_compute(n)
+        with self._lock():
+            before = self._begin_update(n)
+            lost, written = self._end_update(before)
+        self._record(n, read, written, lost, loss)
+
+    def _read_and_compute(self, n: int) -> tuple[int, float]:
+        """Steps 1 and 2: read the shared parameters (the version read), compute and clip the ticket's gradient."""
         with self._lock():
             read = self.version0 + self._add("version", 0)
             with torch.no_grad():
-                model.flat.copy_(shm.params)
-        loss = model.gradient(ticket, self.dp / self.cfg.tokens_per_step)
+                self.model.flat.copy_(self.shared.params)
+        loss = self.model.gradient(Ticket(n, self.dp), self.dp / self.cfg.tokens_per_step)
         self.opt.clip_grad_norm(self.cfg.train.grad_clip)
-        lr = lr_at(ticket.step, self.cfg.train) * self.lr_scale
-        with self._lock(), torch.no_grad():
-            model.flat.copy_(shm.params)
-            before = None if self.locked else model.flat.clone()
-            self.opt.step(lr)
-            lost = 0 if before is None else int((shm.params != before).sum())
-            shm.params.copy_(model.flat)
-            written = self.version0 + self._add("version", 1)
+        return read, loss
+
+    @torch.no_grad()
+    def _begin_update(self, n: int) -> torch.Tensor | None:
+        """Step 3, first half: read the current shared parameters and take this worker's optimizer step on them
+        (privately); returns what was read (lock-free: to count the coordinates overwritten at the write)."""
+        self.model.flat.copy_(self.shared.params)
+        before = None if self.locked else self.model.flat.clone()
+        self.opt.step(lr_at(Ticket(n, self.dp).step, self.cfg.train) * self.lr_scale)
         self.opt.zero_grad()
-        shm.records[n] = torch.tensor([read, written, self.rank, lost])
-        shm.losses[n] = loss
+        return before
+
+    @torch.no_grad()
+    def _end_update(self, before: torch.Tensor | None) -> tuple[int, int]:
+        """Step 3, second half: count the coordinates another worker changed since our read (our write overwrites
+        their update: lost), write, and take the next version; returns (lost, version written)."""
+        lost = 0 if before is None else int((self.shared.params != before).sum())
+        self.shared.params.copy_(self.model.flat)
+        return lost, self.version0 + self._add("version", 1)
+
+    def _record(self, n: int, read: int, written: int, lost: int, loss: float) -> None:
+        self.shared.records[n] = torch.tensor([read, written, self.rank, lost])
+        self.shared.losses[n] = loss
 
     # ---- quiet steps: evaluation, logging, checkpoints
 
@@ -255,10 +273,11 @@ class HogwildRunner:
             metrics.close()
             logfile.close()
         self.version_log = logfile.log
+        self.rows = metrics.rows
         elapsed = time.perf_counter() - t_start
         result.final_step = self.step
         result.tokens_per_s = sum(1 for _ in result.losses) * self.cfg.tokens_per_step / elapsed if elapsed else 0.0
         return result
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return {n: v.detach().clone() for n, v in zip(self.model.names, self.model.views(self.shared.params))}
+        return self.model.state_with(self.shared.params)

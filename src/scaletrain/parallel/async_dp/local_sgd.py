@@ -195,10 +195,11 @@ class LocalSGDRunner:
                     self.save()
         finally:
             metrics.close()
+        self.rows = metrics.rows
         elapsed = time.perf_counter() - t_start
         result.final_step = self.step
         result.tokens_per_s = tokens / elapsed if elapsed else 0.0
         return result
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return {n: v.detach().cpu().clone() for n, v in zip(self.model.names, self.model.views(self.model.flat))}
+        return self.model.state_with()

@@ -83,6 +83,13 @@ class WorkerModel:
             off += n
         return out
 
+    def state_with(self, flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The module's full state dict (every key of a single-process run's), with parameters `flat` if given."""
+        if flat is not None:
+            with torch.no_grad():
+                self.flat.copy_(flat)
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
     def grads_into(self, flat: torch.Tensor) -> None:
         """Copy the current gradients into a flat tensor laid out like `self.flat`."""
         torch._foreach_copy_(self.views(flat), self.grads)

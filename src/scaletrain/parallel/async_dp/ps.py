@@ -44,6 +44,7 @@ from scaletrain.config import Config
 from scaletrain.distributed import DistEnv
 from scaletrain.optim import lr_multiplier
 from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume
+from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.server import ServerShard, ShardLayout, add_in_order
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
@@ -241,17 +242,13 @@ class Coordinator(_Server):
 
     def __init__(self, cfg, rank, layout, model, groups, out, progress: bool):
         super().__init__(cfg, rank, layout, model, groups, out)
-        p, t = cfg.parallel, cfg.train
-        self.names, self.model_shapes = model.names, [q.shape for q in model.params]
+        p = cfg.parallel
+        self.model = model  # for the final state dict (server 0 keeps the whole model)
         self.dp, self.S, self.k = p.dp, p.servers, p.staleness
-        self.total = t.steps * p.dp
         self.live = set(range(p.dp))
         self.lost: list[int] = []
         self.waiting: deque[int] = deque()
-        self.in_flight: dict[int, tuple[int, int]] = {}  # ticket -> (worker, version pulled)
-        self.pending: list[Member] = []
         self.losses: dict[int, float] = {}
-        self.reissue: list[int] = []
         self.inbox: queue.Queue = queue.Queue()
         self.progress = progress
         self.store = default_store(unwrap=True) if p.ps_tolerate_loss else None
@@ -303,32 +300,19 @@ class Coordinator(_Server):
 
     # ---- granting work
 
-    def _can_grant(self) -> bool:
-        if not (self.reissue or self.next_ticket < min(self.total, self.milestone * self.dp)):
-            return False
-        if self.k < 0:
-            return True
-        oldest = min([r for _, r in self.in_flight.values()] + [self.version])
-        return len(self.in_flight) + 1 <= (oldest + self.k + 1 - self.version) * self.dp - len(self.pending)
-
     def _grant(self, w: int) -> None:
-        if self.reissue:
-            n = self.reissue.pop(0)
-        else:
-            n, self.next_ticket = self.next_ticket, self.next_ticket + 1
-        self.in_flight[n] = (w, self.version)
-        if self._reply(w, R_GRANT, n, self.version):
+        n, version = self.gate.grant(w)
+        if self._reply(w, R_GRANT, n, version):
             self._pull(w)
 
     def _advance(self) -> None:
         """Serve waiting workers as far as the run's state allows."""
         while True:
             if self.phase == "train":
-                quiet = self.version == self.milestone and not self.in_flight and not self.pending
-                if quiet:
+                if self.gate.quiet(self.milestone):
                     self._milestone()
                     continue
-                while self.waiting and self._can_grant():
+                while self.waiting and self.gate.can_grant(self.milestone * self.dp):
                     self._grant(self.waiting.popleft())
                 return
             if self.phase == "eval":
@@ -384,20 +368,15 @@ class Coordinator(_Server):
     # ---- updates
 
     def _push(self, w: int, ticket: int, msg: Message) -> None:
-        got = self.in_flight.pop(ticket, None)
-        if got is None or got[0] != w:
-            raise RuntimeError(f"worker {w} pushed ticket {ticket}, which it was not granted")
+        members = self.gate.push(ticket, w)
         self.staged[(ticket, w)] = msg.payload
-        self.pending.append(Member(ticket, w, got[1]))
         self.losses[ticket] = msg.value
         self.moved += self.param_bytes
-        if len(self.pending) == self.dp:
-            self._apply()
+        if members is not None:
+            self._apply(members)
 
-    def _apply(self) -> None:
-        i = self.version + 1
-        members = sorted(self.pending, key=lambda m: m.ticket)
-        self.pending = []
+    def _apply(self, members: list[Member]) -> None:
+        i = self.gate.version
         lr = lr_at(i, self.cfg.train) * self.lr_scale
         keys = [(m.ticket, m.worker) for m in members]
         self._cmd(C_APPLY, i, 0, len(keys), lists=([k[0] for k in keys], [k[1] for k in keys]), lr=lr)
@@ -448,10 +427,7 @@ class Coordinator(_Server):
         self.lost.append(w)
         if w in self.waiting:
             self.waiting.remove(w)
-        tickets = sorted(n for n, (who, _) in self.in_flight.items() if who == w)
-        for n in tickets:
-            del self.in_flight[n]
-        self.reissue = sorted(self.reissue + tickets)
+        tickets = self.gate.drop(w)
         if self.phase == "eval":
             for cid, (who, a, b) in list(self.eval_out.items()):
                 if who == w:
@@ -468,7 +444,7 @@ class Coordinator(_Server):
     def run(self) -> None:
         self.start = self.resume()
         self.version = self.start
-        self.next_ticket = self.start * self.dp
+        self.gate = Gate(self.dp, self.k, self.cfg.train.steps * self.dp, self.start)
         self.logfile = LogFile(self.out / "version_log.jsonl" if self.out is not None else None)
         if self.start:
             self.logfile.open(self._log_header(), self.start)
@@ -531,11 +507,7 @@ class Coordinator(_Server):
         flat = torch.empty(sum(self.layout.numels), dtype=self.dtype)
         for s, shard in enumerate(shards):
             self.layout.scatter(shard, s, flat)
-        off = 0
-        for name, shape in zip(self.names, self.model_shapes):
-            n = math.prod(shape)
-            self.full[name] = flat[off: off + n].view(shape).clone()
-            off += n
+        self.full = self.model.state_with(flat)
         if not self.lost:
             rx.join(timeout=self.timeout_s)
 
@@ -618,7 +590,7 @@ class PSRunner:
             self.role = ServerProcess(cfg, self.rank, layout, model, self.groups, out)
         else:
             self.role = PSWorker(cfg, self.rank - p.servers, layout, model, self.groups)
-        if self.is_server:
+        if self.is_server and self.rank > 0:
             del model  # servers keep only their shard
         self.step = 0
         if self.rank == 0 and out is not None:
@@ -640,6 +612,7 @@ class PSRunner:
             result.tokens_per_s = done * self.cfg.tokens_per_step / elapsed if elapsed else 0.0
             result.last_row = {}
             self.version_log = role.logfile.log
+            self.rows = role.metrics.rows
             self.lost_workers = list(role.lost)
         self.step = self.cfg.train.steps
         self._finish()

@@ -134,4 +134,4 @@ def _replay_hogwild(cfg: Config, log: VersionLog, model: WorkerModel, worker_thr
 
 
 def _by_name(model: WorkerModel, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {n: v.clone() for n, v in zip(model.names, model.views(flat))}
+    return model.state_with(flat)
