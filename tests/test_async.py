@@ -57,7 +57,6 @@ def _jobs(rank, world, jobs):
 def ps_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ps")
     jobs = {
-        "bsp": ({**PS, "parallel.staleness": 0}, None, None),
         "bsp_adafactor_2_servers": ({**PS2, "parallel.staleness": 0, **ADAFACTOR}, None, None),
         "asp_straggler": ({**PS, "parallel.staleness": -1, **SLOW}, None, None),
         "ssp2_straggler": ({**PS, "parallel.staleness": 2, **SLOW}, None, None),
@@ -107,8 +106,9 @@ def _bit_identical(a: dict, b: dict) -> bool:
 
 
 def test_ps_bsp_matches_single_process(ps_runs, one_thread):
-    assert_same_run(train_reference({"train.global_batch": 6}), _run(ps_runs["bsp"]), RTOL, ATOL)
-    assert ps_runs["bsp"]["log"].summary()["staleness_max"] == 0
+    """AdamW on 2 servers, staleness 0 (the default), constant learning rate, a checkpoint at step 3."""
+    assert_same_run(train_reference({**CONSTANT, "train.steps": 6}), _run(ps_runs["full"]), RTOL, ATOL)
+    assert ps_runs["full"]["log"].summary()["staleness_max"] == 0
 
 
 def test_ps_bsp_adafactor_on_two_servers_matches_single_process(ps_runs, one_thread):
@@ -139,9 +139,9 @@ def test_ps_resume_restores_the_servers_exactly(ps_runs):
 
 
 def test_ps_server_bytes_are_the_planned_bytes(ps_runs):
-    rows = ps_runs["bsp"]["rows"]
-    numel = _numel(PS)
-    planned = async_costs.ps_cost(numel * 8, numel * 8, 3, 1, (1e9, 0.0), 1e9).server_bytes  # fp64
+    rows = ps_runs["full"]["rows"]
+    numel = _numel(PS2)
+    planned = async_costs.ps_cost(numel * 8, numel * 8, 2, 2, (1e9, 0.0), 1e9).server_bytes  # fp64
     assert [r["server_bytes"] for r in rows] == [planned] * len(rows)
 
 

@@ -118,14 +118,16 @@ class HogwildRunner:
         # rank 0 creates the shared file; every rank maps it; then its name is removed (the maps stay)
         multi = dist.is_initialized() and dist.get_world_size() > 1
         name = [f"{_shm_dir()}/scaletrain-hogwild-{uuid.uuid4().hex}" if self.rank == 0 else None]
-        if multi:
-            dist.broadcast_object_list(name, src=0)
-        self.shared = SharedState(self.model.numel, self.model.flat.dtype, self.total, name[0], self.rank == 0)
-        if self.rank == 0:
+        if self.rank == 0:  # created and filled before anyone else learns its name
+            self.shared = SharedState(self.model.numel, self.model.flat.dtype, self.total, name[0], True)
             with torch.no_grad():
                 self.shared.params.copy_(state["params"] if state is not None else self.model.flat)
         if multi:
-            dist.barrier()
+            dist.broadcast_object_list(name, src=0)
+        if self.rank != 0:
+            self.shared = SharedState(self.model.numel, self.model.flat.dtype, self.total, name[0], False)
+        if multi:
+            dist.barrier()  # every rank has mapped it: its name can go
         if self.rank == 0:
             os.unlink(name[0])
             os.unlink(name[0] + ".lock")
