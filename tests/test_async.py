@@ -32,7 +32,7 @@ PS2 = {"parallel.sync": "ps", "parallel.dp": 2, "parallel.servers": 2}
 SLOW = {"parallel.slow_ranks": "0:3", "train.steps": 8}  # worker 0 takes 4x as long as the others
 CONSTANT = {"train.lr_schedule": "constant", "train.checkpoint_every": 3}
 LOCAL = {"parallel.sync": "local", "parallel.dp": 2, "parallel.local_steps": 2}
-SGD = {"optim.name": "sgd", "optim.momentum": 0.9, "train.grad_clip": 0.0, "train.lr": 0.05}
+SGD = {"optim.name": "sgd", "optim.momentum": 0.9, "optim.lr_scale": 1.0, "train.grad_clip": 0.0, "train.lr": 0.05}
 HOGWILD = {"parallel.sync": "hogwild", "parallel.dp": 2}
 # model.bias=false: the attention key bias has an exactly-zero true gradient and Adafactor normalises its rounding
 # noise into a full step, so its value depends on the order of additions in any implementation (tests/test_zero.py)

@@ -207,7 +207,8 @@ def test_sgd_single_process_is_a_plain_torch_loop():
     """optim.name=sgd is torch's SGD (momentum, L2 decay on matrices) under the trainer's schedule and clipping."""
     from scaletrain.train.trainer import Trainer
 
-    over = {**TINY, "optim.name": "sgd", "optim.momentum": 0.9, "train.lr": 0.05, "train.steps": 3}
+    over = {**TINY, "optim.name": "sgd", "optim.momentum": 0.9, "optim.lr_scale": 1.0, "train.lr": 0.05,
+            "train.steps": 3}
     t = Trainer(make_config(over))
     ref = Trainer(make_config(over))  # its model and data, trained by hand
     params = [p for p in ref.model.parameters() if p.requires_grad]

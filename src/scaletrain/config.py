@@ -222,7 +222,8 @@ class OptimConfig:
     """Adafactor: update clipping threshold d."""
     lr_scale: float = 0.0
     """Multiplier of the schedule's learning rate for this optimizer; 0 = its default: 1 for adamw and adafactor,
-    5 for sm3 (AdaGrad-style accumulators shrink its step as 1/sqrt(t); 5x train.lr trains the demo like AdamW)."""
+    5 for sm3 (AdaGrad-style accumulators shrink its step as 1/sqrt(t); 5x train.lr trains the demo like AdamW),
+    100 for sgd (no per-coordinate normalisation)."""
     momentum: float = 0.0
     """SM3 and SGD momentum (0 disables the extra full-size buffer); Adafactor uses beta1 only if use_beta1."""
     use_beta1: bool = False

@@ -146,13 +146,14 @@ class LocalSGDRunner:
         return float(total) / (self.cfg.train.eval_batches * self.cfg.tokens_per_step)
 
     def _log_round(self, metrics: Metrics, result, sync_s: float) -> None:
-        """At a synchronisation: the mean over workers of each step's loss and gradient norm, one row per step."""
-        vals = torch.tensor([[loss, norm, sec] for _, loss, norm, sec in self.round], dtype=torch.float64)
+        """At a synchronisation: the mean over workers of each step's loss and gradient norm, one row per step; the
+        times are this rank's (its local steps and its wait at the synchronisation add up to the round's wall time)."""
+        vals = torch.tensor([[loss, norm] for _, loss, norm, _ in self.round], dtype=torch.float64)
         if self.group is not None:
             dist.all_reduce(vals)
         vals /= self.dp
         t = self.cfg.train
-        for k, ((s, *_), (loss, norm, sec)) in enumerate(zip(self.round, vals.tolist())):
+        for k, ((s, _, _, sec), (loss, norm)) in enumerate(zip(self.round, vals.tolist())):
             last = k == len(self.round) - 1
             dt = sec + (sync_s if last else 0.0)
             row = {"step": s, "loss": loss, "lr": lr_at(s, t) * self.lr_scale, "grad_norm": norm,

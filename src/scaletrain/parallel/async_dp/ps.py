@@ -123,10 +123,18 @@ class _Server:
 
     def start_receiving(self, tag: int, stop_when) -> threading.Thread:
         def loop() -> None:
+            tolerated = 0
             try:
                 while True:
                     msg = Message(self.shard.flat.numel(), self.dtype)
-                    dist.recv(msg.buf, tag=tag, group=self.every)
+                    try:
+                        dist.recv(msg.buf, tag=tag, group=self.every)
+                    except RuntimeError as e:  # a worker died while sending: its message is void (never a member)
+                        if not self.cfg.parallel.ps_tolerate_loss or tolerated >= self.cfg.parallel.dp or \
+                                not any(w in str(e) for w in ("closed", "reset")):
+                            raise
+                        tolerated += 1
+                        continue
                     kind, worker, ticket = (int(x) for x in msg.hdr[:3])
                     if kind == K_STOP:
                         return
@@ -301,6 +309,8 @@ class Coordinator(_Server):
     # ---- granting work
 
     def _grant(self, w: int) -> None:
+        if not self.granted:  # the first update's time counts from the first grant, not from the job's start
+            self.granted, self.last_t = True, time.perf_counter()
         n, version = self.gate.grant(w)
         if self._reply(w, R_GRANT, n, version):
             self._pull(w)
@@ -454,7 +464,7 @@ class Coordinator(_Server):
         if self.start >= self.cfg.train.steps:
             self.phase = "done"
         self.last_t = time.perf_counter()
-        self.t0 = self.last_t
+        self.granted = False
         byes = [0]
 
         def all_said_bye(kind: int) -> bool:  # the receiving thread ends after every worker's last message
