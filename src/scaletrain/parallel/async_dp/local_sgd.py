@@ -156,8 +156,10 @@ class LocalSGDRunner:
         for k, ((s, _, _, sec), (loss, norm)) in enumerate(zip(self.round, vals.tolist())):
             last = k == len(self.round) - 1
             dt = sec + (sync_s if last else 0.0)
+            behind = (s - 1) % self.cfg.parallel.local_steps  # the other workers' steps this step's parameters lack
             row = {"step": s, "loss": loss, "lr": lr_at(s, t) * self.lr_scale, "grad_norm": norm,
-                   "tokens_per_s": self.cfg.tokens_per_step / dt, "step_time_s": dt}
+                   "tokens_per_s": self.cfg.tokens_per_step / dt, "step_time_s": dt, "staleness_max": behind,
+                   "staleness_mean": behind}
             if last:
                 row.update({f"comm_{kind}_bytes": n for kind, n in sorted(self.comm.bytes.items())})
             if s in self.val:
