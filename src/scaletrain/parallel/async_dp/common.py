@@ -51,10 +51,23 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class Metrics:
-    """`OUT/metrics.jsonl` on the logging rank: rows of steps <= the resume step are kept, later ones rewritten."""
+def observers(cfg: Config, out: Path | None, rank: int, device, world: int, step: int):
+    """The trainer's reporting hooks (run_info.json, TensorBoard, the HTML report; report/observers.py) for an
+    asynchronous runner. Collective: every rank of the job constructs them at the same point."""
+    from types import SimpleNamespace
 
-    def __init__(self, out: Path | None, cfg: Config, resume_step: int, progress: bool):
+    from scaletrain.report.observers import RunObservers
+
+    return RunObservers(SimpleNamespace(cfg=cfg, out=out, rank=rank, device=device, step=step,
+                                        mesh=SimpleNamespace(world_size=world)))
+
+
+class Metrics:
+    """`OUT/metrics.jsonl` on the logging rank: rows of steps <= the resume step are kept, later ones rewritten;
+    each row also goes to the run's observers (TensorBoard)."""
+
+    def __init__(self, out: Path | None, cfg: Config, resume_step: int, progress: bool, obs=None):
+        self.obs = obs
         self.f = None
         self.bar = None
         self.rows: list[dict[str, Any]] = []  # every row this invocation wrote (kept for tests and benchmarks)
@@ -85,6 +98,8 @@ class Metrics:
         if self.f is not None and (step % self.log_every == 0 or step == self.steps):
             self.f.write(json.dumps(row) + "\n")
             self.f.flush()
+            if self.obs is not None:
+                self.obs.log(row)
         if self.bar is not None:
             self.bar.update(step, row)
 
@@ -92,7 +107,13 @@ class Metrics:
         if self.f is not None:
             os.fsync(self.f.fileno())
 
+    def checkpoint(self, step: int) -> None:
+        if self.obs is not None:
+            self.obs.checkpoint(step, None)
+
     def close(self) -> None:
+        if self.obs is not None:
+            self.obs.stop()
         if self.bar is not None:
             self.bar.close()
         if self.f is not None:

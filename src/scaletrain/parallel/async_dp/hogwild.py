@@ -38,7 +38,7 @@ from scaletrain.config import Config
 from scaletrain.distributed import DistEnv
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume
+from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.async_dp.versions import LogFile, Member, Update
@@ -135,6 +135,7 @@ class HogwildRunner:
         self.keys = f"scaletrain/hogwild/{os.path.basename(name[0])}"
         self.version0 = self.ticket0 = self.step * self.dp  # one update per ticket: the version at a quiet step
         self.counts = {"ticket": 0, "version": 0}  # single-process counters (no store)
+        self.obs = observers(cfg, out, self.rank, torch.device("cpu"), p.dp, self.step)  # collective
 
     # ---- counters: the store's atomic add across processes
 
@@ -239,7 +240,7 @@ class HogwildRunner:
         t = self.cfg.train
         result = TrainResult(params=self.n_params, resumed_from=self.step)
         root = self.rank == 0
-        metrics = Metrics(self.out if root else None, self.cfg, self.step, self.progress and root)
+        metrics = Metrics(self.out if root else None, self.cfg, self.step, self.progress and root, self.obs)
         logfile = LogFile(self.out / "version_log.jsonl" if root and self.out is not None else None)
         p = self.cfg.parallel
         logfile.open({"mode": "hogwild", "dp": p.dp, "lock": self.locked, "worker_threads": [torch.get_num_threads()]},
@@ -270,12 +271,14 @@ class HogwildRunner:
                         payload["params"] = self.shared.params.clone()
                     ckpt.save(self.out / "checkpoints", m, self.rank, self.dp, payload, async_signature(self.cfg),
                               self._barrier, t.keep_checkpoints)
+                    metrics.checkpoint(m)
                 self._barrier()
         finally:
             metrics.close()
             logfile.close()
         self.version_log = logfile.log
         self.rows = metrics.rows
+        self.obs.finish()
         elapsed = time.perf_counter() - t_start
         result.final_step = self.step
         result.tokens_per_s = sum(1 for _ in result.losses) * self.cfg.tokens_per_step / elapsed if elapsed else 0.0

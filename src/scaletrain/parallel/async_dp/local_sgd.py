@@ -33,7 +33,7 @@ from scaletrain.config import Config
 from scaletrain.distributed import DistEnv, pick_device
 from scaletrain.errors import CheckpointError
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, find_resume
+from scaletrain.parallel.async_dp.common import Metrics, async_signature, find_resume, observers
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.comm import CommStats, all_reduce
@@ -64,6 +64,7 @@ class LocalSGDRunner:
         self.val: dict[int, float] = {}
         self.step = 0
         self._resume()
+        self.obs = observers(cfg, out, self.rank, self.device, p.dp, self.step)  # collective
 
     # ---- state
 
@@ -174,7 +175,8 @@ class LocalSGDRunner:
 
         t, p = self.cfg.train, self.cfg.parallel
         result = TrainResult(params=self.n_params, resumed_from=self.step)
-        metrics = Metrics(self.out if self.rank == 0 else None, self.cfg, self.step, self.progress and self.rank == 0)
+        root = self.rank == 0
+        metrics = Metrics(self.out if root else None, self.cfg, self.step, self.progress and root, self.obs)
         last = min(t.steps, stop_after) if stop_after is not None else t.steps
         t_start, tokens = time.perf_counter(), 0
         try:
@@ -196,9 +198,11 @@ class LocalSGDRunner:
                 if self.out is not None and ((t.checkpoint_every and s % t.checkpoint_every == 0) or s == t.steps):
                     metrics.sync()
                     self.save()
+                    metrics.checkpoint(s)
         finally:
             metrics.close()
         self.rows = metrics.rows
+        self.obs.finish()
         elapsed = time.perf_counter() - t_start
         result.final_step = self.step
         result.tokens_per_s = tokens / elapsed if elapsed else 0.0

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from scaletrain.config import Config
 from scaletrain.distributed import DistEnv
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume
+from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.server import ServerShard, ShardLayout, add_in_order
@@ -361,6 +361,7 @@ class Coordinator(_Server):
             self.logfile.flush(sync=True)
             self._cmd(C_SAVE, s)
             self.save(s, {"lost_workers": self.lost})
+            self.metrics.checkpoint(s)
         self.evaluated = False
         if s >= t.steps:
             self.phase = "done"
@@ -458,7 +459,7 @@ class Coordinator(_Server):
         self.logfile = LogFile(self.out / "version_log.jsonl" if self.out is not None else None)
         if self.start:
             self.logfile.open(self._log_header(), self.start)
-        self.metrics = Metrics(self.out, self.cfg, self.start, self.progress)
+        self.metrics = Metrics(self.out, self.cfg, self.start, self.progress, self.obs)
         self.phase, self.evaluated, self.done_sent = "train", False, set()
         self.milestone = self._next_milestone(self.start) if self.start < self.cfg.train.steps else self.start
         if self.start >= self.cfg.train.steps:
@@ -594,8 +595,10 @@ class PSRunner:
         model = WorkerModel(cfg, device)
         self.n_params = model.engine.n_params
         layout = ShardLayout(model.numels, p.servers)
+        self.obs = observers(cfg, out, self.rank, device, p.dp + p.servers, 0)  # collective
         if self.rank == 0:
             self.role = Coordinator(cfg, 0, layout, model, self.groups, out, progress)
+            self.role.obs = self.obs
         elif self.is_server:
             self.role = ServerProcess(cfg, self.rank, layout, model, self.groups, out)
         else:
@@ -624,6 +627,7 @@ class PSRunner:
             self.version_log = role.logfile.log
             self.rows = role.metrics.rows
             self.lost_workers = list(role.lost)
+            self.obs.finish()
         self.step = self.cfg.train.steps
         self._finish()
         return result
