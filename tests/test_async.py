@@ -1,7 +1,7 @@
 """Asynchronous data parallelism on real processes (gloo, fp64): what each mode must equal, and what its version
 log proves (docs/async.md).
 
-- ps with staleness 0 (BSP) == the single-process run (AdamW on 1 server, Adafactor on 2), per-step losses and
+- ps with staleness 0 (BSP) == the single-process run (AdamW and Adafactor and SM3 on 2 servers), per-step losses and
   final parameters; exact resume of the servers' state (parameters and optimizer) bit for bit.
 - ps ASP and SSP with a straggler: a single-process replay of the version log gives bit-identical parameters;
   with staleness 2 no applied gradient is more than 2 versions old.
@@ -37,6 +37,7 @@ HOGWILD = {"parallel.sync": "hogwild", "parallel.dp": 2}
 # model.bias=false: the attention key bias has an exactly-zero true gradient and Adafactor normalises its rounding
 # noise into a full step, so its value depends on the order of additions in any implementation (tests/test_zero.py)
 ADAFACTOR = {"optim.name": "adafactor", "model.bias": False}
+SM3 = {"optim.name": "sm3", "optim.momentum": 0.5, "model.bias": False}
 
 
 def _jobs(rank, world, jobs):
@@ -58,6 +59,7 @@ def ps_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ps")
     jobs = {
         "bsp_adafactor_2_servers": ({**PS2, "parallel.staleness": 0, **ADAFACTOR}, None, None),
+        "bsp_sm3_2_servers": ({**PS2, "parallel.staleness": 0, **SM3, "train.steps": 3}, None, None),
         "asp_straggler": ({**PS, "parallel.staleness": -1, **SLOW}, None, None),
         "ssp2_straggler": ({**PS, "parallel.staleness": 2, **SLOW}, None, None),
         "full": ({**PS2, **CONSTANT, "train.steps": 6}, d / "full", None),
@@ -113,6 +115,10 @@ def test_ps_bsp_matches_single_process(ps_runs, one_thread):
 
 def test_ps_bsp_adafactor_on_two_servers_matches_single_process(ps_runs, one_thread):
     assert_same_run(train_reference(ADAFACTOR), _run(ps_runs["bsp_adafactor_2_servers"]), RTOL, ATOL)
+
+
+def test_ps_bsp_sm3_on_two_servers_matches_single_process(ps_runs, one_thread):
+    assert_same_run(train_reference({**SM3, "train.steps": 3}), _run(ps_runs["bsp_sm3_2_servers"]), RTOL, ATOL)
 
 
 @pytest.mark.parametrize("name", ["asp_straggler", "ssp2_straggler"])
