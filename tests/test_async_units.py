@@ -235,3 +235,35 @@ def test_sgd_single_process_is_a_plain_torch_loop():
     for (n, p), q in zip(t.full_state().items(), ref.full_state().values()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=n)
     assert t.mem["mem_optim"] == t.mem["plan_mem_optim"]  # the momentum buffers, predicted exactly
+
+
+def test_bsp_straggler_sleeps_after_each_step_and_changes_no_number(monkeypatch):
+    """parallel.slow_ranks on the synchronous trainer: one sleep per step, proportional to its compute."""
+    from scaletrain.parallel.async_dp import straggler
+    from scaletrain.train.trainer import Trainer
+
+    over = {**TINY, "train.steps": 2}
+    plain = Trainer(make_config(over))
+    ref = plain.run().losses
+    delays: list[float] = []
+    monkeypatch.setattr(straggler.time, "sleep", delays.append)
+    slow = Trainer(make_config({**over, "parallel.slow_ranks": "0:0.5"}))
+    assert slow.run().losses == ref
+    assert len(delays) == 2 and all(d > 0 for d in delays), delays
+    s = straggler.Straggler(0.5)
+    s.after_compute(0.25)
+    assert delays[-1] == 0.125 and s.slept_s == 0.125
+
+
+def test_plan_config_of_an_async_run_uses_its_servers_and_h(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "run.yaml"
+    path.write_text("parallel:\n  sync: ps\n  dp: 2\n  servers: 2\n")
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["sync_comm"]
+    assert doc["servers"] == 2 and "ps (2 servers)" in {r["mode"] for r in doc["rows"]}
+    path.write_text("parallel:\n  sync: local\n  dp: 2\n  local_steps: 4\n  outer: diloco\n")
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["sync_comm"]["rows"]}
+    assert rows["diloco (H=4)"]["worker_bytes"] == rows["bsp (all-reduce)"]["worker_bytes"] / 4
