@@ -86,6 +86,11 @@ class ModelConfig:
     """Layer-norm epsilon."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (model.moe.experts > 0)."""
+    reversible: bool = False
+    """Reversible blocks (RevNet arXiv 1707.04585, Reformer arXiv 2001.04451): the residual stream is split into two
+    halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
+    backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
+    architecture, not a free saving (docs/memory.md)."""
 
 
 @dataclass
@@ -258,6 +263,14 @@ class MemoryConfig:
     """Move saved block checkpoints to host memory between forward and backward."""
     compress: str = "none"
     """Saved-activation compression (Gist): none, relu-mask, bf16, int8, or a comma list."""
+    contiguous: bool = False
+    """ZeRO-R memory defragmentation (arXiv 1910.02054 Sec. 6.3): activation checkpoints (under recompute or
+    activation offload) and ZeRO-2/3's per-micro-batch gradient buffers live in arenas allocated once per run and
+    reused every step. Bit-identical to false (memory/contiguous.py)."""
+    count_allocations: bool = False
+    """Log `mem_alloc_count` and `mem_alloc_bytes`: allocator calls of one steady-state training step's forward and
+    backward (step 2; CPU: the profiler's memory events, CUDA: torch.cuda.memory_stats, which also gives
+    `mem_cuda_allocated_peak` and `mem_cuda_reserved_peak`). Costs one profiled step on CPU."""
     budget_gb: float = 0.0
     """Memory budget per process in GiB (0 = none): refused before launch when the planner's resident bytes
     exceed it, and the run stops at the first step whose measured resident bytes do (CPU: peak RSS growth of
@@ -570,6 +583,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                       f"parallel.tp ({p.tp})")
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
+    errors += _validate_reversible(cfg)
+    errors += _validate_contiguous(cfg)
     errors += _validate_nvme(cfg)
     errors += _validate_report(cfg)
     errors += _validate_async(cfg, world_size)
@@ -700,6 +715,20 @@ def _validate_async(cfg: Config, world_size: int | None) -> list[str]:
             errors.append(f"parallel.dp ({p.dp}) workers + parallel.servers ({p.servers}) = {p.dp + p.servers} "
                           f"does not match the number of processes ({world_size})")
     return errors
+
+
+def _validate_reversible(cfg: Config) -> list[str]:
+    """model.reversible: the halves' widths, and the modes that have nothing to act on (model/reversible.py)."""
+    from scaletrain.model.reversible import refusals
+
+    return refusals(cfg)
+
+
+def _validate_contiguous(cfg: Config) -> list[str]:
+    """memory.contiguous needs something to put in its arenas (memory/contiguous.py)."""
+    from scaletrain.memory.contiguous import refusals
+
+    return refusals(cfg)
 
 
 def _validate_report(cfg: Config) -> list[str]:

@@ -41,6 +41,9 @@ def add_parser(subparsers) -> None:
     dims.add_argument("--capacity-factor", type=float,
                       help="MoE expert slots per routed token-choice (default 1.25; 1.0 for catalog models)")
     dims.add_argument("--moe-every", type=int, help="every k-th block is MoE (default 1)")
+    dims.add_argument("--reversible", action="store_true",
+                      help="reversible blocks (RevNet/Reformer; our model.reversible): attention and MLP of width "
+                           "hidden/2 on the two halves of the stream, nothing stored per layer")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     hw = p.add_argument_group("cluster")
     hw.add_argument("--gpu", help=f"catalog GPU ({', '.join(hardware.CATALOG)}); default a100-80gb")
@@ -93,7 +96,7 @@ def _model(args) -> catalog.ModelSpec:
         if m.n_experts and (args.capacity_factor is not None or args.moe_every is not None):
             m = dataclasses.replace(m, capacity_factor=args.capacity_factor or m.capacity_factor,
                                     moe_every=args.moe_every or m.moe_every)
-        return catalog.check_model(m)
+        return catalog.check_model(dataclasses.replace(m, reversible=args.reversible))
     if all(x is not None for x in custom):
         if args.seq_len is None:
             raise UserError("custom dimensions need --seq-len")
@@ -102,7 +105,7 @@ def _model(args) -> catalog.ModelSpec:
             mlp=args.mlp, n_kv_heads=args.kv_heads or 0, n_experts=args.experts or 0,
             top_k=args.top_k or (2 if args.experts else 1),
             capacity_factor=1.25 if args.capacity_factor is None else args.capacity_factor,
-            moe_every=args.moe_every or 1))
+            moe_every=args.moe_every or 1, reversible=args.reversible))
     if any(x is not None for x in custom):
         missing = [f for f, x in zip(("--layers", "--hidden", "--heads", "--vocab"), custom) if x is None]
         raise UserError(f"custom dimensions are missing {', '.join(missing)}")
