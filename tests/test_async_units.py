@@ -259,11 +259,13 @@ def test_plan_config_of_an_async_run_uses_its_servers_and_h(tmp_path, capsys):
     import json
 
     path = tmp_path / "run.yaml"
-    path.write_text("parallel:\n  sync: ps\n  dp: 2\n  servers: 2\n")
-    assert main(["plan", "--config", str(path), "--json"]) == 0
+    small = "model:\n  n_layers: 1\n  d_model: 16\n  n_heads: 2\n  seq_len: 16\ntrain:\n  global_batch: 4\n" \
+            "  micro_batch: 2\n"  # a tiny model and a catalog GPU: no calibration run
+    path.write_text(small + "parallel:\n  sync: ps\n  dp: 2\n  servers: 2\n")
+    assert main(["plan", "--config", str(path), "--gpu", "a100-80gb", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)["sync_comm"]
     assert doc["servers"] == 2 and "ps (2 servers)" in {r["mode"] for r in doc["rows"]}
-    path.write_text("parallel:\n  sync: local\n  dp: 2\n  local_steps: 4\n  outer: diloco\n")
-    assert main(["plan", "--config", str(path), "--json"]) == 0
+    path.write_text(small + "parallel:\n  sync: local\n  dp: 2\n  local_steps: 4\n  outer: diloco\n")
+    assert main(["plan", "--config", str(path), "--gpu", "a100-80gb", "--json"]) == 0
     rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["sync_comm"]["rows"]}
     assert rows["diloco (H=4)"]["worker_bytes"] == rows["bsp (all-reduce)"]["worker_bytes"] / 4
