@@ -17,6 +17,7 @@ import json
 import sys
 
 from scaletrain.errors import UserError
+from scaletrain.guards import positive_float
 from scaletrain.plan import catalog, costs, hardware, report
 from scaletrain.plan.search import dedupe, parse_layout, search
 
@@ -29,7 +30,7 @@ def add_parser(subparsers) -> None:
     src.add_argument("--config", help="a scaletrain YAML config: predict that run")
     src.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="config override (with --config)")
-    src.add_argument("--params", type=float, help="bare parameter count: model-state memory only")
+    src.add_argument("--params", type=positive_float, help="bare parameter count: model-state memory only")
     dims = p.add_argument_group("custom dimensions")
     for flag, h in (("--layers", "transformer blocks"), ("--hidden", "d_model"),
                     ("--heads", "attention heads"), ("--vocab", "vocabulary size"),
@@ -38,7 +39,7 @@ def add_parser(subparsers) -> None:
                     ("--top-k", "experts per token")):
         dims.add_argument(flag, type=int, help=h)
     dims.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu")
-    dims.add_argument("--capacity-factor", type=float,
+    dims.add_argument("--capacity-factor", type=positive_float,
                       help="MoE expert slots per routed token-choice (default 1.25; 1.0 for catalog models)")
     dims.add_argument("--moe-every", type=int, help="every k-th block is MoE (default 1)")
     dims.add_argument("--reversible", action="store_true",
@@ -141,6 +142,12 @@ def run(args) -> int:
         raise UserError(f"--top must be >= 1, got {args.top}")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    from scaletrain.guards import check_output_file  # outputs checked before the search, not after it
+
+    if args.png is not None:
+        check_output_file(args.png, "--png", (".png",))
+    if args.html is not None:
+        check_output_file(args.html, "--html")
     if args.flops_budget is not None:
         from scaletrain.scaling.budget import run_budget
 
@@ -190,7 +197,7 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
 
     con = Console(width=None if sys.stdout.isatty() else 160)
     n = costs.total_params(model)
-    size = f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
+    size = report.count(n)
     title = (f"{model.name}: {size} params on {cluster.n_gpus} x "
              f"{cluster.gpu.name}, global batch {train.global_batch} x {model.seq_len} tokens "
              f"({evaluated} layouts evaluated)")
@@ -220,7 +227,8 @@ def config_layout(cfg) -> costs.Layout:
     return costs.Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero, micro_batch=t.micro_batch,
                         recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
                         virtual_stages=par.virtual_stages,
-                        sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload)
+                        sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
+                        tp_mode=par.tp_mode, tp_depth=par.tp_depth)
 
 
 def config_training(cfg) -> costs.Training:
@@ -245,7 +253,10 @@ def _run_config(args) -> int:
     model = catalog.from_model_config(cfg.model, name=args.config)
     lay, train = config_layout(cfg), config_training(cfg)
     args.gpus = cfg.world_size
-    if not (args.gpu or args.cluster or args.calibrate):
+    if cfg.parallel.tp_mode != "1d" and args.calibrate:
+        raise UserError(f"--calibrate profiles 1d tensor-parallel blocks; a parallel.tp_mode={cfg.parallel.tp_mode} "
+                        "run is predicted with --gpu or --cluster (memory exact, time from the analytic model)")
+    if not (args.gpu or args.cluster or args.calibrate) and cfg.parallel.tp_mode == "1d":
         args.calibrate = True
     pred = costs.predict_run(cfg)
     extra: dict = {"run_prediction": pred}
@@ -329,13 +340,15 @@ def _run_params(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    tab = Table(title=f"model states of {psi / 1e9:.4g}B params over dp={args.gpus} ({args.dtype}, K={k})")
-    for col in ("ZeRO", "params GB", "grads GB", "optimizer GB", "total GB", f"fits {gpu.name}"):
+    keys = ("params", "grads", "optimizer", "total")
+    unit, size = report.memory_unit([r["memory_bytes"][k_] for r in rows for k_ in keys])
+    tab = Table(title=f"model states of {report.count(psi)} params over dp={args.gpus} ({args.dtype}, K={k})",
+                caption=f"{unit} per GPU (1 {unit} = {size:,.0f} bytes)")
+    for col in ("ZeRO", f"params {unit}", f"grads {unit}", f"optimizer {unit}", f"total {unit}", f"fits {gpu.name}"):
         tab.add_column(col, justify="right")
     for r in rows:
         mb = r["memory_bytes"]
-        tab.add_row(str(r["layout"]["zero"]), *(f"{mb[k_] / 1e9:,.2f}" for k_ in
-                                                ("params", "grads", "optimizer", "total")),
+        tab.add_row(str(r["layout"]["zero"]), *(report.in_unit(mb[k_], size) for k_ in keys),
                     "yes" if r["fits"] else "no")
     Console(width=None if sys.stdout.isatty() else 160).print(tab)
     return 0

@@ -63,7 +63,8 @@ def run_signature(cfg: Config) -> dict[str, Any]:
     p, t = cfg.parallel, cfg.train
     return {
         "model": cfg.to_dict()["model"],
-        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero},
+        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero,
+                   **({"tp_mode": p.tp_mode, "tp_depth": p.tp_depth} if p.tp_mode != "1d" else {})},
         "seed": t.seed, "global_batch": t.global_batch, "micro_batch": t.micro_batch, "dtype": t.dtype,
         "data_source": cfg.data.source, "optim": cfg.to_dict()["optim"],
     }
@@ -85,7 +86,7 @@ class Trainer:
         self.progress = progress and self.rank == 0
         p, t = cfg.parallel, cfg.train
 
-        self.mesh = Mesh.build(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep), p.timeout_s)
+        self.mesh = Mesh.build(ParallelDims.from_config(p), p.timeout_s)
         self.dp_group, self.dp_rank = self.mesh.group("dp"), self.mesh.local_rank("dp")
         self.comm = CommStats()
 
