@@ -40,6 +40,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     (["optim.name=sgd", "parallel.dp=2", "parallel.zero=2"], None, ["optim.name=sgd needs parallel.zero=0, got 2"]),
     (["parallel.sync=local", "model.moe.experts=2"], None, ["needs a dense model"]),
     (["parallel.sync=hogwild", "train.profile_steps=2:3"], None, ["train.profile_steps needs parallel.sync=bsp"]),
+    (["parallel.sync=local", "train.precision=autocast-bf16"], None, ["needs train.precision=dtype", "autocast-bf16"]),
+    (["parallel.sync=ps", "train.compile=true"], None, ["train.compile=false, got dtype and true"]),
 ])
 def test_validate_refuses_with_the_values(sets, world, words):
     with pytest.raises(ConfigError) as e:

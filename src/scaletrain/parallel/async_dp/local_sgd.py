@@ -112,7 +112,7 @@ class LocalSGDRunner:
         t0 = time.perf_counter()
         ticket = Ticket((step - 1) * self.dp + self.rank, self.dp)
         loss = self.model.gradient(ticket, self.dp / self.cfg.tokens_per_step)  # this worker's mean token loss
-        norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
+        norm = float(self.opt.clip_grad_norm(self.cfg.train.grad_clip))  # a 0-dim tensor or a float
         self.opt.step(lr_at(step, self.cfg.train) * self.lr_scale)
         self.opt.zero_grad()
         self.round.append((step, loss, norm, time.perf_counter() - t0))
