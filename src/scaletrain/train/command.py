@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from importlib import resources
@@ -84,6 +85,9 @@ def cmd_train(args) -> int:
 
     set_user_command(args)  # the command as the user gave it, for the run report
     multinode_launcher.check_arguments(args)
+    if cfg.parallel.sync != "bsp" and (args.rdzv_endpoint or args.restarts):
+        raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
+                        f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
     nproc = args.nproc if args.nproc is not None else max(1, cfg.world_size // args.nnodes)
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
@@ -108,6 +112,10 @@ def cmd_train(args) -> int:
         argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
+    if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
+        from scaletrain.parallel.async_dp.launch import launch_ps
+
+        return launch_ps(nproc, argv, out, cfg)
     if args.rdzv_endpoint:
         return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
     return launch_local(nproc, argv, out, args.restarts)
@@ -151,16 +159,21 @@ def run_worker(cfg: Config, out: Path, env) -> int:
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
     from scaletrain.multinode.job import supervise
-    from scaletrain.train.trainer import Trainer
+    from scaletrain.parallel.async_dp import make_trainer
 
     rank = env.rank if env else 0
+    supervised = cfg.parallel.sync == "bsp"
     with WorkerContext(rank):
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
+        if env is not None and not supervised:
+            distributed.init(env, cfg.parallel.timeout_s, device)
         try:
-            with supervise(cfg, out, env, device) as job:  # pre-flight, heartbeat, flight recorder
+            # the asynchronous modes supervise their own ranks (docs/async.md); bsp runs get docs/multinode.md's
+            with supervise(cfg, out, env, device) if supervised else contextlib.nullcontext() as job:
                 start = time.time()
-                trainer = Trainer(cfg, out, env, progress=sys.stdout.isatty())
-                job.attach(trainer)
+                trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty())  # bsp: the Trainer
+                if job is not None:
+                    job.attach(trainer)
                 if trainer.step >= cfg.train.steps and rank == 0:
                     print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
                 result = trainer.run()
