@@ -704,6 +704,9 @@ def _validate_multinode(cfg: Config) -> list[str]:
                       f"parallel.timeout_s ({p.timeout_s})")
     if not 0 <= p.flight_recorder <= 100_000:
         errors.append(f"parallel.flight_recorder ({p.flight_recorder}) must be between 0 (off) and 100000 entries")
+    return errors
+
+
 SYNC_MODES = ("bsp", "ps", "hogwild", "local")
 
 
