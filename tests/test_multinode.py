@@ -601,7 +601,8 @@ def test_slurm_example_runs_our_launcher_with_a_valid_command_line(tmp_path):
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
     (["--nnodes", "2", "--rdzv-endpoint", "node1:"], "rendezvous endpoint 'node1:' is not HOST:PORT"),
     (["--nnodes", "2", "--rdzv-endpoint", "node1:70000"], "rendezvous endpoint 'node1:70000' is not HOST:PORT"),
-    (["--restarts", "1", "--set", "parallel.sync=local"], "--restarts are for parallel.sync=bsp runs; parallel.sync=lo"),
+    (["--restarts", "1", "--set", "parallel.sync=local"],
+     "--restarts are for parallel.sync=bsp runs; parallel.sync=local"),
 ])
 def test_launcher_arguments_are_refused_before_anything_starts(argv, fragment, tmp_path, capsys):
     from scaletrain.cli import main
