@@ -58,6 +58,8 @@ def observers(cfg: Config, out: Path | None, rank: int, device, world: int, step
 
     from scaletrain.report.observers import RunObservers
 
+    if out is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)  # run_info.json is written before the first checkpoint or metric
     return RunObservers(SimpleNamespace(cfg=cfg, out=out, rank=rank, device=device, step=step,
                                         mesh=SimpleNamespace(world_size=world)))
 
