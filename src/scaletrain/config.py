@@ -517,6 +517,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                       f"parallel.tp ({p.tp})")
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
+    errors += _validate_compress_segments(cfg) if not errors else []
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -525,6 +526,34 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if errors:
         raise ConfigError("; ".join(errors))
     return cfg
+
+
+def _validate_compress_segments(cfg: Config) -> list[str]:
+    """Lossy activation compression with recompute=every:k under pp: a segment's input is kept compressed and its
+    blocks are recomputed from it, so the segments must be the ones one process has (k blocks from block 0): a
+    chunk must start at a multiple of k (docs/memory.md)."""
+    from scaletrain.memory.compress import parse_modes
+    from scaletrain.memory.recompute import parse_recompute
+
+    p, mem = cfg.parallel, cfg.memory
+    mode = parse_recompute(mem.recompute)
+    if p.pp == 1 or mode.kind != "every" or not parse_modes(mem.compress) & {"bf16", "int8"}:
+        return []
+    chunks = p.pp * p.virtual_stages
+    if p.partition in ("params", "time"):
+        return [f"memory.recompute={mem.recompute} with memory.compress={mem.compress} needs pipeline chunks that "
+                f"start at multiples of {mode.k} blocks; parallel.partition={p.partition} decides them only at run "
+                "time: give block counts (e.g. parallel.partition=2,2) or use recompute full"]
+    counts = [cfg.model.n_layers // chunks] * chunks if p.partition == "uniform" else \
+        [int(x) for x in p.partition.split(",")]
+    starts = [sum(counts[:i]) for i in range(1, len(counts))]
+    bad = [b for b in starts if b % mode.k]
+    if bad:
+        return [f"memory.recompute={mem.recompute} with memory.compress={mem.compress} under parallel.pp ({p.pp}): "
+                f"pipeline chunks start at blocks {', '.join(map(str, starts))}, not all multiples of {mode.k}, so "
+                "the segments differ from one process's and recompute from other compressed inputs; choose "
+                "parallel.partition block counts that are multiples of k, or recompute full"]
+    return []
 
 
 def _validate_noise_scale(cfg: Config) -> list[str]:

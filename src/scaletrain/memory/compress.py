@@ -15,19 +15,20 @@ encoded, and it is decoded when backward needs it. Two Gist encodings:
   Dettmers et al., arXiv 2110.02861), and restored to its original dtype for backward. Installed with
   `torch.autograd.graph.saved_tensors_hooks`.
 
-Skipped by the hooks (kept as they are): parameters and views of them (held anyway), leaf tensors that
-do not require grad (inputs, constant tables), non-float tensors, tensors whose last dimension is 1 (per-row
-statistics such as a norm's mean and 1/std), tensors with fewer than `min_numel` entries, and tensors already
-no wider than the target format. A tensor saved by several ops (or through several views of one base) is
-encoded once.
+Skipped by the hooks (kept as they are): parameters and views of them (held anyway), leaf tensors (inputs,
+constant tables; with `leaves=True` only those that do not require grad, and the attached model's buffers),
+non-float tensors, tensors whose last dimension is 1 (per-row statistics such as a norm's mean and 1/std),
+tensors with fewer than `min_numel` entries, and tensors already no wider than the target format. A tensor
+saved by several ops (or through several views of one base) is encoded once.
 
 Layout independence (the engine pass, `apply_compress_pass`): what is encoded, and how, must not depend on
 how the run is split, or a parallel layout would round other values than one process does. So the engine
 encodes every float activation whatever its size (`min_numel=0`: a tensor split over tp ranks has fewer
-entries than the whole), also a pipeline stage's input (a leaf that requires grad, where one process has the
-previous block's output), and int8 takes one scale per block of `int8_block(model)` entries along the last
-dimension, a size that divides every width tensor parallelism splits (head size, d_model/tp, d_ff/tp): a
-block never straddles two tp ranks, and rows are tokens, whichever rank, micro-batch or expert holds them.
+entries than the whole), also a pipeline stage's input (`leaves=True`: a leaf that requires grad, where one
+process has the previous block's output), and int8 takes one scale per block of `int8_block(model)` entries
+along the last dimension, a size that divides every width tensor parallelism splits (the head size,
+d_model/tp, d_ff/tp): a block never straddles two tp ranks, and rows are tokens, whichever rank, micro-batch
+or expert holds them.
 
 The compression ratio is measured as the ops run (`CompressionStats`): `bytes_before` is the bytes
 of distinct storages autograd would have kept (parameters excluded, as in `memory.accounting`),
@@ -330,11 +331,13 @@ class ActivationCompressor:
     or `comp.attach(model)`, which does both: the hooks are active during every `model(...)` call.
     """
 
-    def __init__(self, modes: str | Sequence[str] | None = "none", *, min_numel: int = 1024, block: int = 0) -> None:
+    def __init__(self, modes: str | Sequence[str] | None = "none", *, min_numel: int = 1024, block: int = 0,
+                 leaves: bool = False) -> None:
         self.modes = parse_modes(modes)
         if min_numel < 0 or block < 0:
             raise ConfigError(f"min_numel ({min_numel}) and block ({block}) must be >= 0")
         self.min_numel, self.block = min_numel, block
+        self.leaves = leaves  # also encode leaf tensors that require grad (a pipeline stage's input)
         self.fmt = "int8" if "int8" in self.modes else "bf16" if "bf16" in self.modes else None
         self.stats = CompressionStats()
         # id(base) -> (weak ref to base, encoding); an entry dies with its base (see _pack).
@@ -425,10 +428,10 @@ class ActivationCompressor:
     def _compressible(self, t: torch.Tensor, base: torch.Tensor) -> bool:
         if self.fmt is None or base.dtype not in _FLOATS or t.dtype != base.dtype:
             return False  # ints / bools, dtype-reinterpreting views
-        if not (t.requires_grad or base.requires_grad) or (base.grad_fn is None and id(base) in self._held):
-            # inputs and constants, and the model's buffers; a pipeline stage's input (a leaf that requires grad)
-            # is encoded, and so is a custom Function's output (its base has no grad_fn, the saved view has)
-            return False
+        if not (t.requires_grad or base.requires_grad):
+            return False  # inputs and constants (a custom Function's output: its base has no grad_fn, the view has)
+        if base.grad_fn is None and base.requires_grad and (not self.leaves or id(base) in self._held):
+            return False  # leaves that require grad, held by the caller anyway (with `leaves`: not the model's buffers)
         if base.numel() < self.min_numel or base.dim() == 0 or base.shape[-1] == 1 or base.device.type == "meta":
             return False  # small tensors, per-row statistics (norm mean and rstd)
         return base.element_size() > (1 if self.fmt == "int8" else 2)
@@ -453,14 +456,14 @@ def apply_compress(
 
 
 def int8_block(model_cfg: Any, cap: int = 64) -> int:
-    """The int8 block of a GPT (`ModelConfig`): the largest power of two up to `cap` (a power of two) dividing
-    the head size and d_ff / gcd(n_heads, d_ff). Every legal tp divides n_heads and d_ff, so the block divides
-    the widths tp splits — d_model/tp (a multiple of the head size), d_ff/tp — and the head size of q, k, v."""
+    """The int8 block of a GPT (`ModelConfig`): the largest divisor, up to `cap`, of g = gcd(head size,
+    d_ff / gcd(n_heads, d_ff)). Every legal tp divides n_heads and d_ff, so g divides every width tp splits —
+    the head size (q, k and v of one head stay on one rank), d_model/tp (whole heads) and d_ff/tp."""
     from scaletrain.model.gpt import ffn_size
 
     ff = ffn_size(model_cfg)
     g = math.gcd(model_cfg.d_model // model_cfg.n_heads, ff // math.gcd(model_cfg.n_heads, ff))
-    return math.gcd(g, cap)
+    return max(b for b in range(1, min(g, cap) + 1) if g % b == 0)
 
 
 def apply_compress_pass(engine: Any, cfg: Any) -> ActivationCompressor:
@@ -475,7 +478,7 @@ def apply_compress_pass(engine: Any, cfg: Any) -> ActivationCompressor:
     """
     module = engine.module
     # min_numel 0 and per-block int8 scales: what is encoded does not depend on the layout (module docstring)
-    comp = ActivationCompressor(cfg.memory.compress, min_numel=0, block=int8_block(cfg.model))
+    comp = ActivationCompressor(cfg.memory.compress, min_numel=0, block=int8_block(cfg.model), leaves=True)
     comp.swap_activations(module)
     first: dict[str, float] = {}
 
