@@ -6,7 +6,7 @@ bf16 and fp16 (`verify --matrix --dtype D`: every layout in that dtype instead o
 remaining differences from the same-dtype single-process run are rounding noise (a different summation order,
 amplified by three optimizer steps). Prints, per dtype and metric, the median, 90th percentile and maximum over
 the layouts, and the tolerance `scaletrain.matrix.TOLERANCE` uses: 3x the maximum, rounded up to two
-significant digits. `--json-dir` keeps the four `verify --matrix` JSON files.
+significant digits. `--json-dir` keeps the four `verify --matrix` JSON files and printed tables.
 
     .venv/bin/python benchmarks/bench_matrix_noise.py [--world 4] [--jobs 1] [--json-dir DIR]
 """
@@ -38,6 +38,7 @@ def run(dtype: str, world: int, jobs: int, out: Path) -> dict:
            "--dtype", dtype, "--json", str(out)]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    out.with_suffix(".txt").write_text(proc.stdout)  # the table verify --matrix printed
     if not out.exists():
         raise SystemExit(f"verify --matrix --dtype {dtype} failed (exit {proc.returncode}):\n"
                          f"{proc.stdout}{proc.stderr}")

@@ -113,6 +113,7 @@ def references():
 def test_covering_layout_matches_single_process(matrix_runs, references, layout):
     outcome = compare(layout, references(layout), matrix_runs[0][layout])
     assert outcome.ok, "\n" + table([outcome], width=200)
+    print(table([outcome], width=160))  # the measured differences, shown with pytest -rP
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[f"{lay['dtype']}-{f.replace(' ', '')}" for lay, f in MUTANTS])
@@ -120,6 +121,7 @@ def test_an_injected_fault_makes_the_matrix_fail(matrix_runs, references, mutant
     layout, _ = mutant
     outcome = compare(layout, references(layout), matrix_runs[1][mutant])
     assert not outcome.ok, "\n" + table([outcome], width=200)
+    print(f"{mutant[1]}:\n{table([outcome], width=120)}")  # shown with pytest -rP (docs/verify.md)
 
 
 # --------------------------------------------------------------------------- the covering sets

@@ -16,8 +16,9 @@ dimension, in random order, the value covering the most uncovered pairs; a candi
 hill-climbing on the number of constraints it breaks). Whether a pair occurs in an accepted layout is decided by
 search (`_Search.complete`: the pair with what its values need, `needs`, changed in up to two more dimensions).
 The sets for 1, 2, 4 and 8 processes are stored in configs/covering.json (`python -m scaletrain.layouts`
-regenerates them, a few minutes of CPU): tests/test_matrix.py runs the 4-process one and checks every stored set
-still covers every accepted pair; `scaletrain verify --matrix --world N` runs the N-process one. The pairs no
+regenerates them: 2.5 minutes of CPU, spread over `--procs` processes): tests/test_matrix.py runs the
+4-process one and checks every stored set still covers every accepted pair; `scaletrain verify --matrix --world
+N` runs the N-process one. The pairs no
 accepted layout contains are the refusals (`refused_pairs`, `refusal_table`), each with `validate()`'s message.
 
 Adding a dimension (e.g. `tp_mode`, `reversible`, `sync`):
@@ -26,9 +27,10 @@ Adding a dimension (e.g. `tp_mode`, `reversible`, `sync`):
 2. if a value needs another dimension's value to mean something, add the rule to `meaningless`, and the
    completion to `needs` (what to set so that the pair becomes possible: it makes the search fast);
 3. if its layouts need a different reference (like 2BW's stale-weight rule), say so in `matrix.run_reference`;
-4. run `python -m scaletrain.layouts` (covering.json) and `python -m scaletrain.layouts --docs docs/verify.md`
-   (the tables), then `pytest tests/test_matrix.py`: every new pair is run and compared in CI, and a pair the
-   stored sets miss fails `test_stored_covering_sets_are_accepted_and_miss_no_accepted_pair`.
+4. run `python -m scaletrain.layouts` (covering.json; until then the stored layouts take the new default) and
+   `python -m scaletrain.layouts --docs docs/verify.md` (the tables), then `pytest tests/test_matrix.py`: every
+   new pair is run and compared in CI, and a pair the stored sets miss fails
+   `test_stored_covering_sets_are_accepted_and_miss_no_accepted_pair`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "pp": (1, 2, 4),
     "ep": (1, 2),
     "zero": (0, 1, 2, 3),
-    "offload": ("none", "optimizer", "params"),
+    "offload": ("none", "optimizer", "params", "nvme"),
     "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw"),
     "sequence_parallel": (False, True),
     "recompute": ("none", "full", "selective", "every:2"),
@@ -221,7 +223,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     """The layout with the other values its values need, where those dimensions are not `fixed` (a search
     heuristic: `validate()` still decides). Expert parallelism needs an MoE model and dp >= ep; a pipeline
     schedule or an uneven partition needs pp > 1; sequence parallelism and partitioned checkpoints need tp > 1,
-    the latter a block recomputation; parameter offload needs ZeRO-3 and optimizer offload ZeRO >= 1."""
+    the latter a block recomputation; parameter and nvme offload need ZeRO-3 (nvme also tp = pp = ep = 1 and
+    AdamW) and optimizer offload ZeRO >= 1."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -229,6 +232,10 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             v[dim] = value
 
     for _ in range(3):
+        if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
+            for dim in ("tp", "pp", "ep"):  # first: a fixed value that needs tp or pp > 1 wins (validate() says why)
+                want(dim, 1)
+            want("optimizer", "adamw")
         if v["ep"] > 1:
             if v["moe"] == "dense":
                 want("moe", "topk")
@@ -240,7 +247,7 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("tp", 2)
         if v["partition_checkpoints"] and v["recompute"] not in ("full", "every:2"):
             want("recompute", "full")
-        if v["offload"] == "params" and v["zero"] != 3:
+        if v["offload"] in ("params", "nvme") and v["zero"] != 3:
             want("zero", 3)
         if v["offload"] == "optimizer" and v["zero"] == 0:
             want("zero", 1)
@@ -383,7 +390,8 @@ def refusal_table(max_world: int = 8) -> str:
 # What each dimension sets in the run config (`config`), for docs/verify.md's table.
 MEANING = {
     "dp": "`parallel.dp`", "tp": "`parallel.tp`", "pp": "`parallel.pp`", "ep": "`parallel.ep`",
-    "zero": "`parallel.zero`", "offload": "`parallel.offload`",
+    "zero": "`parallel.zero`",
+    "offload": "`parallel.offload` (`nvme`: shard files in the system's temporary folder, `parallel.offload_dir`)",
     "schedule": "`parallel.schedule` (`interleaved:v`: `parallel.virtual_stages=v`)",
     "sequence_parallel": "`parallel.sequence_parallel`", "recompute": "`memory.recompute`",
     "partition_checkpoints": "`memory.partition_checkpoints`", "offload_activations": "`memory.offload_activations`",
@@ -457,39 +465,59 @@ def cost(layouts: list[Layout]) -> tuple[int, int]:
     return sum(lay.world for lay in layouts), len(layouts)
 
 
-def generate(max_world: int, seeds: int = 3, candidates: int = 30) -> tuple[int, list[Layout]]:
-    """The cheapest (`cost`) covering set of `seeds` greedy constructions: (seed, layouts)."""
-    best: tuple[tuple[int, int], int, list[Layout]] | None = None
-    for seed in range(seeds):
-        cov = covering(max_world, seed=seed, candidates=candidates)
-        if best is None or cost(cov) < best[0]:
-            best = (cost(cov), seed, cov)
-    assert best is not None
-    return best[1], best[2]
+def _construct(task: tuple[int, int, int]) -> tuple[int, int, list[Layout]]:
+    """One greedy construction (a worker of `generate`): (max_world, seed, layouts)."""
+    world, seed, candidates = task
+    return world, seed, covering(world, seed=seed, candidates=candidates)
+
+
+def generate(worlds: tuple[int, ...] = STORED_WORLDS, seeds: int = 3, candidates: int = 30,
+             procs: int = 1) -> dict[int, tuple[int, list[Layout]]]:
+    """For each world size, the cheapest (`cost`) covering set of `seeds` greedy constructions: {world: (seed,
+    layouts)}. The constructions are independent; `procs` > 1 runs them in that many processes."""
+    tasks = [(w, s, candidates) for w in worlds for s in range(seeds)]
+    if procs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(procs) as pool:
+            done = list(pool.map(_construct, tasks))
+    else:
+        done = [_construct(t) for t in tasks]
+    best: dict[int, tuple[int, list[Layout]]] = {}
+    for world, seed, cov in done:  # in task order: ties keep the lower seed
+        if world not in best or cost(cov) < cost(best[world][1]):
+            best[world] = (seed, cov)
+    return best
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m scaletrain.layouts [--seeds S] [--candidates C]`: regenerate configs/covering.json (every stored
-    world size) and print what each set costs."""
+    """`python -m scaletrain.layouts [--seeds S] [--candidates C] [--procs P]`: regenerate configs/covering.json
+    (every stored world size) and print what each set costs; `--docs FILE` rewrites the generated tables."""
     import argparse
+    import os
     import time
     from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m scaletrain.layouts", description=main.__doc__)
     ap.add_argument("--seeds", type=int, default=3, help="greedy constructions per world size (the cheapest is kept)")
     ap.add_argument("--candidates", type=int, default=30, help="AETG candidates per chosen layout")
+    ap.add_argument("--procs", type=int, default=os.cpu_count() or 1,
+                    help="processes running the constructions (default: one per CPU core)")
     ap.add_argument("--docs", metavar="FILE", help="only rewrite the generated tables of FILE (docs/verify.md)")
     args = ap.parse_args(argv)
     if args.docs:
         print(f"rewrote {', '.join(update_docs(args.docs)) or 'nothing'} in {args.docs}")
         return
+    t0 = time.time()
+    best = generate(STORED_WORLDS, args.seeds, args.candidates, args.procs)
     sets = {}
     for world in STORED_WORLDS:
-        t0 = time.time()
-        seed, cov = generate(world, args.seeds, args.candidates)
+        seed, cov = best[world]
         sets[str(world)] = {"seed": seed, "layouts": [[lay[d] for d in DIMENSIONS] for lay in cov]}
-        print(f"world <= {world}: {len(cov)} layouts, {cost(cov)[0]} process-steps, seed {seed} "
-              f"({time.time() - t0:.0f} s)", flush=True)
+        ws = [w for w in WORLD_SIZES if w <= world]
+        sizes = " / ".join(str(sum(lay.world == w for lay in cov)) for w in ws)
+        print(f"world <= {world}: {len(cov)} layouts ({sizes} on {' / '.join(map(str, ws))} processes), "
+              f"{cost(cov)[0]} process-steps, seed {seed}", flush=True)
     path = Path(__file__).parent / COVERING_FILE
     lines = ['{"generated_by": "python -m scaletrain.layouts",', f' "dimensions": {json.dumps(list(DIMENSIONS))},',
              ' "sets": {']
@@ -499,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f'  "{world}": {{"seed": {entry["seed"]}, "layouts": [\n{rows}]}}{end}')
     lines.append(" }}")
     path.write_text("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {path} ({time.time() - t0:.0f} s, {args.procs} process(es))")
 
 
 if __name__ == "__main__":
