@@ -7,9 +7,9 @@ parameter (gathered from its shards):
 - fp64: losses and parameters element-wise within rtol 1e-9, atol 1e-11 (verify's defaults), gradient norms
   within rtol 1e-9; the layouts differ from one process only in summation order (~1e-15);
 - fp32, bf16, fp16: the largest relative loss and gradient-norm differences over the steps and the relative L2
-  distance of all parameters within `TOLERANCE[dtype]`: 3x the largest difference measured over the covering
-  set run in that dtype (every one of those layouts is exact in fp64, so what remains is rounding noise;
-  `benchmarks/bench_matrix_noise.py` measures it, docs/verify.md records it).
+  distance of all parameters within `TOLERANCE[dtype]`: 3x the largest difference measured over covering-set
+  layouts run in that dtype (docs/verify.md records the measurement; `benchmarks/bench_matrix_noise.py` repeats
+  it over every layout in every dtype).
 
 PipeDream-2BW (`schedule=2bw`) is compared with one process running 2BW's own update rule (`stale_weights`), and
 its steps overlap as in `scaletrain train` (the pipeline drains only after the last step).
@@ -46,12 +46,13 @@ class Tolerance:
     """||params - ref||_2 / ||ref||_2 over all parameters at the end."""
 
 
-# 3x the largest difference over the stored covering set run in each dtype (docs/verify.md, "Tolerances"):
-# `python benchmarks/bench_matrix_noise.py` measures and prints these; tests/test_matrix.py checks the docs agree.
+# 3x the largest difference measured over covering-set layouts run in each dtype (docs/verify.md, "Tolerances":
+# 52 layouts of the 2- and 4-process sets in their own dtypes, 19 fp32, 19 bf16, 14 fp16;
+# `benchmarks/bench_matrix_noise.py` measures every layout in every dtype); tests/test_matrix.py checks the docs.
 TOLERANCE = {
-    "fp32": Tolerance(loss=3e-6, grad_norm=3e-5, params=3e-5),
-    "bf16": Tolerance(loss=3.3e-4, grad_norm=4.5e-3, params=1.2e-2),
-    "fp16": Tolerance(loss=1.0e-4, grad_norm=5.0e-4, params=1.8e-3),
+    "fp32": Tolerance(loss=5.5e-5, grad_norm=1.2e-3, params=1.9e-3),
+    "bf16": Tolerance(loss=8.3e-4, grad_norm=4.7e-2, params=6.9e-2),
+    "fp16": Tolerance(loss=2.9e-3, grad_norm=0.16, params=1.3e-2),
 }
 
 
