@@ -17,6 +17,7 @@ import json
 import sys
 
 from scaletrain.errors import UserError
+from scaletrain.guards import positive_float
 from scaletrain.plan import catalog, costs, hardware, report
 from scaletrain.plan.search import dedupe, parse_layout, search
 
@@ -29,7 +30,7 @@ def add_parser(subparsers) -> None:
     src.add_argument("--config", help="a scaletrain YAML config: predict that run")
     src.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="config override (with --config)")
-    src.add_argument("--params", type=float, help="bare parameter count: model-state memory only")
+    src.add_argument("--params", type=positive_float, help="bare parameter count: model-state memory only")
     dims = p.add_argument_group("custom dimensions")
     for flag, h in (("--layers", "transformer blocks"), ("--hidden", "d_model"),
                     ("--heads", "attention heads"), ("--vocab", "vocabulary size"),
@@ -38,7 +39,7 @@ def add_parser(subparsers) -> None:
                     ("--top-k", "experts per token")):
         dims.add_argument(flag, type=int, help=h)
     dims.add_argument("--mlp", choices=("gelu", "swiglu"), help="MLP kind (default gelu)")
-    dims.add_argument("--capacity-factor", type=float,
+    dims.add_argument("--capacity-factor", type=positive_float,
                       help="MoE expert slots per routed token-choice (default 1.25; 1.0 for catalog models)")
     dims.add_argument("--moe-every", type=int, help="every k-th block is MoE (default 1)")
     dims.add_argument("--position", choices=("learned", "rope"), help="position encoding (default learned)")
@@ -50,6 +51,9 @@ def add_parser(subparsers) -> None:
                       help="dropout masks kept for backward, as Korthikanti's 34sbh counts them (default no; yes "
                            "for the GPT-2/GPT-3/Megatron catalog entries). With --model these flags override the "
                            "entry; the plan prints every one of them")
+    dims.add_argument("--reversible", action="store_true",
+                      help="reversible blocks (RevNet/Reformer; our model.reversible): attention and MLP of width "
+                           "hidden/2 on the two halves of the stream, nothing stored per layer")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     hw = p.add_argument_group("cluster")
     hw.add_argument("--gpu", help=f"catalog GPU ({', '.join(hardware.CATALOG)}); default a100-80gb")
@@ -108,14 +112,15 @@ def _model(args) -> catalog.ModelSpec:
             catalog.with_seq_len(base, given["seq_len"])  # checks the value
         if "n_experts" in given and "top_k" not in given and not base.n_experts:
             given["top_k"] = 2 if given["n_experts"] else 1
-        return catalog.check_model(dataclasses.replace(base, **given))
+        return catalog.check_model(dataclasses.replace(base, **given, reversible=args.reversible))
     if all(x is not None for x in custom):
         if args.seq_len is None:
             raise UserError("custom dimensions need --seq-len")
         experts = given.get("n_experts", 0)
         defaults = {"top_k": 2, "capacity_factor": 1.25} if experts else {}  # our engine's MoE defaults
         return catalog.check_model(catalog.ModelSpec(
-            "custom", args.layers, args.hidden, args.heads, args.vocab, **{**defaults, **given}))
+            "custom", args.layers, args.hidden, args.heads, args.vocab, **{**defaults, **given},
+            reversible=args.reversible))
     if any(x is not None for x in custom):
         missing = [f for f, x in zip(("--layers", "--hidden", "--heads", "--vocab"), custom) if x is None]
         raise UserError(f"custom dimensions are missing {', '.join(missing)}")
@@ -133,6 +138,8 @@ def model_flags(m: catalog.ModelSpec) -> str:
             parts.append(flag if value else "--no-" + flag[2:])
         else:
             parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    if m.reversible:
+        parts.append("--reversible")
     return " ".join(parts)
 
 
@@ -165,6 +172,12 @@ def run(args) -> int:
         raise UserError(f"--top must be >= 1, got {args.top}")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    from scaletrain.guards import check_output_file  # outputs checked before the search, not after it
+
+    if args.png is not None:
+        check_output_file(args.png, "--png", (".png",))
+    if args.html is not None:
+        check_output_file(args.html, "--html")
     if args.flops_budget is not None:
         from scaletrain.scaling.budget import run_budget
 
@@ -213,7 +226,7 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
 
     con = Console(width=None if sys.stdout.isatty() else 160)
     n = costs.total_params(model)
-    size = f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
+    size = report.count(n)
     title = (f"{model.name}: {size} params on {cluster.n_gpus} x "
              f"{cluster.gpu.name}, global batch {train.global_batch} x {model.seq_len} tokens "
              f"({evaluated} layouts evaluated)")
@@ -364,15 +377,17 @@ def _run_params(args) -> int:
 
     lay = rows[0]["layout"]
     split = f" / (tp={lay['tp']} x pp={lay['pp']})" if lay["tp"] * lay["pp"] > 1 else ""
-    tab = Table(title=f"model states of {psi / 1e9:.4g}B params{split} over dp={lay['dp']} ({args.dtype}, "
-                      f"{args.optimizer}), best first")
-    for col in ("#", "ZeRO", "params GB", "grads GB", "optimizer GB", "total GB", "dp traffic GB/step",
-                f"fits {gpu.name}"):
+    keys = ("params", "grads", "optimizer", "total")
+    unit, size = report.memory_unit([r["memory_bytes"][k_] for r in rows for k_ in keys])
+    tab = Table(title=f"model states of {report.count(psi)} params{split} over dp={lay['dp']} ({args.dtype}, "
+                      f"{args.optimizer}, K={k}), best first",
+                caption=f"{unit} per GPU (1 {unit} = {size:,.0f} bytes)")
+    for col in ("#", "ZeRO", f"params {unit}", f"grads {unit}", f"optimizer {unit}", f"total {unit}",
+                f"dp traffic {unit}/step", f"fits {gpu.name}"):
         tab.add_column(col, justify="right")
     for i, r in enumerate(rows, 1):
         mb = r["memory_bytes"]
-        tab.add_row(str(i), str(r["layout"]["zero"]), *(f"{mb[k_] / 1e9:,.2f}" for k_ in
-                                                        ("params", "grads", "optimizer", "total")),
-                    f"{r['comm_bytes_per_step']['dp'] / 1e9:,.2f}", "yes" if r["fits"] else "no")
+        tab.add_row(str(i), str(r["layout"]["zero"]), *(report.in_unit(mb[k_], size) for k_ in keys),
+                    report.in_unit(r["comm_bytes_per_step"]["dp"], size), "yes" if r["fits"] else "no")
     Console(width=None if sys.stdout.isatty() else 160).print(tab)
     return 0
