@@ -708,7 +708,7 @@ TP_MODES = ("1d", "2d", "2.5d", "3d")
 def _validate_tp_nd(cfg: Config) -> list[str]:
     """2D / 2.5D / 3D tensor parallelism (parallel/tensor_nd/, docs/tensor_parallel.md): the grid's shape, what it
     splits, and the combinations not made to work with it (each refused with its reason)."""
-    from scaletrain.parallel.tensor_nd.grid import grid_shape
+    from scaletrain.tp_grid import grid_shape
 
     p, m, t, mem = cfg.parallel, cfg.model, cfg.train, cfg.memory
     mode = p.tp_mode
