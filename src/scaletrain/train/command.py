@@ -104,6 +104,10 @@ def cmd_train(args) -> int:
         argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
+    if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
+        from scaletrain.parallel.async_dp.launch import launch_ps
+
+        return launch_ps(nproc, argv, out, cfg)
     return launch_local(nproc, argv, out)
 
 
@@ -144,7 +148,7 @@ def run_worker(cfg: Config, out: Path, env) -> int:
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
-    from scaletrain.train.trainer import Trainer
+    from scaletrain.parallel.async_dp import make_trainer
 
     rank = env.rank if env else 0
     with WorkerContext(rank):
@@ -153,7 +157,7 @@ def run_worker(cfg: Config, out: Path, env) -> int:
             distributed.init(env, cfg.parallel.timeout_s, device)
         try:
             start = time.time()
-            trainer = Trainer(cfg, out, env, progress=sys.stdout.isatty())
+            trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty())  # bsp: the Trainer
             if trainer.step >= cfg.train.steps and rank == 0:
                 print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
             result = trainer.run()
