@@ -31,9 +31,6 @@ COMMANDS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="regression from main (issue 20): cli.COMMAND_MODULES imports "
-                   "scaletrain.parallel.async_dp.command, and scaletrain/parallel/__init__.py imports torch; "
-                   "remove this mark when the async command lives outside scaletrain.parallel or that __init__ is lazy")
 @pytest.mark.parametrize("argv", COMMANDS.values(), ids=COMMANDS.keys())
 def test_command_runs_without_importing_torch(argv):
     p = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)

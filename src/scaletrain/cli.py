@@ -23,7 +23,7 @@ COMMAND_MODULES = (
     "scaletrain.report.command",
     "scaletrain.verify",
     "scaletrain.multinode.command",
-    "scaletrain.parallel.async_dp.command",
+    "scaletrain.replay_cli",
 )
 
 

@@ -748,6 +748,9 @@ def _validate_multinode(cfg: Config) -> list[str]:
     if not (p.heartbeat_s == 0 or 0.5 <= p.heartbeat_s < p.timeout_s):
         errors.append(f"parallel.heartbeat_s ({p.heartbeat_s}) must be 0 (off) or at least 0.5 and below "
                       f"parallel.timeout_s ({p.timeout_s})")
+    if p.sync != "bsp" and p.heartbeat_s != ParallelConfig().heartbeat_s:
+        errors.append(f"parallel.heartbeat_s ({p.heartbeat_s}) is used only with parallel.sync=bsp, got "
+                      f"parallel.sync={p.sync}: asynchronous runs are not supervised by the heartbeat")
     if not 0 <= p.flight_recorder <= 100_000:
         errors.append(f"parallel.flight_recorder ({p.flight_recorder}) must be between 0 (off) and 100000 entries")
     return errors
