@@ -76,7 +76,7 @@ def test_mem_optim_is_the_optimizer_state_bytes_and_adamw_is_unchanged():
 
 
 def test_optimizer_and_compression_config_errors_name_the_values():
-    with pytest.raises(ConfigError, match="optim.name must be adamw, adafactor or sm3, got 'lion'"):
+    with pytest.raises(ConfigError, match="optim.name must be adamw, adafactor, sm3 or sgd, got 'lion'"):
         validate(load_config(None, ["optim.name=lion"]))
     validate(load_config(None, ["optim.name=sm3", "parallel.zero=1", "parallel.dp=2"]))  # runs under ZeRO
     validate(load_config(None, ["optim.name=sm3", "parallel.tp=2"]))  # and under tp (tests/test_compose.py)
