@@ -152,6 +152,9 @@ class TrainConfig:
     """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
     """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background from a host copy of the state while training goes on; the next save
+    waits for the previous one (docs/checkpoints.md)."""
     device: str = "auto"
     """`auto` (cuda when present, else cpu), `cpu` or `cuda`."""
     on_nan: str = "stop"
