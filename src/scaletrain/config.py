@@ -84,6 +84,9 @@ class ModelConfig:
     """Biases in linear layers and layer norms."""
     norm_eps: float = 1e-5
     """Layer-norm epsilon."""
+    norm: str = "layernorm"
+    """Normalisation layers: `layernorm` (GPT-2) or `rmsnorm` (LLaMA, arXiv 1910.07467; with model.bias a bias
+    is added after the gain)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (model.moe.experts > 0)."""
 
@@ -520,6 +523,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                       f"parallel.tp ({p.tp})")
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
+    errors += _validate_norm(cfg)
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -546,6 +550,13 @@ def _validate_noise_scale(cfg: Config) -> list[str]:
         errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
                       f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
     return errors
+
+
+def _validate_norm(cfg: Config) -> list[str]:
+    """model.norm names a layer of model/norm.py."""
+    if cfg.model.norm not in ("layernorm", "rmsnorm"):
+        return [f"model.norm must be layernorm or rmsnorm, got {cfg.model.norm!r}"]
+    return []
 
 
 ROUTERS = ("topk", "switch", "expert_choice")

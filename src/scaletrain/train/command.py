@@ -17,6 +17,10 @@ def add_parser(sub) -> None:
     _config_args(p)
     p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: parallel sizes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
+    p.add_argument("--reshard", action="store_true",
+                   help="resume the run in --out under a different layout or number of processes")
+    p.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="start a new run from a Hugging Face GPT-2 / Llama directory (config.json + safetensors)")
     p.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="the main job: train a small GPT on the embedded corpus (~2-3 min on CPU)")
@@ -25,11 +29,11 @@ def add_parser(sub) -> None:
     d.add_argument("--no-prove", action="store_true", help="skip the layout-equivalence checks after training")
     d.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
-    s.add_argument("--out", required=True, help="the run's output directory")
+    s = sub.add_parser("sample", help="generate text from a run's newest checkpoint (any layout)")
+    s.add_argument("--out", required=True, help="the run's output directory (or a folder of runs: the newest)")
     s.add_argument("--prompt", default="def ", help="text to continue")
     s.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (the most likely token)")
     s.add_argument("--top-k", type=int, default=50)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_sample)
@@ -71,24 +75,33 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.set)
     env = detect_env()
+    resume_args = {"reshard": args.reshard, "init_from": args.init_from}
     if env is not None:
         validate(cfg, env.world_size)
-        return run_worker(cfg, Path(args.out), env)
+        return run_worker(cfg, Path(args.out), env, **resume_args)
     nproc = args.nproc if args.nproc is not None else cfg.world_size
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
     validate(cfg, nproc)
     out = Path(args.out)
     _check_out(out)
+    from scaletrain.train.resume import check_run
+
+    check_run(out, cfg, nproc, args.reshard)  # a checkpoint of another run or layout fails here, before launch
     from scaletrain.data import load_tokens
 
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
+    if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
+        from scaletrain.interop.hf import check_hf_config, read_hf_config
+
+        check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
     warn_if_too_big(cfg, nproc)
     if nproc == 1:
-        return run_worker(cfg, out, None)
+        return run_worker(cfg, out, None, **resume_args)
     from scaletrain.launch import launch_local
 
-    argv = ["train", "--out", str(out)]
+    argv = ["train", "--out", str(out)] + (["--reshard"] if args.reshard else [])
+    argv += ["--init-from", str(args.init_from)] if args.init_from is not None else []
     if args.config:
         argv += ["--config", args.config]
     for item in args.set:
@@ -123,7 +136,7 @@ def _check_out(out: Path) -> None:
         raise UserError(f"--out {out} exists and is not a directory")
 
 
-def run_worker(cfg: Config, out: Path, env) -> int:
+def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None) -> int:
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
@@ -136,7 +149,7 @@ def run_worker(cfg: Config, out: Path, env) -> int:
             distributed.init(env, cfg.parallel.timeout_s, device)
         try:
             start = time.time()
-            trainer = Trainer(cfg, out, env, progress=sys.stdout.isatty())
+            trainer = Trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard, init_from=init_from)
             if trainer.step >= cfg.train.steps and rank == 0:
                 print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
             result = trainer.run()
@@ -216,43 +229,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    import torch
+    from scaletrain.train.sample import cmd_sample as sample
 
-    from scaletrain.config import config_from_dict
-    from scaletrain.data.tokenizer import decode, encode
-    from scaletrain.errors import CheckpointError
-    from scaletrain.model import build_gpt
-    from scaletrain.train import checkpoint as ckpt
-
-    out = Path(args.out)
-    cfg_path = out / "config.yaml"
-    if not cfg_path.exists():
-        raise UserError(f"{out} is not a scaletrain run (no config.yaml)")
-    import yaml
-
-    cfg = validate(config_from_dict(yaml.safe_load(cfg_path.read_text())))
-    found = ckpt.latest(out / "checkpoints")
-    if found is None:
-        raise CheckpointError(f"no complete checkpoint in {out / 'checkpoints'}")
-    if cfg.parallel.tp * cfg.parallel.pp != 1:
-        raise UserError("sampling from tensor- or pipeline-parallel checkpoints is not supported yet")
-    if args.tokens < 1 or args.temperature <= 0 or args.top_k < 1:
-        raise UserError(f"--tokens ({args.tokens}), --temperature ({args.temperature}) and --top-k ({args.top_k}) "
-                        "must be positive")
-    model = build_gpt(cfg.model, cfg.train.seed, "cpu", torch.float32)
-    state = ckpt.load_rank(found, 0)["model"]
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    model.eval()
-    g = torch.Generator().manual_seed(args.seed)
-    idx = torch.from_numpy(encode(args.prompt).astype("int64"))[None]
-    if idx.numel() == 0:
-        raise UserError("--prompt must not be empty")
-    with torch.no_grad():
-        for _ in range(args.tokens):
-            logits = model(idx[:, -cfg.model.seq_len:])[:, -1] / args.temperature
-            top = torch.topk(logits, min(args.top_k, logits.shape[-1]))
-            probs = torch.softmax(top.values, -1)
-            nxt = top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))
-            idx = torch.cat([idx, nxt], dim=1)
-    sys.stdout.write(decode(idx[0].tolist()) + "\n")
-    return 0
+    return sample(args)

@@ -98,6 +98,13 @@ def check_compatible(found: Path, meta: dict[str, Any], cfg: Config, world: int,
     return diffs
 
 
+def check_run(out: Path, cfg: Config, world: int, reshard: bool) -> None:
+    """Before launching: refuse (CheckpointError) if the newest checkpoint in `out` cannot be resumed by `cfg`."""
+    found = ckpt.latest(Path(out) / "checkpoints")
+    if found is not None:
+        check_compatible(found, ckpt.read_meta(found), cfg, world, reshard)
+
+
 # --------------------------------------------------------------------------- engine state
 
 
