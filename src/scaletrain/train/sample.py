@@ -3,7 +3,10 @@
 The checkpoint stores every parameter by name and global shape (docs/checkpoints.md), so the plain GPT is rebuilt
 from the checkpoint's own config and its `model/` tensors are read whole, with no process group. Decoding:
 temperature-scaled top-k sampling, or greedy (the most likely token) with `--temperature 0`, over the last
-`model.seq_len` tokens.
+`model.seq_len` tokens. A mixture-of-experts model dispatches tokens in groups of `model.moe.group_tokens`
+(GShard's local groups), so it is run on the shape it was trained on: a (train.micro_batch, model.seq_len) window
+holding the context in its first row, right-padded with token 0 (causal attention keeps the padding out of the
+context's logits; as in training, a group's expert capacity is shared by the tokens in it).
 """
 
 from __future__ import annotations
@@ -36,12 +39,22 @@ def load_model(directory):
     return cfg, model.eval()
 
 
+def next_logits(model, ctx: torch.Tensor, cfg) -> torch.Tensor:
+    """Logits (1, V) of the token after the context `ctx` (1, T <= seq_len)."""
+    if not cfg.model.moe.experts:
+        return model(ctx)[:, -1]
+    T = ctx.shape[1]
+    window = torch.zeros(cfg.train.micro_batch, cfg.model.seq_len, dtype=ctx.dtype)  # (B, T) as in training
+    window[0, :T] = ctx[0]
+    return model(window)[:1, T - 1]
+
+
 @torch.no_grad()
-def generate(model, idx: torch.Tensor, tokens: int, seq_len: int, temperature: float, top_k: int,
+def generate(model, idx: torch.Tensor, tokens: int, cfg, temperature: float, top_k: int,
              generator: torch.Generator) -> torch.Tensor:
     """Append `tokens` tokens to `idx` (1, T)."""
     for _ in range(tokens):
-        logits = model(idx[:, -seq_len:])[:, -1]
+        logits = next_logits(model, idx[:, -cfg.model.seq_len:], cfg)
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -66,6 +79,6 @@ def cmd_sample(args) -> int:
     if int(idx.max()) >= cfg.model.vocab_size:
         raise UserError(f"--prompt has byte values beyond model.vocab_size ({cfg.model.vocab_size})")
     g = torch.Generator().manual_seed(args.seed)
-    out = generate(model, idx, args.tokens, cfg.model.seq_len, args.temperature, args.top_k, g)
+    out = generate(model, idx, args.tokens, cfg, args.temperature, args.top_k, g)
     sys.stdout.write(decode(out[0].tolist()) + "\n")
     return 0
