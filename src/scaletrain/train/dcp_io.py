@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -139,6 +140,12 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         write_json(Path(self.path) / INDEX, {"format": "dcp-torch-save", "tensors": tensors})
 
 
+def _original(e: CheckpointException) -> BaseException:
+    """The first rank's own exception inside DCP's wrapper."""
+    failures = e.failures
+    return failures[min(failures)][0] if failures else e
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write JSON to `path` atomically (temporary name, fsync, rename)."""
     tmp = path.with_name(path.name + ".part")
@@ -154,8 +161,11 @@ def save_entries(directory: Path, entries: dict[str, Entry], group=None) -> None
     dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "... assuming the intent is to save in a single process": intended
-        dcp.save(entries, storage_writer=ChecksummedWriter(directory), planner=EntrySavePlanner(entries),
-                 process_group=group, no_dist=not dist_on)
+        try:
+            dcp.save(entries, storage_writer=ChecksummedWriter(directory), planner=EntrySavePlanner(entries),
+                     process_group=group, no_dist=not dist_on)
+        except CheckpointException as e:
+            raise _original(e) from None
 
 
 # --------------------------------------------------------------------------- load
@@ -313,7 +323,14 @@ def load_entries(directory: Path, entries: dict[str, Entry], index: dict[str, An
     reader = ChecksummedReader(directory, index)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process": intended here
-        dcp.load(entries, storage_reader=reader, planner=EntryLoadPlanner(entries), no_dist=True)
+        try:
+            dcp.load(entries, storage_reader=reader, planner=EntryLoadPlanner(entries), no_dist=True)
+        except CheckpointException as e:
+            err = _original(e)
+            if isinstance(err, CheckpointError):
+                raise err from None
+            raise CheckpointError(f"checkpoint {directory} cannot be read: {str(err).splitlines()[0][:200]}") \
+                from None
     for e in entries.values():
         if e.after_load is not None:
             e.after_load()
