@@ -224,20 +224,26 @@ class Saver:
     """Collective checkpoint writer of one run (every rank makes one, with the same arguments).
 
     `save(step, entries, meta)` writes `entries` (this rank's blocks) and rank 0's `meta` as the checkpoint of
-    `step` under `root`. Synchronous by default; with `async_` the blocks are staged to host memory and written
-    by a background thread, and `wait()` (called by the next save and at the end of a run) finishes it. `group`
-    is a process group used only by checkpoint I/O (gloo; None for one process), so the background thread's
-    collectives never interleave with training's."""
+    `step` under `root`. Synchronous by default, over the default process group; with `async_` the blocks are
+    staged to host memory and written by a background thread over a gloo group of its own (created here,
+    collectively), so its collectives never interleave with training's; `wait()` (called by the next save and at
+    the end of a run) finishes it."""
 
-    def __init__(self, root: Path, rank: int, group: Any, keep: int, async_: bool = False):
-        self.root, self.rank, self.group, self.keep, self.async_ = Path(root), rank, group, keep, async_
+    def __init__(self, root: Path, rank: int, keep: int, async_: bool = False, timeout_s: float = 300.0):
+        self.root, self.rank, self.keep, self.async_ = Path(root), rank, keep, async_
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.group = None  # the default group
+        if async_ and self.distributed:
+            from datetime import timedelta
+
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_stall_s = 0.0  # how long the last save held the training loop
         self.last_staged_bytes = 0
 
     def _barrier(self) -> None:
-        if self.group is not None:
+        if self.distributed:
             dist.barrier(group=self.group)
 
     def save(self, step: int, entries: dict[str, Entry], meta: dict[str, Any]) -> None:

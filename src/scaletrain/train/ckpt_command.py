@@ -222,7 +222,7 @@ def convert_worker(cfg, source: Path, meta: dict, out: Path, env) -> int:
         stream = f"dropout/dp{mesh.local_rank('dp')}/pp{mesh.local_rank('pp')}"
         rng = _seeded_rng_state(name_seed(cfg.train.seed, stream), device)
         resume.load_engine(engine, source, streams={stream: rng})
-        saver = ckpt.Saver(out / "checkpoints", rank, resume.checkpoint_group(mesh.world_size, p.timeout_s), 1)
+        saver = ckpt.Saver(out / "checkpoints", rank, keep=1)
         entries = resume.save_entries(engine, {stream: rng})
         saver.save(int(meta["step"]), entries,
                    resume.checkpoint_meta(cfg, mesh.world_size, meta.get("trainer") or {}))

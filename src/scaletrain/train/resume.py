@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from scaletrain.config import Config
 from scaletrain.errors import CheckpointError
 from scaletrain.train import checkpoint as ckpt
@@ -234,13 +232,3 @@ def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".part")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def checkpoint_group(world: int, timeout_s: float):
-    """A gloo process group for checkpoint I/O only (collective: every rank calls it), or None for one process."""
-    if world == 1 or not dist.is_initialized():
-        return None
-    from datetime import timedelta
-
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-

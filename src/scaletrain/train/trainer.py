@@ -98,8 +98,7 @@ class Trainer:
 
             self.noise_probe, self.noise = GradSqProbe(list(self.model.parameters())), NoiseScaleEMA()
         if self.out is not None:
-            group = resume.checkpoint_group(self.mesh.world_size, p.timeout_s)  # checkpoint I/O only
-            self.saver = ckpt.Saver(self.ckpt_root, self.rank, group, t.keep_checkpoints, async_=t.checkpoint_async)
+            self.saver = ckpt.Saver(self.ckpt_root, self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
             resume.resume(self, reshard, init_from)
 
     # ------------------------------------------------------------------ setup / resume
