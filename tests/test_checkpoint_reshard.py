@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +96,7 @@ CONTINUE = {  # source: targets (train step 3 under the target layout)
     "ada-tp2": ["ada-dp2-zero2", "ada-single"],
     "sm3-dp2-zero1": ["sm3-single", "sm3-tp2-sp"],
 }
+CONVERT = {"dp2-zero1": ["tp2-sp"]}  # source: targets of `checkpoint convert` (its multi-process worker)
 RESAVE = {  # source: targets (read and write again, no training)
     "bf16-dp2-zero1": ["bf16-tp2", "bf16-single"],
     "fp16-dp2-zero3": ["fp16-single"],
@@ -123,6 +125,15 @@ def _run_jobs(rank: int, world: int, jobs: list) -> list:
 
     out = []
     for overrides, directory, what, copy_of in jobs:
+        if what == "convert":  # `scaletrain checkpoint convert --layout ...` on this rank
+            from scaletrain.train import checkpoint as ckpt
+            from scaletrain.train.ckpt_command import convert_worker, target_config
+
+            source = ckpt.latest(Path(copy_of) / "checkpoints")
+            meta = ckpt.read_meta(source)
+            cfg = target_config(meta, "", [f"{k}={v}" for k, v in overrides.items() if k.startswith("parallel.")])
+            out.append(convert_worker(cfg, source, meta, Path(directory), DistEnv(rank, world, 0, "test")))
+            continue
         if copy_of is not None:
             if rank == 0:
                 shutil.copytree(copy_of, directory)
@@ -220,7 +231,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     sources = sorted(set(CONTINUE) | set(RESAVE))
     pairs = [("target", s, t) for s, ts in CONTINUE.items() for t in ts] + \
-            [("resave", s, t) for s, ts in RESAVE.items() for t in ts]
+            [("resave", s, t) for s, ts in RESAVE.items() for t in ts] + \
+            [("convert", s, t) for s, ts in CONVERT.items() for t in ts]
     assert all(_world(s) <= _world(t) or _world(t) == 1 for _, s, t in pairs)  # sources are ready in time
     results: dict[tuple[str, str, str], object] = {}
     for world, do_sources, do_targets in ((1, True, False), (2, True, True), (4, True, True), (1, False, True)):
@@ -268,27 +280,30 @@ def _stored(directory) -> dict[str, torch.Tensor]:
 
 
 def test_resaving_under_another_layout_keeps_every_tensor_bitwise(runs):
-    """Masters, moments, factored statistics, step counts and the loss scaler survive a change of layout."""
+    """Masters, moments, factored statistics, step counts and the loss scaler survive a change of layout (re-saved
+    by a resumed Trainer, or by `checkpoint convert`'s worker on two ranks)."""
     from scaletrain.train import checkpoint as ckpt
 
     root, _ = runs
-    for source, targets in RESAVE.items():
+    triples = [("resave", s, t) for s, ts in RESAVE.items() for t in ts] + \
+              [("convert", s, t) for s, ts in CONVERT.items() for t in ts]
+    for what, source, target in triples:
         before = _stored(root / source)
         meta = ckpt.read_meta(ckpt.latest(root / source / "checkpoints"))
         kinds = {k.split("/")[0] for k in before}
         assert {"model", "optim"} <= kinds
         if LAYOUTS[source][0] in ("bf16", "fp16"):
             assert "master" in kinds and before["master/wte.weight"].dtype == torch.float32
-        for target in targets:
-            d = root / f"{source}--resave--{target}"
-            after = _stored(d)
-            keep = {k for k in before if not k.startswith("rng/")}
-            assert keep == {k for k in after if not k.startswith("rng/")}, (source, target)
-            for k in keep:
-                assert after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]), (source, target, k)
-            new = ckpt.read_meta(ckpt.latest(d / "checkpoints"))
-            assert new["trainer"] == meta["trainer"] and new["step"] == meta["step"] == 2
-            assert new["world_size"] == _world(target)
+        d = root / f"{source}--{what}--{target}"
+        after = _stored(d)
+        keep = {k for k in before if not k.startswith("rng/")}
+        assert keep == {k for k in after if not k.startswith("rng/")}, (source, target)
+        for k in keep:
+            assert after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]), (source, target, k)
+        new = ckpt.read_meta(ckpt.latest(d / "checkpoints"))
+        assert new["config"]["parallel"] == make_config(_overrides(target)).to_dict()["parallel"]
+        assert new["trainer"] == meta["trainer"] and new["step"] == meta["step"] == 2
+        assert new["world_size"] == _world(target)
     scaler = ckpt.read_meta(ckpt.latest(root / "fp16-dp2-zero3" / "checkpoints"))["trainer"]["scaler"]
     assert scaler["scale"] > 0 and scaler["good_steps"] + (1024.0 - scaler["scale"] != 0) >= 1
 

@@ -201,6 +201,7 @@ def cmd_convert(args) -> int:
 def convert_worker(cfg, source: Path, meta: dict, out: Path, env) -> int:
     """One rank of a conversion: build the target engine, read the checkpoint into it, write it under `out`."""
     import torch
+    import torch.distributed as dist
 
     from scaletrain import distributed
     from scaletrain.mesh import Mesh, ParallelDims
@@ -213,7 +214,8 @@ def convert_worker(cfg, source: Path, meta: dict, out: Path, env) -> int:
 
     rank = env.rank if env else 0
     device = torch.device("cpu")
-    if env is not None:
+    owns_group = env is not None and not dist.is_initialized()  # else the caller's group (tests, a job's runner)
+    if owns_group:
         distributed.init(env, cfg.parallel.timeout_s, device)
     try:
         p = cfg.parallel
@@ -232,9 +234,11 @@ def convert_worker(cfg, source: Path, meta: dict, out: Path, env) -> int:
             print(f"{source} (step {meta['step']}, {meta['layout']}) -> {out} ({layout}); train with --out {out} and "
                   "that layout to continue")
     except BaseException:
-        distributed.shutdown(clean=False)
+        if owns_group:
+            distributed.shutdown(clean=False)
         raise
-    distributed.shutdown()
+    if owns_group:
+        distributed.shutdown()
     return 0
 
 
