@@ -85,12 +85,12 @@ def cmd_train(args) -> int:
     validate(cfg, nproc)
     out = Path(args.out)
     _check_out(out)
-    from scaletrain.train.resume import check_run
-
-    check_run(out, cfg, nproc, args.reshard)  # a checkpoint of another run or layout fails here, before launch
     from scaletrain.data import load_tokens
 
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
+    from scaletrain.train.resume import check_run
+
+    check_run(out, cfg, nproc, args.reshard)  # so does a checkpoint of another run or layout
     if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
         from scaletrain.interop.hf import check_hf_config, read_hf_config
 

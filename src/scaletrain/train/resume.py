@@ -171,7 +171,12 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
     if found is not None:
         meta = ckpt.read_meta(found)
         diffs = check_compatible(found, meta, cfg, world, reshard)
-        missing = load_engine(trainer.engine, found, streams={trainer.rng_stream: trainer.rng})
+        error = None
+        try:
+            missing = load_engine(trainer.engine, found, streams={trainer.rng_stream: trainer.rng})
+        except CheckpointError as e:
+            error = e
+        _agree(error)
         restore_trainer(trainer, meta)
         if missing and _torch_dropout(cfg):
             _warn(trainer, f"random stream {missing[0]} is not in the checkpoint (another layout): "
@@ -196,6 +201,20 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
                 f.write(json.dumps(record) + "\n")
         trainer._trim_metrics(trainer.step)
     return found
+
+
+def _agree(error: CheckpointError | None) -> None:
+    """Every rank reads its own chunks, so a corrupted one may fail a single rank: all ranks learn whether any
+    failed; the failing rank raises its error, the others stop quietly (exit 2) instead of failing on its absence."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, error is not None)
+        if any(flags) and error is None:
+            raise SystemExit(2)
+    if error is not None:
+        raise error
 
 
 def restore_trainer(trainer, meta: dict[str, Any]) -> None:
