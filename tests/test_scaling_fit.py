@@ -234,6 +234,11 @@ def test_sweep_trains_real_runs_and_fits_them(tmp_path, capsys):
     assert all("val_loss" in x for x in last)  # one held-out evaluation at the end of every run
     assert np.all(final.loss < np.log(256))  # the final points use it: better than a uniform guess
     assert ("fit" in summary) != ("fit_error" in summary)
+    if "fit" in summary:  # the sweep's page (docs/report.md); its runs write none of their own
+        from scaletrain.report.page import figures_of
+
+        assert "scaling-curves" in figures_of((out / "report.html").read_text())
+    assert not any((out / "runs" / r["name"] / "report.html").exists() for r in runs)
     lines.clear()
     sweep.run_sweep(out, levels=2, sizes=3, flops=1.5e9, min_steps=20, log=lines.append)
     assert sum("already done" in x for x in lines) == 6

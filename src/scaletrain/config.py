@@ -102,7 +102,18 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage over the data-parallel group: 0 (plain DP), 1, 2 or 3 (arXiv 1910.02054)."""
     offload: str = "none"
-    """ZeRO-Offload: `none`, `optimizer` (optimizer states and step on the CPU) or `params` (ZeRO-3 only)."""
+    """ZeRO-Offload: `none`, `optimizer` (optimizer states and step on the CPU), `params` (ZeRO-3 only) or `nvme`
+    (ZeRO-Infinity, arXiv 2104.07857, ZeRO-3 only: parameter, master, AdamW and gradient shards in files under
+    parallel.offload_dir, streamed back just in time; docs/memory.md)."""
+    offload_dir: str = ""
+    """offload=nvme: the folder for each rank's shard files (scratch, deleted at the end of the run); it must
+    exist and be writable; empty = `OUT/offload` under --out (a temporary folder without --out)."""
+    nvme_prefetch: int = 2
+    """offload=nvme: units whose parameter shards are read ahead (and optimizer chunks read ahead / written
+    behind); the staging pools hold this many + 1 buffers and use this many I/O worker threads + 1."""
+    nvme_grads: bool = True
+    """offload=nvme: gradient shards in files too (written behind each reduce-scatter); false keeps them in
+    memory (fewer disk bytes per step, 4/dp bytes per parameter resident)."""
     bucket_mb: float = 25.0
     """Size of the gradient buckets reduced together, in MiB."""
     sequence_parallel: bool = False
@@ -175,6 +186,13 @@ class TrainConfig:
     log_noise_scale: bool = False
     """Log the gradient noise scale B_simple = tr(Sigma)/|G|^2 (McCandlish et al., arXiv 1812.06162) from the
     micro-batch and global-batch gradient norms: `noise_scale` etc. in metrics.jsonl (docs/scaling.md)."""
+    report: bool = True
+    """Write the HTML run report OUT/report.html at each checkpoint and at the end (docs/report.md)."""
+    tensorboard: bool = False
+    """Also write every metrics.jsonl scalar as TensorBoard events to OUT/tb/ (needs `pip install scaletrain[tb]`)."""
+    profile_steps: str = ""
+    """`a:b`: record torch.profiler traces of steps a..b on every rank into OUT/profile/ (Chrome/Perfetto JSON,
+    linked from the report); empty = no profiling."""
 
 
 @dataclass
@@ -216,6 +234,10 @@ class MemoryConfig:
     """Move saved block checkpoints to host memory between forward and backward."""
     compress: str = "none"
     """Saved-activation compression (Gist): none, relu-mask, bf16, int8, or a comma list."""
+    budget_gb: float = 0.0
+    """Memory budget per process in GiB (0 = none): refused before launch when the planner's resident bytes
+    exceed it, and the run stops at the first step whose measured resident bytes do (CPU: peak RSS growth of
+    the step over the process at trainer start; CUDA: max_memory_allocated of the step; docs/memory.md)."""
 
 
 @dataclass
@@ -482,8 +504,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         )
     if p.zero not in (0, 1, 2, 3):
         errors.append(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-    if p.offload not in ("none", "optimizer", "params"):
-        errors.append(f"parallel.offload must be none, optimizer or params, got {p.offload!r}")
+    if p.offload not in ("none", "optimizer", "params", "nvme"):
+        errors.append(f"parallel.offload must be none, optimizer, params or nvme, got {p.offload!r}")
     if p.schedule not in SCHEDULES:
         errors.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
     if p.microbatches < 0:
@@ -524,6 +546,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
     errors += _validate_norm(cfg)
+    errors += _validate_nvme(cfg)
+    errors += _validate_report(cfg)
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -532,6 +556,33 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if errors:
         raise ConfigError("; ".join(errors))
     return cfg
+
+
+def _validate_nvme(cfg: Config) -> list[str]:
+    """ZeRO-Infinity offload (memory/offload_nvme.py) and the memory budget; the folder itself is checked before
+    launch (`offload_nvme.check_offload_dir`), where --out is known."""
+    p, mem = cfg.parallel, cfg.memory
+    errors = []
+    if not mem.budget_gb >= 0 or mem.budget_gb == float("inf"):
+        errors.append(f"memory.budget_gb must be a finite number >= 0 (0 = no budget), got {mem.budget_gb}")
+    if p.offload != "nvme":
+        changed = [f"parallel.{k}={v!r}" for k, v, default in (("offload_dir", p.offload_dir, ""),
+                   ("nvme_prefetch", p.nvme_prefetch, 2), ("nvme_grads", p.nvme_grads, True)) if v != default]
+        if changed:
+            errors.append(f"{', '.join(changed)} needs parallel.offload=nvme, got parallel.offload={p.offload!r}")
+        return errors
+    if p.zero != 3:
+        errors.append(f"parallel.offload=nvme needs parallel.zero=3, got parallel.zero={p.zero}")
+    if p.nvme_prefetch < 1:
+        errors.append(f"parallel.nvme_prefetch must be >= 1, got {p.nvme_prefetch}")
+    if cfg.optim.name != "adamw":
+        errors.append(f"parallel.offload=nvme streams AdamW's step shard by shard; optim.name={cfg.optim.name!r} "
+                      "is not available with it")
+    for name, value in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep)):
+        if value > 1:
+            errors.append(f"parallel.offload=nvme is not available with parallel.{name} ({value}) > 1: the engine "
+                          "builds and streams one dp group's units of the plain model")
+    return errors
 
 
 def _validate_noise_scale(cfg: Config) -> list[str]:
@@ -557,6 +608,28 @@ def _validate_norm(cfg: Config) -> list[str]:
     if cfg.model.norm not in ("layernorm", "rmsnorm"):
         return [f"model.norm must be layernorm or rmsnorm, got {cfg.model.norm!r}"]
     return []
+
+
+def _validate_report(cfg: Config) -> list[str]:
+    """train.profile_steps syntax and range; train.tensorboard needs the tensorboard package."""
+    from scaletrain.report.profile import parse_steps
+
+    t = cfg.train
+    errors = []
+    try:
+        window = parse_steps(t.profile_steps)
+    except ConfigError as e:
+        errors.append(str(e))
+    else:
+        if window is not None and window[0] > t.steps:
+            errors.append(f"train.profile_steps ({t.profile_steps}) starts after the last step (train.steps = "
+                          f"{t.steps}): nothing would be profiled")
+    if t.tensorboard:
+        from scaletrain.report.tensorboard import available
+
+        if not available():
+            errors.append("train.tensorboard=true needs the tensorboard package: pip install 'scaletrain[tb]'")
+    return errors
 
 
 ROUTERS = ("topk", "switch", "expert_choice")

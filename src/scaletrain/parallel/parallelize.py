@@ -243,7 +243,12 @@ class Engine:
 
 def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dtype, comm: CommStats) -> Engine:
     """The passes, in order. Each takes the engine so far and the groups it needs."""
-    engine = Engine(build_gpt(cfg.model, cfg.train.seed, device, dtype))
+    if cfg.parallel.offload == "nvme":  # ZeRO-Infinity materialises one unit at a time (memory/offload_nvme.py)
+        from scaletrain.memory.offload_nvme import meta_gpt
+
+        engine = Engine(meta_gpt(cfg.model, dtype))
+    else:
+        engine = Engine(build_gpt(cfg.model, cfg.train.seed, device, dtype))
     engine.n_params = count_params(engine.module)  # of the whole model, before any pass shards it
     if cfg.model.dropout > 0 or cfg.model.moe.expert_dropout > 0:
         from scaletrain.model.dropout import dropout_context
@@ -280,6 +285,10 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         engine.optimizer = ExpertParallelOptimizer.from_config(engine.module, params, cfg, mesh, comm)  # experts: edp
     elif cfg.parallel.zero == 0:
         engine.optimizer = ReplicatedOptimizer.from_config(params, cfg, mesh, comm)
+    elif cfg.parallel.offload == "nvme":
+        from scaletrain.memory.offload_nvme import nvme_optimizer
+
+        engine.optimizer = nvme_optimizer(engine, cfg, mesh, comm, device)
     else:
         engine.optimizer = zero_from_config(engine.module, cfg, mesh, comm)
     return engine

@@ -126,6 +126,8 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         if offload == "params" and stage != 3:
             raise ValueError("offload=params needs ZeRO stage 3")
+        if offload not in ("none", "optimizer", "params") and type(self) is ZeroOptimizer:
+            raise ValueError(f"offload={offload!r}: NVMe offload is memory.offload_nvme.NvmeZeroOptimizer")
         self.module, self.stage, self.group, self.comm = module, stage, group, comm or CommStats()
         self.n = group_size(group)
         self.rank = dist.get_rank(group) if group is not None else 0

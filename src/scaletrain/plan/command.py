@@ -69,6 +69,7 @@ def add_parser(subparsers) -> None:
     out.add_argument("--top", type=int, default=5, help="layouts to show")
     out.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     out.add_argument("--png", help="write a PNG of the memory breakdown of the top layouts")
+    out.add_argument("--html", metavar="FILE", help="write a self-contained HTML page of the result (docs/report.md)")
     bud = p.add_argument_group("compute budget (scaletrain.scaling.budget)")
     bud.add_argument("--flops-budget", metavar="C",
                      help="training FLOPs: choose the compute-optimal model by --law, find its best layout and "
@@ -162,6 +163,13 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     if args.png:
         report.memory_png(top, cluster.gpu.memory_bytes, args.png,
                           f"{model.name} on {cluster.n_gpus} x {cluster.gpu.name}: memory per GPU")
+    if args.html:
+        from scaletrain.report.plan_page import write_plan_page
+
+        explanation = report.explain(top[0], top[1], model, cluster) if len(top) > 1 else ""
+        write_plan_page({**report.to_json(model, cluster, train, top), **(extra or {})}, args.html, explanation)
+        if not args.json:
+            sys.stderr.write(f"wrote {args.html}\n")
     if args.json:
         doc = report.to_json(model, cluster, train, top)
         if extra:
@@ -267,9 +275,16 @@ def _run_params(args) -> int:
                      "fits": total <= gpu.memory_bytes,
                      "memory_bytes": {"params": int(p), "grads": int(g), "optimizer": int(o),
                                       "activations": 0, "buffers": 0, "total": int(total)}})
+    doc = {"model": {"params": int(psi)},
+           "cluster": hardware.Cluster(gpu, args.gpus).to_dict(), "candidates": rows}
+    if args.html:
+        from scaletrain.report.plan_page import write_plan_page
+
+        write_plan_page({**doc, "model": {"name": f"{psi:.4g} parameters", "params": int(psi)}}, args.html,
+                        f"Model states of {psi:.4g} parameters over dp={args.gpus} for each ZeRO "
+                        f"stage ({args.dtype}, K={k} optimizer bytes per parameter).")
     if args.json:
-        json.dump({"model": {"params": int(psi)}, "cluster": hardware.Cluster(gpu, args.gpus).to_dict(),
-                   "candidates": rows}, sys.stdout, indent=2)
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     from rich.console import Console

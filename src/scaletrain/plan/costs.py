@@ -60,7 +60,7 @@ def recompute_kind(spec: str) -> tuple[str, int]:
         return spec, 1
     raise UserError(f"recompute must be one of {', '.join(RECOMPUTE)} or every:k, got {spec!r}")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "2bw")
-OFFLOAD = ("none", "optimizer", "params")
+OFFLOAD = ("none", "optimizer", "params", "nvme")
 # bytes per element of parameters / gradients / activations, and K (optimizer bytes per parameter)
 DTYPES = {
     "bf16": (2, 2, 2, 12),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper, K = 12)
@@ -150,6 +150,11 @@ class Assumptions:
     """DP gradient bucket (PyTorch DDP default 25 MiB), two in flight."""
     cpu_adam_params_per_s: float = 1.0e9
     """CPU Adam throughput per GPU's share of host cores (ZeRO-Offload, arXiv 2101.06840)."""
+    nvme_read_bw: float = 1.6e9
+    """offload=nvme: NVMe read bytes/s per GPU's share of the node's drives (a DGX-2 of ZeRO-Infinity,
+    arXiv 2104.07857 Sec. 8: ~25 GB/s over 16 GPUs). `scaletrain plan --config --calibrate` measures our own."""
+    nvme_write_bw: float = 1.0e9
+    """offload=nvme: NVMe write bytes/s per GPU's share."""
     zero3_style: str = "prefetch"
     """How the ZeRO-3 implementation moves parameters (`zero3_exposed_time`). `prefetch`: one all-gather
     per layer, issued one layer ahead, gradients reduce-scattered while the backward goes on (our engine,
@@ -591,8 +596,8 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
         raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, got {lay.schedule!r}")
     if lay.offload not in OFFLOAD:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD)}, got {lay.offload!r}")
-    if lay.offload == "params" and lay.zero != 3:
-        raise UserError("offload=params needs zero=3")
+    if lay.offload in ("params", "nvme") and lay.zero != 3:
+        raise UserError(f"offload={lay.offload} needs zero=3")
     if lay.virtual_stages > 1 and lay.schedule != "interleaved":
         raise UserError(f"virtual_stages ({lay.virtual_stages}) > 1 needs schedule=interleaved")
     if lay.ep > 1 and (not m.n_experts or m.n_experts % lay.ep or lay.dp % lay.ep):
@@ -701,6 +706,12 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
             buffers += 2 * per_layer * pb
             if lay.offload == "params":
                 params = 0.0
+        if lay.offload == "nvme":  # ZeRO-Infinity: only staging buffers stay (memory/offload_nvme.resident_bytes)
+            from scaletrain.memory.offload_nvme import STEP_CHUNK
+
+            params = grads = optim = 0.0
+            layer_shard = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
+            buffers += 3 * layer_shard * (pb + gb) + 3 * min(STEP_CHUNK, layer_shard) * (k + gb)
         if lay.dp > 1 and lay.zero < 3:
             buffers += 2 * a.bucket_bytes
         if p > 1:  # send/recv buffers of one activation each way
@@ -824,6 +835,15 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     t_opt, t_off = 0.0, 0.0
     if lay.offload == "none":
         t_opt = shard * (2 * k + gb + pb + 4) / hbm  # read m, v, master, grad; write them and the param
+    elif lay.offload == "nvme":  # disk I/O behind the compute, the step streamed (memory/offload_nvme.step_time)
+        from scaletrain.memory.offload_nvme import step_time
+
+        pc = param_counts(m)
+        layer = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
+        units = [max(shard - lps * layer, 1.0)] + [layer] * int(round(lps))
+        exposed, streamed = step_time(units, pb, pb == 2, gb, mbs, True, a.nvme_read_bw, a.nvme_write_bw, t_pipe,
+                                      shard / a.cpu_adam_params_per_s)
+        t_off = exposed + streamed + 2 * mbs * st.total * pb / (gpu.host_bw * a.link_efficiency)
     else:
         t_off = shard * (gb + pb) / (gpu.host_bw * a.link_efficiency) + shard / a.cpu_adam_params_per_s
         if lay.offload == "params":

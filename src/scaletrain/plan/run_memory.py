@@ -176,6 +176,10 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
     from scaletrain.parallel.zero import predict_bytes_per_rank
 
     par, o = cfg.parallel, cfg.optim
+    if par.offload == "nvme":  # ZeRO-Infinity: only staging buffers are resident (memory/offload_nvme.py)
+        from scaletrain.memory.offload_nvme import planned_state_bytes
+
+        return planned_state_bytes(cfg, module)
     kw = dict(optimizer=o.name, beta1=o.use_beta1, momentum=o.momentum > 0)
     experts = [p for p in params if getattr(p, "_st_expert", False)]
     if not experts:
@@ -189,10 +193,15 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
 
 def model_state_bytes(cfg: Config) -> dict[str, int]:
     """(params, grads, optim) bytes per rank as the trainer reports them (max over ranks), exact."""
+    stages = model_state_bytes_per_stage(cfg)
+    return {k: max(s[k] for s in stages) for k in ("params", "grads", "optim")}
 
+
+def model_state_bytes_per_stage(cfg: Config) -> list[dict[str, int]]:
+    """(params, grads, optim) bytes of each pipeline stage's fullest rank (max over its dp and tp ranks)."""
     par = cfg.parallel
     low = cfg.train.dtype in LOW
-    best = {"params": 0, "grads": 0, "optim": 0}
+    out = []
     for r in range(par.pp):
         module = engine_module_on_meta(cfg, r)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -205,8 +214,8 @@ def model_state_bytes(cfg: Config) -> dict[str, int]:
             got = {"params": numel * elem, "grads": numel * master,
                    "optim": optimizer_state_bytes(cfg, params, master)
                    + (numel * 4 if low else 0)}
-        best = {k: max(best[k], int(got[k])) for k in best}
-    return best
+        out.append({k: int(got[k]) for k in ("params", "grads", "optim")})
+    return out
 
 
 # --------------------------------------------------------------------------- activations
@@ -424,14 +433,19 @@ def activation_bytes(cfg: Config) -> int:
     """`mem_activations` of the run: the max over pipeline ranks of the peak, over the schedule's order,
     of the saved bytes of the (microbatch, chunk) pairs held (the executor measures it so on the first
     step); without pipeline parallelism one microbatch through the whole model."""
+    return max(activation_bytes_per_stage(cfg))
+
+
+def activation_bytes_per_stage(cfg: Config) -> list[int]:
+    """`activation_bytes` of each pipeline rank (one entry without pipeline parallelism)."""
     par = cfg.parallel
     if par.pp == 1:
-        return chunk_saved_bytes(cfg, 0, 0, cfg.model.n_layers) if cfg.model.n_layers else 0
+        return [chunk_saved_bytes(cfg, 0, 0, cfg.model.n_layers) if cfg.model.n_layers else 0]
     from scaletrain.parallel.pipeline.schedules import Op, build_schedule
 
     bounds = pipeline_partition(cfg).bounds
     m = par.microbatches or cfg.grad_accum
-    best = 0
+    out = []
     for r, actions in enumerate(build_schedule(par.schedule, par.pp, m, par.virtual_stages)):
         ids = stage_ids(cfg, r)
         per_chunk = [chunk_saved_bytes(cfg, s, *bounds[s]) for s in ids]
@@ -444,8 +458,8 @@ def activation_bytes(cfg: Config) -> int:
             elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) or (
                     a.op is Op.BACKWARD_INPUT and (a.microbatch, a.chunk) not in split):
                 held -= per_chunk[a.chunk]
-        best = max(best, peak)
-    return best
+        out.append(peak)
+    return out
 
 
 def predicts_activations(cfg: Config) -> bool:

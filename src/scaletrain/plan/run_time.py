@@ -80,6 +80,9 @@ class RunProfile:
     tp_in_blocks: float = 0.0
     """1: the blocks, embedding and head were timed with their tensor-parallel collectives on the run's
     tp group (`RunProbe(cfg, mesh)`), so the composition adds none."""
+    disk_read_bw: float = math.inf
+    """offload=nvme: bytes/s of the offload folder through the engine's I/O path (`nvme_io.measure_bandwidth`)."""
+    disk_write_bw: float = math.inf
     comm: dict | None = None
     """Per mesh dimension (tp, dp, pp, ep, world), the collectives timed in place (`run_comm.measure_comm`);
     None: alpha-beta on (link_bw, link_latency) for every group."""
@@ -330,7 +333,25 @@ def collect_samples(cfg: Config, repeats: int = 9, warmup: int = 2, probe: RunPr
     probe = probe or RunProbe(cfg)
     for _ in range(warmup):
         probe.sample()
-    return [probe.sample() for _ in range(repeats)]
+    return [{**probe.sample(), **disk_bandwidth(cfg)} for _ in range(repeats)]
+
+
+def disk_bandwidth(cfg: Config) -> dict[str, float]:
+    """offload=nvme: the offload folder's read and write bandwidth, measured once per config (else {})."""
+    if cfg.parallel.offload != "nvme":
+        return {}
+    key = cfg.parallel.offload_dir
+    if key not in _DISK:
+        import tempfile
+
+        from scaletrain.memory.nvme_io import measure_bandwidth
+
+        runs = [measure_bandwidth(cfg.parallel.offload_dir or tempfile.gettempdir(), 128 << 20) for _ in range(3)]
+        _DISK[key] = {"disk_read_bw": sorted(r for r, _ in runs)[1], "disk_write_bw": sorted(w for _, w in runs)[1]}
+    return _DISK[key]
+
+
+_DISK: dict[str, dict[str, float]] = {}  # a cache of measurements, not configuration
 
 
 def profile_from_sample(sample: dict, link: tuple[float, float] | None = None) -> RunProfile:
@@ -404,7 +425,7 @@ def _rank_worker(rank: int, world: int, path: str, cfg: Config, repeats: int, ou
         probe = RunProbe(cfg, mesh=mesh)
         for _ in range(2):  # warm-up
             probe.sample()
-        samples = [sample_with_comm(cfg, probe, mesh) for _ in range(repeats)]
+        samples = [{**sample_with_comm(cfg, probe, mesh), **disk_bandwidth(cfg)} for _ in range(repeats)]
         link = measure_link(cfg, samples)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, samples)
@@ -567,13 +588,21 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
     world = cfg.world_size
     sync = 3 * _allreduce(8, world, link) if world > 1 else 0.0
 
-    total = compute + dp_comm + prof.optimizer + prof.loader + sync
+    nvme_io = 0.0
+    if par.offload == "nvme":  # ZeRO-Infinity: disk I/O behind the compute, the step streamed (memory/offload_nvme)
+        from scaletrain.memory.offload_nvme import _plan_shards, step_time
+
+        shards, e_, low, ge = _plan_shards(cfg)
+        exposed, streamed = step_time(shards, e_, low, ge, mb, par.nvme_grads, prof.disk_read_bw, prof.disk_write_bw,
+                                      compute, prof.optimizer)
+        nvme_io = exposed + streamed - prof.optimizer  # what the disk adds to the in-memory step
+    total = compute + dp_comm + prof.optimizer + nvme_io + prof.loader + sync
     tp_comm = mb * (stage_blocks * tp_block + tp_embed + tp_head)
     ep_comm = mb * 2 * a2a * max((n_moe_blocks(cfg, lo, hi) for lo, hi in bounds), default=0) * \
         (par.virtual_stages if par.pp > 1 else 1)
     breakdown = {"compute": compute - bubble - tp_comm - ep_comm, "bubble": bubble, "dp_comm": dp_comm,
                  "tp_comm": tp_comm, "ep_comm": ep_comm, "optimizer": prof.optimizer, "loader": prof.loader,
-                 "sync": sync}
+                 "sync": sync, **({"nvme_io": nvme_io} if par.offload == "nvme" else {})}
     return StepTime(total, breakdown, bubble / compute if compute else 0.0)
 
 

@@ -157,11 +157,12 @@ def search(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixed: dict | N
     fixed = fixed or {}
     result = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, ("none",))
     if not any(c.fits for c in result.candidates) and "offload" not in fixed:
-        more = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, ("optimizer", "params"))
-        if any(c.fits for c in more.candidates):
-            more.offload_needed = True
-            more.evaluated += result.evaluated
-            return more
+        for offload in (("optimizer", "params"), ("nvme",)):  # host memory first, then NVMe (ZeRO-Infinity)
+            more = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload)
+            if any(c.fits for c in more.candidates):
+                more.offload_needed = True
+                more.evaluated += result.evaluated
+                return more
     return result
 
 

@@ -1,5 +1,9 @@
 """Subcommand `report`: pictures of a plan or a run.
 
+`scaletrain report run OUT [--to FILE]` writes the self-contained HTML report of a run (report/run_page.py;
+the trainer writes the same page to OUT/report.html at each checkpoint and at the end). `--calibrate`,
+`--peak-flops` or `--gpu` give the peak FLOP/s per rank for MFU (CUDA runs find it from the device name).
+
 `scaletrain report timeline` draws a pipeline schedule as a Gantt chart (one row per rank, white gaps are
 the bubble), either as planned (`--schedule --pp --microbatches [--virtual-stages] [--t-f --t-b --t-w]`,
 simulated by `scaletrain.parallel.pipeline.simulate`) or as measured in a run (`--run DIR`, from the
@@ -17,8 +21,17 @@ from scaletrain.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="pictures of a plan or a run (pipeline timeline)")
+    p = sub.add_parser("report", help="pictures of a plan or a run (HTML run report, pipeline timeline)")
     rsub = p.add_subparsers(dest="report_command", metavar="WHAT", parser_class=type(p))
+    r = rsub.add_parser("run", help="the self-contained HTML report of a run (loss, throughput, memory, ...)")
+    r.add_argument("out", metavar="OUT", help="the run's output directory (its --out)")
+    r.add_argument("--to", default=None, help="HTML file to write (default OUT/report.html)")
+    peak = r.add_mutually_exclusive_group()
+    peak.add_argument("--calibrate", action="store_true",
+                      help="MFU against this machine's measured matmul FLOP/s (for CPU runs)")
+    peak.add_argument("--peak-flops", type=float, default=None, metavar="F", help="MFU against F FLOP/s per rank")
+    peak.add_argument("--gpu", default=None, help="MFU against a catalog GPU's peak (scaletrain plan's names)")
+    r.set_defaults(func=cmd_run)
     t = rsub.add_parser("timeline", help="pipeline schedule as a Gantt chart: planned, or measured in a run")
     t.add_argument("--run", default=None, help="a run directory (or its pipeline_trace.json): draw what was measured")
     t.add_argument("--schedule", default="1f1b", help="planned: gpipe, 1f1b, interleaved, zb-h1, 2bw")
@@ -33,6 +46,14 @@ def add_parser(sub) -> None:
                    help="PNG to write (default: timeline.png, or the run's pipeline_timeline.png)")
     t.add_argument("--trace", default=None, help="also write the Chrome/Perfetto trace JSON here")
     t.set_defaults(func=cmd_timeline)
+
+
+def cmd_run(args) -> int:
+    from scaletrain.report.run_page import write_report
+
+    path = write_report(args.out, args.to, args.peak_flops, args.gpu, args.calibrate)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
 
 
 def cmd_timeline(args) -> int:

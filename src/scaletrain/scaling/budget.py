@@ -256,6 +256,11 @@ def run_budget(args: argparse.Namespace) -> int:
     if args.png:
         report.memory_png(p.candidates, gpu.memory_bytes, args.png,
                           f"{p.model.name} on {p.cluster.n_gpus} x {gpu.name}: memory per GPU")
+    if getattr(args, "html", None):
+        from scaletrain.report.plan_page import write_plan_page
+
+        write_plan_page({**report.to_json(p.model, p.cluster, p.train, p.candidates), "budget": p.summary()},
+                        args.html)
     if args.json:
         doc = report.to_json(p.model, p.cluster, p.train, p.candidates)
         doc["budget"] = p.summary()

@@ -116,6 +116,11 @@ def run_fit(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()))
     else:
         print_fit_report(report)
+    if args.html:
+        from scaletrain.report.scaling_page import write_scaling_page
+
+        write_scaling_page(points, report, args.html, f"scaletrain scaling fit: {args.runs}")
+        print(f"page: {args.html}", file=sys.stderr if args.json else sys.stdout)
     if args.plot:
         from scaletrain.scaling.plots import plot_report
 
@@ -155,6 +160,7 @@ def add_parser(subparsers) -> None:
     f.add_argument("runs", metavar="RUNS", help="CSV file or folder of run outputs")
     f.add_argument("--json", action="store_true", help="print the fits as JSON")
     f.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR")
+    f.add_argument("--html", metavar="FILE", help="write the fits as a self-contained HTML page (docs/report.md)")
     f.add_argument("--approach", metavar="LIST",
                    help="approaches to run, e.g. 3 or 1,2,3 (default: all the data allow; 3 is required)")
     f.add_argument("--bootstrap", type=int, default=100, metavar="K",

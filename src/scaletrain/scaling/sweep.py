@@ -90,6 +90,7 @@ def run_config(run: PlannedRun, seed: int = 1234):
     # points of the fit use it (a single batch's training loss is too noisy to rank neighbouring sizes)
     t.eval_every, t.eval_batches = run.steps, 16
     t.device, t.dtype = "cpu", "fp32"
+    t.report = False  # the sweep's own page (OUT/report.html) shows every run; a page per run would cost more
     return validate(cfg, 1)
 
 
@@ -277,10 +278,15 @@ def run_sweep(out: Path, minutes: float = 10.0, levels: int = 3, sizes: int = 5,
     else:
         summary["fit"] = report.to_dict()
         summary["plots"] = [str(p) for p in plot_report(points, report, out / "plots")]
+        from scaletrain.report.scaling_page import write_scaling_page
+
+        page_runs = [{**asdict(r), "tokens": r.tokens, "flops": r.flops} for r in runs]
+        summary["report"] = str(write_scaling_page(points, report, out / "report.html",
+                                                   f"scaletrain scaling sweep: {out}", page_runs))
         from scaletrain.scaling.command import print_fit_report
 
         print_fit_report(report)
-        log(f"plots in {out / 'plots'}")
+        log(f"plots in {out / 'plots'}, page {out / 'report.html'}")
     (out / "sweep.json").write_text(json.dumps(summary, indent=1))
     return summary
 

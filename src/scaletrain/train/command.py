@@ -71,14 +71,23 @@ def cmd_config_show(args) -> int:
 
 
 def cmd_train(args) -> int:
+    import os
+
     from scaletrain.distributed import detect_env
+    from scaletrain.launch import LOG_DIR_ENV
+    from scaletrain.memory.budget import check_before_launch, local_world_size
 
     cfg = load_config(args.config, args.set)
     env = detect_env()
     resume_args = {"reshard": args.reshard, "init_from": args.init_from}
     if env is not None:
         validate(cfg, env.world_size)
+        if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
+            check_before_launch(cfg, Path(args.out), local_world_size(env.world_size))
         return run_worker(cfg, Path(args.out), env, **resume_args)
+    from scaletrain.report.runinfo import set_user_command
+
+    set_user_command(args)  # the command as the user gave it, for the run report
     nproc = args.nproc if args.nproc is not None else cfg.world_size
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
@@ -95,6 +104,7 @@ def cmd_train(args) -> int:
         from scaletrain.interop.hf import check_hf_config, read_hf_config
 
         check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
+    check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (memory/budget.py)
     warn_if_too_big(cfg, nproc)
     if nproc == 1:
         return run_worker(cfg, out, None, **resume_args)
@@ -180,7 +190,8 @@ def summary(out: Path, n_params: int, result, seconds: float) -> None:
         f"throughput      {result.tokens_per_s:,.0f} tokens/s over {len(result.losses)} steps "
         f"({seconds:.0f} s wall){f', resumed from step {result.resumed_from}' if result.resumed_from else ''}",
         f"outputs         {out}/metrics.jsonl, {out}/checkpoints/, loss curve {png}"
-        + (f", expert load {load_png}" if load_png else ""),
+        + (f", expert load {load_png}" if load_png else "")
+        + (f", report {out / 'report.html'}" if (out / "report.html").is_file() else ""),
         _memory_line(rows[-1]),
     ]
     print("\n".join(x for x in lines if x))

@@ -3,7 +3,8 @@
 A run's config keys fall into three kinds (docs/checkpoints.md):
 - identity — `model.*`, `optim.*`, `train.seed`, `train.global_batch`, `train.dtype`, `data.source`,
   `data.val_fraction`: a checkpoint of another value belongs to another run; refused, naming both values.
-- layout — `parallel.*` (but `parallel.timeout_s`), `train.micro_batch`, `memory.*`: how the run is executed.
+- layout — `parallel.*` (but `timeout_s`, `offload_dir`, `nvme_prefetch`), `train.micro_batch`, `memory.*` (but
+  `budget_gb`): how the run is executed.
   A change needs `--reshard` (refused otherwise, naming both layouts); with it the state is read into the new
   layout and training continues exactly (every tensor is stored by name and global shape, `train/state.py`).
 - everything else (`train.steps`, `train.lr`, schedules, logging, checkpointing, ...) may change on a resume.
@@ -32,7 +33,7 @@ from scaletrain.train import state as st
 IDENTITY = ("model.", "optim.", "train.seed", "train.global_batch", "train.dtype", "data.source",
             "data.val_fraction")
 LAYOUT = ("parallel.", "train.micro_batch", "memory.")
-NOT_LAYOUT = ("parallel.timeout_s",)
+NOT_LAYOUT = ("parallel.timeout_s", "parallel.offload_dir", "parallel.nvme_prefetch", "memory.budget_gb")
 HISTORY = "resumes.jsonl"
 
 
@@ -112,16 +113,13 @@ def save_entries(engine, streams: dict[str, dict[str, Any]]) -> dict[str, st.Ent
 
 
 def load_engine(engine, directory: Path, index: dict[str, Any] | None = None,
-                streams: dict[str, dict[str, Any]] | None = None, model_only: bool = False) -> list[str]:
+                streams: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Read a checkpoint into a freshly built engine of any layout (and the random streams of `streams` that the
     checkpoint has); returns the streams it did not have. No collectives: each rank reads what it holds."""
     index = index if index is not None else dcp_io.read_index(directory)
     available = set(index["tensors"])
-    if model_only:
-        entries = {k: e for k, e in st.engine_entries(engine, stale=False).items() if k.startswith("model/")}
-    else:
-        st.prepare_load(engine)
-        entries = {**st.engine_entries(engine, stale=False), **st.stale_entries_for_load(engine, available)}
+    st.prepare_load(engine)
+    entries = {**st.engine_entries(engine, stale=False, load=True), **st.stale_entries_for_load(engine, available)}
     missing = []
     for name, state in (streams or {}).items():
         got = {k: e for k, e in st.rng_entries({name: state}).items() if k in available}
@@ -133,8 +131,7 @@ def load_engine(engine, directory: Path, index: dict[str, Any] | None = None,
     except (ValueError, RuntimeError) as e:  # DCP's planner on chunks that do not fit
         raise CheckpointError(f"checkpoint {directory} does not fit this model: {str(e).splitlines()[0][:200]}") \
             from None
-    if not model_only:
-        st.after_load_sync(engine)
+    st.after_load_sync(engine)
     return missing
 
 

@@ -139,6 +139,8 @@ def prepare_load(engine) -> None:
     from scaletrain.parallel.zero_factored import ShardedFactored
 
     for part in optimizer_parts(engine.optimizer):
+        if _is_nvme(part):
+            continue  # its load buffers are made by `_nvme_entries`
         if hasattr(part, "prepare_checkpoint_load"):
             part.prepare_checkpoint_load()
         elif not isinstance(part.opt, ShardedFactored):
@@ -228,6 +230,52 @@ def _zero_entries(c: _Collector, z) -> None:
     _torch_optimizer_state(c, z.opt, holders)
 
 
+def _nvme_entries(c: _Collector, z, load: bool) -> None:
+    """ZeRO-Infinity (`memory/offload_nvme.py`) keeps its shards in files: its `state_dict()` (in-memory ZeRO-3's
+    form: a flat parameter / master shard per unit, AdamW state per piece) is mapped to our names when saving;
+    when loading, the blocks are read into buffers of that form and written to the files by its
+    `load_state_dict()` once all are in (the `after_load` of one entry)."""
+    units = [(k, g) for k, g in enumerate(z.groups)]
+    order = {id(t): (k, pc) for k, g in units for t, pc in zip(g.piece_params, g.pieces)}
+    pieces = [order[id(t)] for pg in z.opt.param_groups for t in pg["params"]]
+    low = z.master_cat == "masters"
+    step = torch.zeros((), dtype=torch.float64)
+    if load:
+        flat = lambda dtype: [torch.zeros(g.shard, dtype=dtype) for _, g in units]  # noqa: E731
+        sd = {"stage": 3, "dp": z.n, "param_shards": flat(z.groups[0].full.dtype),
+              "adam": {"param_groups": z.opt.state_dict()["param_groups"], "state": {}}}
+        if low:
+            sd["masters"] = flat(torch.float32)
+        moments = [flat(z.grad_dtype) for _ in range(2)]
+        for i, (k, pc) in enumerate(pieces):
+            sd["adam"]["state"][i] = {"step": step, "exp_avg": moments[0][k][pc.lo: pc.hi],
+                                      "exp_avg_sq": moments[1][k][pc.lo: pc.hi]}
+    else:
+        sd = z.state_dict()
+    adam = sd["adam"]["state"]
+    loaded_steps: list[torch.Tensor] = []  # the blocks the pieces' step counts are read into
+    for i, (k, pc) in enumerate(pieces):
+        name = c.names[id(pc.param)]
+        c.piece(f"model/{name}", pc.param, pc.a, pc.b, sd["param_shards"][k][pc.lo: pc.hi])
+        if low:
+            c.piece(f"master/{name}", pc.param, pc.a, pc.b, sd["masters"][k][pc.lo: pc.hi])
+        if i in adam:
+            for key in ("exp_avg", "exp_avg_sq"):
+                c.piece(f"optim/{name}/{key}", pc.param, pc.a, pc.b, adam[i][key])
+            c.scalar(f"optim/{name}/step", lambda st=adam[i]: float(st["step"]), lambda x: None)
+            loaded_steps.append(c.entries[f"optim/{name}/step"].blocks[-1].views[0])
+    if load and pieces:
+        def commit() -> None:  # runs after the whole read (`after_load`), in any order among the entries
+            t = float(loaded_steps[0]) if loaded_steps else 0.0  # one counter for all pieces in ZeRO-Infinity
+            for i in adam:  # a step tensor per piece, as the in-memory optimizer has
+                adam[i] = {**adam[i], "step": torch.tensor(t)}
+            z.load_state_dict(sd)
+
+        first = f"model/{c.names[id(pieces[0][1].param)]}"
+        prev = c.entries[first].after_load
+        c.entries[first].after_load = commit if prev is None else (lambda: (prev(), commit()))
+
+
 def after_load_sync(engine) -> None:
     """After a load: copies of the parameters the optimizers keep in the parameters' own dtype (CPU-offloaded
     shards) take the loaded values (they are not stored separately)."""
@@ -251,14 +299,22 @@ def param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def engine_entries(engine, stale: bool = True) -> dict[str, Entry]:
-    """This rank's model, master, optimizer and 2BW entries (see the module docstring)."""
+def _is_nvme(part) -> bool:
+    return getattr(part, "offload", None) == "nvme"
+
+
+def engine_entries(engine, stale: bool = True, load: bool = False) -> dict[str, Entry]:
+    """This rank's model, master, optimizer and 2BW entries (see the module docstring). `load`: entries to load
+    into (an optimizer whose state is not resident gives buffers that it takes over after the load)."""
     from scaletrain.parallel.zero import ZeroOptimizer
 
     c = _Collector(param_names(engine.module))
     zero3 = set()
     for part in optimizer_parts(engine.optimizer):
-        if hasattr(part, "checkpoint_entries"):
+        if _is_nvme(part):
+            _nvme_entries(c, part, load)
+            zero3.update(id(p) for g in part.groups for p in g.params)
+        elif hasattr(part, "checkpoint_entries"):
             for k, e in part.checkpoint_entries(c.names).items():
                 c.add(k, e.shape, e.dtype, e.blocks, e.after_load)
             if getattr(part, "owns_params", False):
@@ -301,15 +357,17 @@ def stale_entries_for_load(engine, available: set[str]) -> dict[str, Entry]:
 def load_model_tensors(engine, tensors: dict[str, torch.Tensor]) -> None:
     """Set the model's parameters (and their masters and copies) from whole tensors by plain name (a new run
     started from other weights: optimizer state stays fresh)."""
-    for key, e in engine_entries(engine, stale=False).items():
-        kind, _, name = key.partition("/")
-        if kind not in ("model", "master"):
-            continue
-        full = tensors[name]
+    entries = {k: e for k, e in engine_entries(engine, stale=False, load=True).items()
+               if k.split("/")[0] in ("model", "master")}
+    for key, e in entries.items():
+        full = tensors[key.partition("/")[2]]
         for b in e.blocks:
             src = full[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))]
             for v in b.views:
                 v.copy_(src)
+    for e in entries.values():
+        if e.after_load is not None:
+            e.after_load()
     after_load_sync(engine)
 
 

@@ -35,6 +35,7 @@ from scaletrain.optim import lr_multiplier
 from scaletrain.parallel.comm import CommStats, all_reduce_sum
 from scaletrain.parallel.experts import moe_metrics
 from scaletrain.parallel.parallelize import build_engine
+from scaletrain.report.observers import RunObservers
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
 from scaletrain.train.schedule import lr_at
@@ -62,6 +63,11 @@ class Trainer:
                  progress: bool = False, reshard: bool = False, init_from: str | os.PathLike | None = None):
         """`out_dir`: where checkpoints and metrics go; an existing run there is resumed (`reshard` lets it continue
         under another layout, `init_from` a Hugging Face directory to start a new run from; see train/resume.py)."""
+        from scaletrain.memory.budget import resident_meter
+        from scaletrain.memory.offload_nvme import resolve_offload_dir
+
+        self.resident = resident_meter(cfg, env)  # memory.budget_gb / nvme: resident bytes measured per step
+        cfg = resolve_offload_dir(cfg, out_dir)  # offload=nvme: the folder of the shard files
         self.cfg = cfg
         self.rank = env.rank if env else 0
         self.device = pick_device(cfg.train.device, env.local_rank if env else 0)
@@ -100,6 +106,7 @@ class Trainer:
         if self.out is not None:
             self.saver = ckpt.Saver(self.ckpt_root, self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
             resume.resume(self, reshard, init_from)
+        self.observers = RunObservers(self)  # run_info, TensorBoard, profiler, HTML report (report/observers.py)
 
     # ------------------------------------------------------------------ setup / resume
 
@@ -152,6 +159,8 @@ class Trainer:
         return p.pp > 1 and p.schedule == "2bw" and p.zero == 0 and not self.cfg.model.moe.experts
 
     def _train_step(self, step: int, drain: bool = True) -> dict[str, Any]:
+        if self.resident is not None:
+            self.resident.begin(self.device)
         t0 = time.perf_counter()
         cfg = self.cfg
         self.comm.reset()
@@ -218,6 +227,10 @@ class Trainer:
             if self.scaler is not None:
                 row["loss_scale"] = scale
         row.update({f"comm_{kind}_bytes": n for kind, n in sorted(self.comm.bytes.items())})  # sent by this rank
+        if hasattr(opt, "step_report"):  # offload=nvme: bytes read and written this step, next to the formula
+            row.update(opt.step_report())
+        if self.resident is not None:  # stops the run (on every rank) when over memory.budget_gb
+            row.update(self.resident.end(self.device, step))
         row.update(moe)
         row.update(noise)
         return row
@@ -263,6 +276,7 @@ class Trainer:
             "mem_activations": self.engine.activation_bytes,
             **memory_reports(self.engine),  # the memory passes' own fields (offloaded bytes, compression ratio)
         }
+        self.observers.first_memory(local, self.step, peak_bytes(self.device))  # per rank, for the report
         maxed = {k: _max_over_world(v) for k, v in local.items()}
         self.mem = {k: int(v) if k.startswith("mem_") else v for k, v in maxed.items()}
         self.mem.update(plan_memory(self.cfg))  # the planner's prediction beside the measurement
@@ -297,7 +311,8 @@ class Trainer:
                 self.step += 1
                 # 2bw: drain the pipeline before a checkpoint and at the end (nothing of step + 1 in flight)
                 saving = self.out is not None and ((every and self.step % every == 0) or self.step == t.steps)
-                row = self.train_step(self.step, drain=saving or self.step == last)
+                with self.observers.step(self.step):
+                    row = self.train_step(self.step, drain=saving or self.step == last)
                 tokens += self.cfg.tokens_per_step
                 elapsed += row["step_time_s"]
                 result.losses[self.step] = row["loss"]
@@ -309,6 +324,7 @@ class Trainer:
                 if metrics is not None and (self.step % t.log_every == 0 or self.step == t.steps):
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
+                    self.observers.log(row)
                 if bar is not None:
                     bar.update(self.step, row)
                 every = t.checkpoint_every
@@ -316,7 +332,9 @@ class Trainer:
                     if metrics is not None:
                         os.fsync(metrics.fileno())
                     self.save()
+                    self.observers.checkpoint(self.step, self.engine.write_trace)
         finally:
+            self.observers.stop()
             if bar is not None:
                 bar.close()
             if metrics is not None:
@@ -324,6 +342,7 @@ class Trainer:
         self.wait_for_checkpoint()
         if self.out is not None and self.engine.write_trace is not None:
             self.engine.write_trace(self.out)  # pipeline timeline of a measured step (rank 0 writes)
+        self.observers.finish()
         result.final_step = self.step
         result.tokens_per_s = tokens / elapsed if elapsed else 0.0
         return result

@@ -1,0 +1,142 @@
+"""The HTML page of `scaletrain plan ... --html FILE`, in the run report's style.
+
+Built from the planner's `--json` document (`plan.report.to_json`, plus the budget or run-prediction fields
+that `plan --flops-budget` and `plan --config` add), so the page and the JSON always show the same numbers:
+the model, cluster and training settings; the ranked layouts as a table; memory per GPU by category as
+stacked bars with the GPU's capacity; the step time broken into its parts; bytes moved per step by each
+parallel dimension; and why the best layout beats the runner-up.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from scaletrain.report import page as pg
+from scaletrain.report.page import Chart, Section, Table, Text
+
+GiB = float(1 << 30)
+MEM_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
+_LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute", "schedule", "virtual_stages",
+                "sequence_parallel", "offload")
+
+
+def layout_label(layout: dict[str, Any]) -> str:
+    """`dp=8 tp=2 pp=4 zero=1 mb=2 ...`: the fields that are not at their single-device default."""
+    defaults = {"tp": 1, "pp": 1, "ep": 1, "recompute": "none", "schedule": "1f1b", "virtual_stages": 1,
+                "sequence_parallel": False, "offload": "none"}
+    parts = []
+    for k in _LAYOUT_KEYS:
+        if k not in layout or (k in defaults and layout[k] == defaults[k]):
+            continue
+        if k == "schedule" and layout.get("pp", 1) == 1:
+            continue
+        name = {"micro_batch": "mb", "virtual_stages": "v", "sequence_parallel": "sp"}.get(k, k)
+        parts.append(name if layout[k] is True else f"{name}={layout[k]}")
+    return " ".join(parts)
+
+
+def build(doc: dict[str, Any], explanation: str = "", command: str = "") -> pg.Page:
+    model, cluster, cands = doc.get("model", {}), doc.get("cluster", {}), doc.get("candidates", [])
+    gpu = cluster.get("gpu", {})
+    labels = [f"#{i} {layout_label(c['layout'])}" for i, c in enumerate(cands, 1)]
+    sections = [_setting(doc, command)]
+
+    ranked = Section("layouts", "Layouts, best first")
+    has_time = any("step_time_s" in c for c in cands)
+    header = ["#", "layout", "fits"] + [f"{k} GiB" for k in MEM_KEYS] + ["total GiB"]
+    if has_time:
+        header += ["step s", "tokens/s", "MFU", "bubble", "dominant cost"]
+    rows = []
+    for i, c in enumerate(cands, 1):
+        mem = c["memory_bytes"]
+        row = [i, layout_label(c["layout"]), "yes" if c["fits"] else "no"]
+        row += [f"{mem.get(k, 0) / GiB:.3f}" for k in MEM_KEYS] + [f"{mem['total'] / GiB:.3f}"]
+        if has_time:
+            row += [f"{c['step_time_s']:.4g}", f"{c['tokens_per_s']:,.0f}", f"{c['mfu']:.1%}",
+                    f"{c['bubble_fraction']:.1%}", c.get("dominant_cost", "")]
+        rows.append(row)
+    ranked.add(Table(header, rows, id="layouts-table"))
+    if explanation:
+        ranked.add(Text(explanation))
+    sections.append(ranked)
+
+    mem = Section("memory", "Memory per GPU by category")
+    traces = [{"type": "bar", "name": k, "x": labels,
+               "y": [pg.finite(c["memory_bytes"].get(k, 0) / GiB) for c in cands],
+               "marker": {"color": pg.COLOURS[i]}} for i, k in enumerate(MEM_KEYS)]
+    layout = {"title": {"text": "planned bytes per GPU (GiB)"}, "barmode": "stack", "yaxis": pg.axis("GiB"),
+              "margin": {"t": 40}, "legend": {"orientation": "h", "y": -0.35}}
+    if gpu.get("memory_bytes"):
+        cap = gpu["memory_bytes"] / GiB
+        layout["shapes"] = [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": cap, "y1": cap,
+                             "line": {"dash": "dash", "color": "#000", "width": 1}}]
+        layout["annotations"] = [{"xref": "paper", "x": 1, "y": cap, "text": f"{gpu.get('name', 'GPU')} memory "
+                                  f"{cap:.1f} GiB", "showarrow": False, "yanchor": "bottom", "xanchor": "right"}]
+    mem.add(Chart("plan-memory", traces, layout, 400))
+    sections.append(mem)
+
+    if has_time:
+        time_s = Section("time", "Step time and communication")
+        parts: list[str] = []
+        for c in cands:
+            parts += [k for k in c.get("time_breakdown_s", {}) if k not in parts]
+        t_traces = [{"type": "bar", "name": k, "x": labels,
+                     "y": [pg.finite(c.get("time_breakdown_s", {}).get(k, 0.0)) for c in cands],
+                     "marker": {"color": pg.COLOURS[i % len(pg.COLOURS)]}} for i, k in enumerate(parts)]
+        dims: list[str] = []
+        for c in cands:
+            dims += [k for k in c.get("comm_bytes_per_step", {}) if k not in dims]
+        c_traces = [{"type": "bar", "name": k, "x": labels,
+                     "y": [pg.finite(c.get("comm_bytes_per_step", {}).get(k, 0)) for c in cands],
+                     "marker": {"color": pg.COLOURS[i % len(pg.COLOURS)]}} for i, k in enumerate(dims)]
+        time_s.add([Chart("plan-time", t_traces, {"title": {"text": "step time by part (seconds)"},
+                                                  "barmode": "stack", "yaxis": pg.axis("s"), "margin": {"t": 40},
+                                                  "legend": {"orientation": "h", "y": -0.35}}, 400),
+                    Chart("plan-comm", c_traces, {"title": {"text": "bytes per GPU per step, by dimension"},
+                                                  "barmode": "group", "yaxis": pg.axis("bytes"), "margin": {"t": 40},
+                                                  "legend": {"orientation": "h", "y": -0.35}}, 400)])
+        time_s.add(Text("The parts overlap where the planner says they do (e.g. data-parallel communication with "
+                        "the backward); the bars show each part's own time. docs/planner.md has the formulas.",
+                        "note"))
+        sections.append(time_s)
+    if "budget" in doc:
+        sections.append(Section("budget", "Compute budget").add(
+            Table(["", "value"], [[k, _value(v)] for k, v in doc["budget"].items()], id="budget-table")))
+    if "run_prediction" in doc:
+        rows = [[k, f"{v:,}"] for k, v in doc["run_prediction"].items()]
+        if "run_step_time_s" in doc:
+            rows.append(["run_step_time_s", f"{doc['run_step_time_s']:.4g}"])
+        sections.append(Section("run", "This run, as the trainer will measure it").add(
+            Table(["field", "bytes"], rows, id="run-table")))
+    name = model.get("name", "model")
+    n = model.get("params")
+    size = f"{n / 1e9:,.2f}B params" if n and n >= 1e9 else (f"{n / 1e6:,.2f}M params" if n else "")
+    subtitle = f"{name} {size} on {cluster.get('gpus', '?')} x {gpu.get('name', '?')}"
+    return pg.Page(f"scaletrain plan: {name}", subtitle, sections)
+
+
+def _setting(doc: dict[str, Any], command: str) -> Section:
+    s = Section("setting", "Model, cluster, training")
+    model, cluster, train = doc.get("model", {}), doc.get("cluster", {}), doc.get("training", {})
+    rows = [[f"model.{k}", _value(v)] for k, v in model.items() if k != "source"]
+    rows += [[f"cluster.{k}", _value(v)] for k, v in cluster.items() if k != "gpu"]
+    rows += [[f"gpu.{k}", _value(v)] for k, v in cluster.get("gpu", {}).items()]
+    rows += [[f"training.{k}", _value(v)] for k, v in train.items()]
+    s.add(Table(["", "value"], rows, id="setting-table"))
+    if command:
+        s.add(Text(command, "pre"))
+    return s
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return pg.fmt(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def write_plan_page(doc: dict[str, Any], path: str | os.PathLike, explanation: str = "", command: str = "") -> Path:
+    return pg.write(build(doc, explanation, command), path)
