@@ -30,7 +30,7 @@ from scaletrain.train.shards import flat_range_blocks, local_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RUN = {**TINY, "train.steps": 2, "train.checkpoint_every": 1}
+RUN = {**TINY, "train.steps": 2, "train.checkpoint_every": 1, "train.report": False}
 
 
 def _sets(overrides: dict) -> list[str]:
@@ -113,6 +113,10 @@ def test_checkpoint_files_resume_bitwise_and_resume_record(tmp_path, capsys):
     record = json.loads((out / "resumes.jsonl").read_text().splitlines()[-1])
     assert record["from_step"] == 2 and record["checkpoint"] == "step_00000002"
     assert record["changed"] == {"train.lr": [3e-3, 1e-3], "train.steps": [2, 3]} and "layout" not in record
+    from scaletrain.report.run_data import load_run
+
+    run = load_run(out)  # the config in effect: config.yaml with the resumes' changes
+    assert (run.cfg.train.lr, run.cfg.train.steps) == (1e-3, 3)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
 
     # the state read back is the state written, bitwise

@@ -27,7 +27,7 @@ from harness import TINY, _child, make_config, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BASE = {**TINY, "train.steps": 4, "train.checkpoint_every": 1}
+BASE = {**TINY, "train.steps": 4, "train.checkpoint_every": 1, "train.report": False}
 SYNC = {**BASE, "model.dropout": 0.1, "model.dropout_impl": "torch"}
 ASYNC = {**BASE, "parallel.dp": 2, "parallel.zero": 1, "train.checkpoint_async": True, "train.dtype": "fp16",
          "train.loss_scale": 1024.0}

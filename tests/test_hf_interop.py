@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 transformers.utils.logging.disable_progress_bar()
 
 TOL = 1e-5
-GPT2 = {**TINY, "train.dtype": "fp32", "train.steps": 2, "train.checkpoint_every": 2}
+GPT2 = {**TINY, "train.dtype": "fp32", "train.steps": 2, "train.checkpoint_every": 2, "train.report": False}
 LLAMA = {**GPT2, "model.position": "rope", "model.mlp": "swiglu", "model.norm": "rmsnorm", "model.bias": False,
          "model.tie_embeddings": False}
 

@@ -97,6 +97,29 @@ def check_compatible(found: Path, meta: dict[str, Any], cfg: Config, world: int,
     return diffs
 
 
+def current_config(out: Path) -> dict[str, Any]:
+    """The config in effect in a run: `config.yaml` (the config it started with) with the changes each resume
+    recorded in `resumes.jsonl` applied in order (a line cut by a kill is skipped). Raises OSError / yaml errors of
+    config.yaml as reading it does."""
+    import yaml
+
+    config = yaml.safe_load((Path(out) / "config.yaml").read_text()) or {}
+    history = Path(out) / HISTORY
+    lines = history.read_text().splitlines() if history.exists() else []
+    for line in lines:
+        try:
+            changed = json.loads(line).get("changed", {})
+        except (ValueError, AttributeError):
+            continue
+        for key, values in changed.items():
+            node, *path = [config, *key.split(".")]
+            for part in path[:-1]:
+                node = node.setdefault(part, {}) if isinstance(node, dict) else {}
+            if isinstance(node, dict) and isinstance(values, list) and len(values) == 2:
+                node[path[-1]] = values[1]
+    return config
+
+
 def check_run(out: Path, cfg: Config, world: int, reshard: bool) -> None:
     """Before launching: refuse (CheckpointError) if the newest checkpoint in `out` cannot be resumed by `cfg`."""
     found = ckpt.latest(Path(out) / "checkpoints")
