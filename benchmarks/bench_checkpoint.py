@@ -24,7 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 
 MODEL = ["model.n_layers=10", "model.d_model=640", "model.n_heads=10", "model.seq_len=128", "train.micro_batch=1",
-         "train.eval_every=0", "train.checkpoint_every=0", "train.steps=100", "train.warmup_steps=1"]
+         "train.eval_every=0", "train.checkpoint_every=0", "train.steps=100", "train.warmup_steps=1",
+         "train.report=false"]
 
 
 def _rss_mib() -> float:
