@@ -45,6 +45,7 @@ FAMILIES = {
     "sm3": {**FACTORED, "optim.name": "sm3", "optim.momentum": 0.5},
     "llama": {**DENSE, "model.position": "rope", "model.mlp": "swiglu", "model.norm": "rmsnorm", "model.bias": False,
               "model.tie_embeddings": False},
+    "torchdrop": {**DENSE, "model.dropout": 0.1, "model.dropout_impl": "torch"},
     "bf16": {**DENSE, "train.dtype": "bf16"},
     "fp16": {**DENSE, "train.dtype": "fp16", "train.loss_scale": 1024.0},
 }
@@ -78,6 +79,8 @@ LAYOUTS = {  # name: (family, parallel overrides)
     "sm3-dp2-zero1": ("sm3", {"parallel.dp": 2, "parallel.zero": 1}),
     "sm3-tp2-sp": ("sm3", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
     "sm3-single": ("sm3", {}),
+    "torchdrop-single": ("torchdrop", {}),
+    "torchdrop-dp2": ("torchdrop", {"parallel.dp": 2}),
     "bf16-dp2-zero1": ("bf16", {"parallel.dp": 2, "parallel.zero": 1}),
     "bf16-tp2": ("bf16", {"parallel.tp": 2}),
     "bf16-single": ("bf16", {}),
@@ -101,6 +104,7 @@ CONTINUE = {  # source: targets (train step 3 under the target layout)
     "sm3-dp2-zero1": ["sm3-single", "sm3-tp2-sp"],
 }
 CONVERT = {"dp2-zero1": ["tp2-sp"]}  # source: targets of `checkpoint convert` (its multi-process worker)
+WARNED = {"torchdrop-single": ["torchdrop-dp2"]}  # torch's dropout: rank 1 has no stream in the checkpoint
 RESAVE = {  # source: targets (read and write again, no training)
     "bf16-dp2-zero1": ["bf16-tp2", "bf16-single"],
     "fp16-dp2-zero3": ["fp16-single"],
@@ -143,6 +147,13 @@ def _run_jobs(rank: int, world: int, jobs: list) -> list:
                 shutil.copytree(copy_of, directory)
             if world > 1:
                 dist.barrier()
+        if what == "warned":  # keep what rank 0 says on stderr while resuming
+            import contextlib
+
+            with open(Path(directory) / f"stderr{rank}.txt", "w") as err, contextlib.redirect_stderr(err):
+                Trainer(make_config(overrides), directory, DistEnv(rank, world, 0, "test"), reshard=True)
+            out.append(None)
+            continue
         t = Trainer(make_config(overrides), directory, DistEnv(rank, world, 0, "test") if world > 1 else None,
                     reshard=what != "source")
         if what == "resave":
@@ -233,10 +244,11 @@ def runs(tmp_path_factory):
     """Train every source, copy its checkpoint for each target, run every target. Phases: single-process
     sources; world 2 (sources, then targets); world 4 (likewise); single-process targets."""
     root = tmp_path_factory.mktemp("reshard")
-    sources = sorted(set(CONTINUE) | set(RESAVE))
+    sources = sorted(set(CONTINUE) | set(RESAVE) | set(WARNED))
     pairs = [("target", s, t) for s, ts in CONTINUE.items() for t in ts] + \
             [("resave", s, t) for s, ts in RESAVE.items() for t in ts] + \
-            [("convert", s, t) for s, ts in CONVERT.items() for t in ts]
+            [("convert", s, t) for s, ts in CONVERT.items() for t in ts] + \
+            [("warned", s, t) for s, ts in WARNED.items() for t in ts]
     assert all(_world(s) <= _world(t) or _world(t) == 1 for _, s, t in pairs)  # sources are ready in time
     results: dict[tuple[str, str, str], object] = {}
     for world, do_sources, do_targets in ((1, True, False), (2, True, True), (4, True, True), (1, False, True)):
@@ -299,6 +311,14 @@ def test_a_resharded_run_reports_its_current_layout(runs, capsys):
     assert (d / "report.html").stat().st_size > 0
 
 
+def test_torch_dropout_streams_missing_after_a_reshard_are_reported(runs):
+    """model.dropout_impl=torch: one process -> dp=2, data-parallel rank 1 has no stream in the checkpoint; rank 0
+    says so on stderr (layout-independent dropout, the default, needs no stream)."""
+    root, _ = runs
+    said = (root / "torchdrop-single--warned--torchdrop-dp2" / "stderr0.txt").read_text()
+    assert "1 rank(s) have no random stream" in said and "model.dropout_impl=torch" in said
+
+
 def _stored(directory) -> dict[str, torch.Tensor]:
     from scaletrain.train import checkpoint as ckpt
 
@@ -312,7 +332,8 @@ def test_resaving_under_another_layout_keeps_every_tensor_bitwise(runs):
 
     root, _ = runs
     triples = [("resave", s, t) for s, ts in RESAVE.items() for t in ts] + \
-              [("convert", s, t) for s, ts in CONVERT.items() for t in ts]
+              [("convert", s, t) for s, ts in CONVERT.items() for t in ts] + \
+            [("warned", s, t) for s, ts in WARNED.items() for t in ts]
     for what, source, target in triples:
         before = _stored(root / source)
         meta = ckpt.read_meta(ckpt.latest(root / source / "checkpoints"))

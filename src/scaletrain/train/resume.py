@@ -20,6 +20,7 @@ Entry points (used by `Trainer`, `checkpoint convert`, and anything that restart
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -191,16 +192,16 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
     if found is not None:
         meta = ckpt.read_meta(found)
         diffs = check_compatible(found, meta, cfg, world, reshard)
-        error = None
+        error, missing = None, []
         try:
             missing = load_engine(trainer.engine, found, streams={trainer.rng_stream: trainer.rng})
         except CheckpointError as e:
             error = e
-        _agree(error)
+        fresh_streams = _agree(error, bool(missing))
         restore_trainer(trainer, meta)
-        if missing and _torch_dropout(cfg):
-            _warn(trainer, f"random stream {missing[0]} is not in the checkpoint (another layout): "
-                           "model.dropout_impl=torch masks continue from a fresh stream, not exactly")
+        if fresh_streams and _torch_dropout(cfg) and trainer.rank == 0:
+            sys.stderr.write(f"scaletrain: warning: {fresh_streams} rank(s) have no random stream in {found} (another "
+                             "layout): their model.dropout_impl=torch masks continue from a fresh stream\n")
     elif init_from is not None:
         from scaletrain.interop.hf import read_hf_weights
 
@@ -212,6 +213,8 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
         if found is None or not config_path.exists():
             text = cfg.to_yaml() if found is None else _yaml(meta["config"])
             _write_text(config_path, text)
+        if found is None and (trainer.out / HISTORY).exists():
+            (trainer.out / HISTORY).unlink()  # resumes of checkpoints that are gone: a new run starts here
         if found is not None:
             record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "from_step": trainer.step,
                       "checkpoint": found.name, "changed": {k: [a, b] for k, (a, b) in diffs.items()}}
@@ -223,18 +226,21 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
     return found
 
 
-def _agree(error: CheckpointError | None) -> None:
+def _agree(error: CheckpointError | None, missing: bool) -> int:
     """Every rank reads its own chunks, so a corrupted one may fail a single rank: all ranks learn whether any
-    failed; the failing rank raises its error, the others stop quietly (exit 2) instead of failing on its absence."""
+    failed; the failing rank raises its error, the others stop quietly (exit 2) instead of failing on its absence.
+    Returns how many ranks found no random stream of theirs in the checkpoint."""
     import torch.distributed as dist
 
+    flags = [(error is not None, missing)]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flags = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, error is not None)
-        if any(flags) and error is None:
+        dist.all_gather_object(flags, (error is not None, missing))
+        if any(f[0] for f in flags) and error is None:
             raise SystemExit(2)
     if error is not None:
         raise error
+    return sum(f[1] for f in flags)
 
 
 def restore_trainer(trainer, meta: dict[str, Any]) -> None:
@@ -250,13 +256,6 @@ def restore_trainer(trainer, meta: dict[str, Any]) -> None:
 def _torch_dropout(cfg: Config) -> bool:
     m = cfg.model
     return m.dropout_impl == "torch" and (m.dropout > 0 or m.moe.expert_dropout > 0)
-
-
-def _warn(trainer, message: str) -> None:
-    if trainer.rank == 0:
-        import sys
-
-        sys.stderr.write(f"scaletrain: warning: {message}\n")
 
 
 def _yaml(config: dict[str, Any]) -> str:
