@@ -12,7 +12,8 @@ Adafactor and SM3 (factored statistics) across tp, ZeRO and one process, a Llama
 RMSNorm, untied head) from tp2 + sp to one process and to ZeRO-3, and ZeRO-Infinity (shards in files) both ways.
 PipeDream-2BW is compared with an independent implementation of its rule, and switching between 2BW and a
 synchronous schedule with the rule that `--reshard` documents (the older version is dropped; entering 2BW starts
-with W(t-1) = W(t)).
+with W(t-1) = W(t)). The runs of five layouts (tp2 + sp, pp2 interleaved, ZeRO-Infinity, ep2, 2BW) save
+asynchronously (`train.checkpoint_async`), so their checkpoints come from the staged copy and background writer.
 
 A second family re-saves a checkpoint under another layout without training and compares every stored tensor
 bitwise with the original: fp32 masters of bf16/fp16, the fp16 loss scaler, Adafactor's row/column/first moments,
@@ -113,9 +114,12 @@ RESAVE = {  # source: targets (read and write again, no training)
 }
 
 
+ASYNC_SAVES = {"tp2-sp", "pp2-interleaved-v2", "dp2-zero3-nvme", "moe-ep2", "2bw"}  # train.checkpoint_async
+
+
 def _overrides(layout: str) -> dict:
     family, par = LAYOUTS[layout]
-    return {**FAMILIES[family], **par}
+    return {**FAMILIES[family], **par, **({"train.checkpoint_async": True} if layout in ASYNC_SAVES else {})}
 
 
 def _world(layout: str) -> int:
