@@ -382,3 +382,20 @@ def test_sample_and_convert_read_zero3_and_expert_parallel_checkpoints(runs, tmp
             assert main(["sample", "--out", str(d), "--tokens", "12", "--temperature", "0"]) == 0
             texts.append(capsys.readouterr().out)
         assert texts[0] == texts[1] and texts[0].startswith("def ") and len(texts[0]) == len("def ") + 12 + 1
+
+
+def test_sample_reads_a_checkpoint_of_every_layout(runs, capsys):
+    """`scaletrain sample` (one process, no process group) from the step-2 checkpoint of each dense source: the
+    synchronous layouts hold the same weights as the single-process run (to 1e-12), so greedy decoding gives the
+    single run's text; PipeDream-2BW's weights differ (its own rule) and are sampled too."""
+    from scaletrain.cli import main
+
+    root, _ = runs
+    texts = {}
+    for run in ("single", "dp2", "dp2-zero1", "dp2-zero3-offload", "dp2-zero3-nvme", "tp2-sp", "pp2-1f1b",
+                "pp2-interleaved-v2", "dp2-tp2", "2bw"):
+        assert main(["sample", "--out", str(root / run), "--tokens", "12", "--temperature", "0"]) == 0
+        texts[run] = capsys.readouterr().out
+        assert texts[run].startswith("def ") and len(texts[run]) == len("def ") + 12 + 1, run
+    assert {run: t for run, t in texts.items() if run != "2bw"} == {run: texts["single"] for run in texts
+                                                                       if run != "2bw"}
