@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 from scaletrain.errors import UserError
@@ -54,16 +55,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
+        sys.stderr.write(f"scaletrain: error: {_missing_command(parser, args)}\n")
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe (`scaletrain config show | head`) shows here, not at exit
+        return code
+    except BrokenPipeError:  # the reader went away: stop quietly, as a shell tool killed by SIGPIPE does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except UserError as e:
         sys.stderr.write(f"scaletrain: error: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("scaletrain: interrupted\n")
         return 130
+
+
+def _missing_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The one line for a command line that stops before its (sub)command: what to add, and the choices."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(args, action.dest, None)
+            if chosen is None:
+                return f"'{parser.prog}' needs one of: {', '.join(action.choices)} (see '{parser.prog} --help')"
+            return _missing_command(action.choices[chosen], args)
+    return f"'{parser.prog}' is incomplete (see '{parser.prog} --help')"
 
 
 if __name__ == "__main__":

@@ -89,6 +89,11 @@ class ModelConfig:
     is added after the gain)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (model.moe.experts > 0)."""
+    reversible: bool = False
+    """Reversible blocks (RevNet arXiv 1707.04585, Reformer arXiv 2001.04451): the residual stream is split into two
+    halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
+    backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
+    architecture, not a free saving (docs/memory.md)."""
 
 
 @dataclass
@@ -234,6 +239,14 @@ class MemoryConfig:
     """Move saved block checkpoints to host memory between forward and backward."""
     compress: str = "none"
     """Saved-activation compression (Gist): none, relu-mask, bf16, int8, or a comma list."""
+    contiguous: bool = False
+    """ZeRO-R memory defragmentation (arXiv 1910.02054 Sec. 6.3): activation checkpoints (under recompute or
+    activation offload) and ZeRO-2/3's per-micro-batch gradient buffers live in arenas allocated once per run and
+    reused every step. Bit-identical to false (memory/contiguous.py)."""
+    count_allocations: bool = False
+    """Log `mem_alloc_count` and `mem_alloc_bytes`: allocator calls of one steady-state training step's forward and
+    backward (step 2; CPU: the profiler's memory events, CUDA: torch.cuda.memory_stats, which also gives
+    `mem_cuda_allocated_peak` and `mem_cuda_reserved_peak`). Costs one profiled step on CPU."""
     budget_gb: float = 0.0
     """Memory budget per process in GiB (0 = none): refused before launch when the planner's resident bytes
     exceed it, and the run stops at the first step whose measured resident bytes do (CPU: peak RSS growth of
@@ -335,7 +348,7 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
 
 def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {values!r}")
     hints = _field_types(type(node))
     for key, value in values.items():
         dotted = f"{prefix}{key}"
@@ -379,6 +392,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"--config {p} is a folder; give a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
@@ -415,7 +430,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     environment); None skips that check (e.g. `config show`).
     """
     m, p, t, o, d, mem = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.data, cfg.memory
-    errors: list[str] = []
+    errors: list[str] = _validate_hardening(cfg)
 
     def positive(name: str, value: float) -> None:
         if value <= 0:
@@ -546,6 +561,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
     errors += _validate_norm(cfg)
+    errors += _validate_reversible(cfg)
+    errors += _validate_contiguous(cfg)
     errors += _validate_nvme(cfg)
     errors += _validate_report(cfg)
     if world_size is not None and cfg.world_size != world_size:
@@ -556,6 +573,24 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if errors:
         raise ConfigError("; ".join(errors))
     return cfg
+
+
+def _validate_hardening(cfg: Config) -> list[str]:
+    """NaN and infinity in any float key, and the documented upper bound on train.steps (guards.py)."""
+    from scaletrain.guards import MAX_STEPS, non_finite_keys
+
+    errors = [f"{', '.join(bad)} must be finite" for bad in [non_finite_keys(cfg)] if bad]
+    if cfg.train.steps > MAX_STEPS:
+        errors.append(f"train.steps ({cfg.train.steps:,}) is above the limit of {MAX_STEPS:,}")
+    if cfg.model.moe.experts == 0 and cfg.model.moe.router not in ROUTERS:  # with experts, _validate_moe says it
+        errors.append(f"model.moe.router must be one of {', '.join(ROUTERS)}, got {cfg.model.moe.router!r}")
+    if not cfg.data.source.strip():  # an empty path would read the current folder as the corpus
+        errors.append("data.source must be builtin, a text file or folder, or a .bin token file; got ''")
+    part = cfg.parallel.partition
+    if cfg.parallel.pp == 1 and part not in ("uniform", "params", "time") and \
+            not all(x.strip().isdigit() for x in part.split(",")):  # with pp > 1, validate_pipeline says it
+        errors.append(f"parallel.partition must be uniform, params, time or block counts like 2,3,3; got {part!r}")
+    return errors
 
 
 def _validate_nvme(cfg: Config) -> list[str]:
@@ -608,6 +643,20 @@ def _validate_norm(cfg: Config) -> list[str]:
     if cfg.model.norm not in ("layernorm", "rmsnorm"):
         return [f"model.norm must be layernorm or rmsnorm, got {cfg.model.norm!r}"]
     return []
+
+
+def _validate_reversible(cfg: Config) -> list[str]:
+    """model.reversible: the halves' widths, and the modes that have nothing to act on (model/reversible.py)."""
+    from scaletrain.model.reversible import refusals
+
+    return refusals(cfg)
+
+
+def _validate_contiguous(cfg: Config) -> list[str]:
+    """memory.contiguous needs something to put in its arenas (memory/contiguous.py)."""
+    from scaletrain.memory.contiguous import refusals
+
+    return refusals(cfg)
 
 
 def _validate_report(cfg: Config) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.errors import UserError
+from scaletrain.guards import nonneg_float
 
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=64", "train.steps=4",
          "train.eval_every=0", "train.warmup_steps=2", "train.checkpoint_every=0"]
@@ -27,8 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--config", default=None, help="YAML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--dtype", default="fp64", help="dtype of both runs (default fp64, for tight tolerances)")
-    p.add_argument("--rtol", type=float, default=1e-9)
-    p.add_argument("--atol", type=float, default=1e-11)
+    p.add_argument("--rtol", type=nonneg_float, default=1e-9, help="relative tolerance (>= 0, default 1e-9)")
+    p.add_argument("--atol", type=nonneg_float, default=1e-11, help="absolute tolerance (>= 0, default 1e-11)")
     p.add_argument("--small", action="store_true", help="use a small model (2 layers, d_model 64) and 4 steps")
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # internal: worker output file
     m = p.add_argument_group("layout matrix (scaletrain.layouts; docs/verify.md)")
@@ -95,7 +96,8 @@ def cmd_verify(args) -> int:
         cfg.model, cfg.train, cfg.optim, cfg.data, cfg.memory)
     validate(ref_cfg, 1)
     layout = f"dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}"
-    print(f"verify: {layout} ({cfg.world_size} processes) against 1 process, {cfg.train.steps} steps, {args.dtype}")
+    procs = f"{cfg.world_size} process{'es' if cfg.world_size > 1 else ''}"
+    print(f"verify: {layout} ({procs}) against 1 process, {cfg.train.steps} steps, {args.dtype}")
     ref_losses, ref_state = run(ref_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "parallel.pt"
@@ -129,14 +131,15 @@ def report(ref_losses, ref_state, losses, state, rtol: float, atol: float) -> in
         diff = abs(losses[step] - ref_losses[step])
         ok &= diff <= atol + rtol * abs(ref_losses[step])
         print(f"{step:>5} {ref_losses[step]:>18.12f} {losses[step]:>18.12f} {diff:>10.2e}")
-    worst_name, worst = "", 0.0
+    big_name, big = "", 0.0
     for name, ref in ref_state.items():
         got = state[name].to(ref.dtype)
-        err = float(((got - ref).abs() - rtol * ref.abs()).max())
-        if err > worst:
-            worst_name, worst = name, err
+        diff = float((got - ref).abs().max()) if ref.numel() else 0.0
+        if diff > big or not big_name:
+            big_name, big = name, diff
         ok &= bool(torch.allclose(got, ref, rtol=rtol, atol=atol))
-    print(f"parameters: {len(ref_state)} tensors, worst excess over rtol {worst:.2e} ({worst_name or '-'})")
+    print(f"parameters: {len(ref_state)} tensors, largest parameter difference {big:.2e} ({big_name or '-'}); "
+          "each must be within atol + rtol x |single-process value|")
     print(f"{'PASS' if ok else 'FAIL'} (rtol {rtol:g}, atol {atol:g})")
     sys.stdout.flush()
     return 0 if ok else 1

@@ -28,8 +28,15 @@ SEPARATOR = b"\x00"
 
 
 def cache_dir(configured: str = "") -> Path:
-    path = Path(configured or os.environ.get("SCALETRAIN_CACHE") or Path.home() / ".cache" / "scaletrain")
-    path.mkdir(parents=True, exist_ok=True)
+    """The token cache folder (created): data.cache_dir, else $SCALETRAIN_CACHE, else ~/.cache/scaletrain."""
+    env = os.environ.get("SCALETRAIN_CACHE")
+    path = Path(configured or env or Path.home() / ".cache" / "scaletrain")
+    setting = "data.cache_dir" if configured else "SCALETRAIN_CACHE" if env else "the default cache folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{setting} {path} cannot be created ({e.strerror or e}); set data.cache_dir or "
+                        "SCALETRAIN_CACHE to a writable folder") from None
     return path
 
 
@@ -91,5 +98,9 @@ def load_tokens(source: str, cache: str = "") -> np.ndarray:
             raise DataError(f"data.source {source} has no data (no non-empty files)")
     target = cache_dir(cache) / f"{'builtin' if source == 'builtin' else Path(source).name}-{_fingerprint(files)}.bin"
     if not target.exists():
-        _tokenize_to_cache(files, target)
+        try:
+            _tokenize_to_cache(files, target)
+        except PermissionError as e:
+            raise DataError(f"cannot write the token cache {target} ({e.strerror}); set data.cache_dir or "
+                            "SCALETRAIN_CACHE to a writable folder") from None
     return np.memmap(target, dtype=np.uint16, mode="r")

@@ -108,6 +108,13 @@ def count_kept(key: object, nbytes: int, host: bool = False) -> None:
         (counter.host_storages if host else counter.storages)[key] = int(nbytes)
 
 
+def uncount_kept(key: object) -> None:
+    """A buffer reported by `count_kept` is no longer kept (its owner handed it on): drop it from every open
+    counter. Used by reversible blocks, which keep only the last output of a chain (model/reversible.py)."""
+    for counter in _ACTIVE:
+        counter.storages.pop(key, None)
+
+
 def add_memory_report(engine: Any, report: Callable[[], dict[str, float]]) -> None:
     """Register a pass's own measurement (offloaded bytes, compression ratio, ...) for the trainer's
     memory fields; `memory_reports(engine)` merges them."""

@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletrain.errors import ConfigError
 from scaletrain.memory.accounting import add_memory_report, count_kept, count_saved
+from scaletrain.memory.contiguous import Arena, Held, engine_arena, hold_copy
 from scaletrain.model.dropout import dropout_context
 from scaletrain.model.moe import MoE
 
@@ -89,8 +90,9 @@ class OffloadStats:
     peak: int = 0
     tensors: int = 0
 
-    def _add(self, buf: torch.Tensor) -> None:
-        n = buf.untyped_storage().nbytes()
+    def _add(self, buf: Any, n: int | None = None) -> None:
+        """Count `buf` (a tensor, or the holder of an arena slot of `n` bytes) until it is freed."""
+        n = buf.untyped_storage().nbytes() if n is None else n
         self.live += n
         self.peak = max(self.peak, self.live)
         self.tensors += 1
@@ -109,15 +111,22 @@ def _is_activation(t: torch.Tensor) -> bool:
 
 
 class _Shard:
-    """This tp rank's 1/tp slice of a replicated tensor, padded to a multiple of tp."""
+    """This tp rank's 1/tp slice of a replicated tensor, padded to a multiple of tp (in an arena slot with
+    memory.contiguous)."""
 
-    def __init__(self, t: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int):
+    def __init__(self, t: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int, arena: Arena | None = None):
         flat = t.detach().reshape(-1)
         per = -(-flat.numel() // size)
         piece = flat[rank * per:(rank + 1) * per]
-        self.data = torch.zeros(per, dtype=t.dtype, device=t.device)
-        self.data[:piece.numel()] = piece
+        self.held = Held(arena.take((per,), t.dtype, t.device)) if arena is not None else None
+        self._data = None if self.held is not None else torch.empty(per, dtype=t.dtype, device=t.device)
+        self.data.zero_()[:piece.numel()] = piece
         self.shape, self.numel, self.group, self.size = t.shape, flat.numel(), group, size
+        self.nbytes = per * t.element_size()
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.held.tensor if self.held is not None else self._data
 
     def gather(self, data: torch.Tensor) -> torch.Tensor:
         full = torch.empty(self.size * data.numel(), dtype=data.dtype, device=data.device)
@@ -126,14 +135,25 @@ class _Shard:
 
 
 class _Host:
-    """A copy of a tensor in host memory (pinned when it comes from a GPU), restored for backward."""
+    """A copy of a tensor in host memory (pinned when it comes from a GPU), restored for backward; in an arena
+    slot with memory.contiguous."""
 
-    def __init__(self, t: torch.Tensor, stats: OffloadStats):
+    def __init__(self, t: torch.Tensor, stats: OffloadStats, arena: Arena | None = None):
         self.device = t.device
         pin = t.device.type == "cuda"
-        self.data = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        self.data.copy_(t.detach(), non_blocking=pin)
-        stats._add(self.data)
+        self.nbytes = t.numel() * t.element_size()
+        if arena is not None:
+            self.held = hold_copy(t, arena, torch.device("cpu"), pin, keep_order=False)
+            stats._add(self.held, self.nbytes)
+            return
+        self.held = None
+        self._data = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        self._data.copy_(t.detach(), non_blocking=pin)
+        stats._add(self._data)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.held.tensor if self.held is not None else self._data
 
     def restore(self) -> torch.Tensor:
         return self.data.to(self.device, non_blocking=True)
@@ -147,15 +167,17 @@ class CheckpointHooks:
     offloading without recomputation) is copied once per save: correct, only less compact.
     """
 
-    def __init__(self, tp_group: dist.ProcessGroup | None, offload: bool, stats: OffloadStats):
+    def __init__(self, tp_group: dist.ProcessGroup | None, offload: bool, stats: OffloadStats,
+                 arena: Arena | None = None):
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.offload, self.stats = offload, stats
+        self.arena = arena  # memory.contiguous: kept checkpoints live in its slots (memory/contiguous.py)
 
     @property
     def active(self) -> bool:
-        return self.offload or self.tp_size > 1
+        return self.offload or self.tp_size > 1 or self.arena is not None
 
     def context(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack) if self.active else nullcontext()
@@ -164,19 +186,25 @@ class CheckpointHooks:
         if not _is_activation(t):
             count_saved(t)
             return t
-        shard = _Shard(t, self.tp_group, self.tp_size, self.tp_rank) if self.tp_size > 1 else None
+        shard = _Shard(t, self.tp_group, self.tp_size, self.tp_rank, self.arena) if self.tp_size > 1 else None
         data = shard.data if shard is not None else t
         if self.offload:
-            host = _Host(data, self.stats)
-            count_kept(("host", id(host.data)), host.data.untyped_storage().nbytes(), host=True)
+            host = _Host(data, self.stats, self.arena)
+            count_kept(("host", id(host)), host.nbytes, host=True)
             return (shard, host)
-        count_kept(("shard", id(shard.data)), shard.data.untyped_storage().nbytes())
+        if shard is None:  # memory.contiguous alone: the checkpoint is copied into the arena
+            held = hold_copy(t, self.arena)
+            count_kept(("arena", id(held)), held.nbytes)
+            return held
+        count_kept(("shard", id(shard)), shard.nbytes)
         return (shard, None)
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, Held):
+            return packed.tensor
         shard, host = packed
         data = host.restore() if host is not None else shard.data
         return shard.gather(data) if shard is not None else data
@@ -336,7 +364,8 @@ def apply_recompute(engine: Any, cfg: Any, mesh: Any) -> OffloadStats:
     mode = parse_recompute(mem.recompute)
     tp_group = mesh.group("tp") if mem.partition_checkpoints and mode.kind in ("full", "every") else None
     stats = OffloadStats()
-    hooks = CheckpointHooks(tp_group, mem.offload_activations, stats)
+    arena = engine_arena(engine) if getattr(mem, "contiguous", False) else None
+    hooks = CheckpointHooks(tp_group, mem.offload_activations, stats, arena)
     runs = block_runs(engine.module)
     blocks = [b for run in runs for b in run]
     if mode.kind == "selective":

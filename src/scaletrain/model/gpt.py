@@ -10,6 +10,7 @@ Shapes: B batch, T sequence, C = d_model, nh heads, hs = C / nh head size, V voc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -140,6 +141,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def make_block(cfg: ModelConfig, layer: int, context: DropoutContext) -> nn.Module:
+    """Block `layer`: the standard one, or with `model.reversible` a reversible block (model/reversible.py: a
+    different architecture whose backward rebuilds activations instead of storing them)."""
+    if cfg.reversible:
+        from scaletrain.model.reversible import ReversibleBlock
+
+        return ReversibleBlock(cfg, layer, context)
+    return Block(cfg, layer, context)
+
+
+def block_width(cfg: ModelConfig) -> int:
+    """Width of the blocks' attention and MLP: d_model, or d_model / 2 for reversible blocks (each acts on half
+    of the stream)."""
+    return cfg.d_model // 2 if cfg.reversible else cfg.d_model
+
+
+def head_size(cfg: ModelConfig) -> int:
+    return block_width(cfg) // cfg.n_heads
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -148,7 +169,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
         context = DropoutContext()  # shared by all dropout sites: the engine sets (step, row) per micro-batch
         self.drop = make_dropout(cfg, context, ("seq", "feature"))
-        self.blocks = nn.ModuleList(Block(cfg, i, context) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(make_block(cfg, i, context) for i in range(cfg.n_layers))
         self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -158,7 +179,7 @@ class GPT(nn.Module):
     def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.position != "rope":
             return None
-        cos, sin = rope_tables(T, self.cfg.d_model // self.cfg.n_heads)
+        cos, sin = rope_tables(T, head_size(self.cfg))
         return cos.to(device), sin.to(device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -187,8 +208,10 @@ def count_params(model: nn.Module) -> int:
 
 
 def model_flops_per_token(cfg: ModelConfig) -> int:
-    """Training FLOPs per token, 6N plus attention 6·L·T·C (forward+backward; Kaplan arXiv 2001.08361)."""
-    ff = ffn_size(cfg)
-    mats = 4 * cfg.d_model**2 + (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * ff
+    """Training FLOPs per token, 6N plus attention 6·L·T·C (forward+backward; Kaplan arXiv 2001.08361); the
+    blocks' C is `block_width` (d_model / 2 for reversible blocks, whose recomputation is not counted)."""
+    w = block_width(cfg)
+    ff = ffn_size(dataclasses.replace(cfg, d_model=w))
+    mats = 4 * w**2 + (3 if cfg.mlp == "swiglu" else 2) * w * ff
     n = cfg.n_layers * mats + cfg.d_model * cfg.vocab_size  # matmul parameters incl. the head
-    return 6 * n + 6 * cfg.n_layers * cfg.seq_len * cfg.d_model
+    return 6 * n + 6 * cfg.n_layers * cfg.seq_len * w

@@ -291,6 +291,10 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         engine.optimizer = nvme_optimizer(engine, cfg, mesh, comm, device)
     else:
         engine.optimizer = zero_from_config(engine.module, cfg, mesh, comm)
+    if cfg.memory.contiguous or cfg.memory.count_allocations:
+        from scaletrain.memory.contiguous import apply_contiguous_and_probe
+
+        apply_contiguous_and_probe(engine, cfg, device)  # ZeRO-R contiguous buffers; allocation count of a step
     return engine
 
 

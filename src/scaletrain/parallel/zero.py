@@ -143,6 +143,7 @@ class ZeroOptimizer:
         self.main_grads = low  # low-precision .grad is added into fp32 buffers by the hook, then dropped
         self.sync = True
         self.in_flight: list[tuple] = []  # reduce-scatters in flight: (group, work, output, input)
+        self.arena = None  # memory.contiguous: transient gradient buffers from this arena (`use_arena`)
         # ZeRO-3 parameter gathering: `unit` (each unit gathered before its forward and again before its
         # backward, released after each: the least memory) or `step` (every unit gathered once when a step
         # begins and kept until its backward work is done: for pipeline parallelism, whose schedules interleave
@@ -361,12 +362,26 @@ class ZeroOptimizer:
         if g.ready == len(g.params):
             self._reduce(g)
 
+    def use_arena(self, arena) -> None:
+        """memory.contiguous: stages 2-3 take each micro-batch's full-bucket gradient buffer and reduce-scatter output
+        from `arena` (slots reused every step, memory/contiguous.py) instead of allocating them."""
+        self.arena = arena
+
+    def _buffer(self, numel: int, zero: bool) -> torch.Tensor:
+        if self.arena is None:
+            return (torch.zeros if zero else torch.empty)(numel, dtype=self.grad_dtype, device=self.device)
+        slot = self.arena.zeros(numel, self.grad_dtype, self.device) if zero else \
+            self.arena.take((numel,), self.grad_dtype, self.device)
+        self._slots.append(slot)
+        return slot.tensor
+
     def _reduce(self, g: FlatGroup) -> None:
         """Reduce-scatter the bucket's gradients into the owned shard (async; finished in _complete)."""
+        self._slots: list = []
         if self.stage == 1:
             flat = g.grad_full
         else:
-            flat = torch.zeros(g.full.numel(), dtype=self.grad_dtype, device=self.device)
+            flat = self._buffer(g.full.numel(), zero=True)
             for p, off in zip(g.params, g.offsets):
                 if p.grad is not None:
                     flat[off: off + p.numel()].copy_(p.grad.reshape(-1))
@@ -375,18 +390,22 @@ class ZeroOptimizer:
                 self._release(g)
         if self.n == 1:
             self._complete(g, flat, None)
+            for slot in self._slots:
+                slot.release()
             return
         self.comm.add("reduce_scatter", (self.n - 1) / self.n * flat.numel() * flat.element_size())
-        out = g.own(flat) if self.stage == 1 else torch.empty(g.shard, dtype=flat.dtype, device=self.device)
+        out = g.own(flat) if self.stage == 1 else self._buffer(g.shard, zero=False)
         work = _reduce_scatter(out, flat, group=self.group, async_op=True)
-        self.in_flight.append((g, work, out, flat))
+        self.in_flight.append((g, work, out, flat, self._slots))
         if self.stage >= 2 and len(self.in_flight) > 2:  # bound the transient full-gradient buffers
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        g, work, out, flat = self.in_flight.pop(0)
+        g, work, out, flat, slots = self.in_flight.pop(0)
         work.wait()
         self._complete(g, flat, out)
+        for slot in slots:
+            slot.release()
 
     def _complete(self, g: FlatGroup, flat: torch.Tensor, out: torch.Tensor | None) -> None:
         if self.stage >= 2:  # stage 1 reduced in place: its shard is already a slice of grad_full

@@ -58,15 +58,24 @@ class ModelSpec:
     exactly as the engine does; 0 uses capacity_factor x top_k unrounded."""
     dropout: bool = False
     """Dropout masks are stored for backward (Korthikanti's 34 sbh counts them)."""
+    reversible: bool = False
+    """Reversible blocks (RevNet arXiv 1707.04585, Reformer arXiv 2001.04451; our `model.reversible`): attention
+    and MLP of width d_model / 2 on the two halves of the stream, nothing stored per layer, each layer's forward
+    run again in backward."""
     source: str = ""
+
+    @property
+    def width(self) -> int:
+        """Width of the blocks' attention and MLP: d_model, or d_model / 2 with reversible blocks."""
+        return self.d_model // 2 if self.reversible else self.d_model
 
     @property
     def ffn(self) -> int:
         if self.d_ff:
             return self.d_ff
         if self.mlp == "swiglu":
-            return 64 * math.ceil(8 * self.d_model / 3 / 64)
-        return 4 * self.d_model
+            return 64 * math.ceil(8 * self.width / 3 / 64)
+        return 4 * self.width
 
     @property
     def kv_heads(self) -> int:
@@ -74,7 +83,7 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.width // self.n_heads
 
     @property
     def n_moe_layers(self) -> int:
@@ -104,8 +113,10 @@ def check_model(m: ModelSpec) -> ModelSpec:
     for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
         if getattr(m, name) <= 0:
             raise UserError(f"model {name} must be positive, got {getattr(m, name)}")
-    if m.d_model % m.n_heads:
-        raise UserError(f"hidden size ({m.d_model}) is not divisible by heads ({m.n_heads})")
+    if m.reversible and m.d_model % 2:
+        raise UserError(f"reversible blocks split the hidden size ({m.d_model}) in two halves: it must be even")
+    if m.width % m.n_heads:
+        raise UserError(f"hidden size ({m.width}) is not divisible by heads ({m.n_heads})")
     if m.n_heads % m.kv_heads:
         raise UserError(f"heads ({m.n_heads}) is not divisible by kv heads ({m.kv_heads})")
     if m.mlp not in ("gelu", "swiglu"):
@@ -198,4 +209,5 @@ def from_model_config(mc, name: str = "config") -> ModelSpec:
         bias=mc.bias, dropout=mc.dropout > 0, n_experts=mc.moe.experts,
         top_k=(1 if mc.moe.router == "switch" else mc.moe.top_k) if mc.moe.experts else 1,
         moe_every=mc.moe.every, capacity_factor=mc.moe.capacity_factor, group_tokens=mc.moe.group_tokens,
+        reversible=getattr(mc, "reversible", False),
     ))

@@ -17,6 +17,7 @@ import json
 import sys
 
 from scaletrain.errors import UserError
+from scaletrain.guards import positive_float
 from scaletrain.plan import catalog, costs, hardware, report
 from scaletrain.plan.search import dedupe, parse_layout, search
 
@@ -29,7 +30,7 @@ def add_parser(subparsers) -> None:
     src.add_argument("--config", help="a scaletrain YAML config: predict that run")
     src.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="config override (with --config)")
-    src.add_argument("--params", type=float, help="bare parameter count: model-state memory only")
+    src.add_argument("--params", type=positive_float, help="bare parameter count: model-state memory only")
     dims = p.add_argument_group("custom dimensions")
     for flag, h in (("--layers", "transformer blocks"), ("--hidden", "d_model"),
                     ("--heads", "attention heads"), ("--vocab", "vocabulary size"),
@@ -38,9 +39,12 @@ def add_parser(subparsers) -> None:
                     ("--top-k", "experts per token")):
         dims.add_argument(flag, type=int, help=h)
     dims.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu")
-    dims.add_argument("--capacity-factor", type=float,
+    dims.add_argument("--capacity-factor", type=positive_float,
                       help="MoE expert slots per routed token-choice (default 1.25; 1.0 for catalog models)")
     dims.add_argument("--moe-every", type=int, help="every k-th block is MoE (default 1)")
+    dims.add_argument("--reversible", action="store_true",
+                      help="reversible blocks (RevNet/Reformer; our model.reversible): attention and MLP of width "
+                           "hidden/2 on the two halves of the stream, nothing stored per layer")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     hw = p.add_argument_group("cluster")
     hw.add_argument("--gpu", help=f"catalog GPU ({', '.join(hardware.CATALOG)}); default a100-80gb")
@@ -88,7 +92,7 @@ def _model(args) -> catalog.ModelSpec:
         if m.n_experts and (args.capacity_factor is not None or args.moe_every is not None):
             m = dataclasses.replace(m, capacity_factor=args.capacity_factor or m.capacity_factor,
                                     moe_every=args.moe_every or m.moe_every)
-        return catalog.check_model(m)
+        return catalog.check_model(dataclasses.replace(m, reversible=args.reversible))
     if all(x is not None for x in custom):
         if args.seq_len is None:
             raise UserError("custom dimensions need --seq-len")
@@ -97,7 +101,7 @@ def _model(args) -> catalog.ModelSpec:
             mlp=args.mlp, n_kv_heads=args.kv_heads or 0, n_experts=args.experts or 0,
             top_k=args.top_k or (2 if args.experts else 1),
             capacity_factor=1.25 if args.capacity_factor is None else args.capacity_factor,
-            moe_every=args.moe_every or 1))
+            moe_every=args.moe_every or 1, reversible=args.reversible))
     if any(x is not None for x in custom):
         missing = [f for f, x in zip(("--layers", "--hidden", "--heads", "--vocab"), custom) if x is None]
         raise UserError(f"custom dimensions are missing {', '.join(missing)}")
@@ -133,6 +137,12 @@ def run(args) -> int:
         raise UserError(f"--top must be >= 1, got {args.top}")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    from scaletrain.guards import check_output_file  # outputs checked before the search, not after it
+
+    if args.png is not None:
+        check_output_file(args.png, "--png", (".png",))
+    if args.html is not None:
+        check_output_file(args.html, "--html")
     if args.flops_budget is not None:
         from scaletrain.scaling.budget import run_budget
 
@@ -181,7 +191,7 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
 
     con = Console(width=None if sys.stdout.isatty() else 160)
     n = costs.total_params(model)
-    size = f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
+    size = report.count(n)
     title = (f"{model.name}: {size} params on {cluster.n_gpus} x "
              f"{cluster.gpu.name}, global batch {train.global_batch} x {model.seq_len} tokens "
              f"({evaluated} layouts evaluated)")
@@ -290,13 +300,15 @@ def _run_params(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    tab = Table(title=f"model states of {psi / 1e9:.4g}B params over dp={args.gpus} ({args.dtype}, K={k})")
-    for col in ("ZeRO", "params GB", "grads GB", "optimizer GB", "total GB", f"fits {gpu.name}"):
+    keys = ("params", "grads", "optimizer", "total")
+    unit, size = report.memory_unit([r["memory_bytes"][k_] for r in rows for k_ in keys])
+    tab = Table(title=f"model states of {report.count(psi)} params over dp={args.gpus} ({args.dtype}, K={k})",
+                caption=f"{unit} per GPU (1 {unit} = {size:,.0f} bytes)")
+    for col in ("ZeRO", f"params {unit}", f"grads {unit}", f"optimizer {unit}", f"total {unit}", f"fits {gpu.name}"):
         tab.add_column(col, justify="right")
     for r in rows:
         mb = r["memory_bytes"]
-        tab.add_row(str(r["layout"]["zero"]), *(f"{mb[k_] / 1e9:,.2f}" for k_ in
-                                                ("params", "grads", "optimizer", "total")),
+        tab.add_row(str(r["layout"]["zero"]), *(report.in_unit(mb[k_], size) for k_ in keys),
                     "yes" if r["fits"] else "no")
     Console(width=None if sys.stdout.isatty() else 160).print(tab)
     return 0

@@ -198,7 +198,7 @@ class ParamCounts:
 
 @functools.lru_cache(maxsize=256)
 def param_counts(m: ModelSpec) -> ParamCounts:
-    h, f, b = m.d_model, m.ffn, int(m.bias)
+    d, h, f, b = m.d_model, m.width, m.ffn, int(m.bias)  # stream and block widths (h < d: reversible blocks)
     kv = m.kv_heads * m.head_dim
     qkv = h * (h + 2 * kv) + b * (h + 2 * kv)
     proj_w, proj_b = h * h, b * h
@@ -214,10 +214,10 @@ def param_counts(m: ModelSpec) -> ParamCounts:
     moe = (qkv + proj_w, proj_b + 2 * norm + h * m.n_experts, m.n_experts * n_mats * h * f)
     layer_tp, layer_rep, layer_expert = (((L - Lm) * d + Lm * x) / L for d, x in zip(dense, moe))
     tensors_layers = (L - Lm) * (tensors_attn + tensors_mlp) + Lm * (tensors_attn + n_mats + 1)
-    position = m.seq_len * h if m.position == "learned" else 0
-    head = 0 if m.tie_embeddings else m.vocab_size * h
+    position = m.seq_len * d if m.position == "learned" else 0
+    head = 0 if m.tie_embeddings else m.vocab_size * d
     tensors = 1 + (position > 0) + tensors_layers + (1 + b) + (head > 0)
-    return ParamCounts(m.vocab_size * h, position, layer_tp, layer_rep, layer_expert, norm, head, tensors)
+    return ParamCounts(m.vocab_size * d, position, layer_tp, layer_rep, layer_expert, d * (1 + b), head, tensors)
 
 
 def total_params(m: ModelSpec) -> int:
@@ -227,7 +227,7 @@ def total_params(m: ModelSpec) -> int:
 
 def expert_params(m: ModelSpec) -> int:
     """Parameters of one expert MLP (bias-free)."""
-    return (3 if m.mlp == "swiglu" else 2) * m.d_model * m.ffn if m.n_experts else 0
+    return (3 if m.mlp == "swiglu" else 2) * m.width * m.ffn if m.n_experts else 0
 
 
 def active_params(m: ModelSpec) -> int:
@@ -273,7 +273,7 @@ def layer_matmul_flops(m: ModelSpec, padded: bool = True) -> tuple[float, float]
     MLPs, replicated over tp: routers and experts). An MoE layer's experts compute `expert_slots_per_token`
     rows per token when `padded` (capacity_factor x k: empty capacity slots are computed too, GShard /
     Switch), k rows otherwise (the useful work, for model FLOPs / MFU)."""
-    h, f = m.d_model, m.ffn
+    h, f = m.width, m.ffn
     kv = m.kv_heads * m.head_dim
     attn_mats = h * (h + 2 * kv) + h * h
     mlp = (3 if m.mlp == "swiglu" else 2) * h * f
@@ -285,17 +285,17 @@ def layer_matmul_flops(m: ModelSpec, padded: bool = True) -> tuple[float, float]
 def forward_flops_per_token(m: ModelSpec, padded: bool = True) -> tuple[float, float, float]:
     """(layer matmuls, attention core, logits) forward FLOPs per token for the whole model."""
     split, rep = layer_matmul_flops(m, padded)
-    return split + rep, 4.0 * m.n_layers * m.seq_len * m.d_model, 2.0 * m.vocab_size * m.d_model
+    return split + rep, 4.0 * m.n_layers * m.seq_len * m.width, 2.0 * m.vocab_size * m.d_model
 
 
 def step_flops(m: ModelSpec, tokens: float, recompute: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one optimizer step over `tokens` tokens. Model FLOPs count the
     routed tokens' expert work (6 N_active per token plus attention); hardware FLOPs also the empty
-    capacity slots and the recomputation."""
+    capacity slots and the recomputation (reversible blocks run every layer's forward again in backward)."""
     mats, attn, logits = forward_flops_per_token(m, padded=False)
     model = 3.0 * (mats + attn + logits) * tokens
     padded = forward_flops_per_token(m)[0]
-    extra = {"none": 0.0, "selective": attn, "full": padded + attn}[recompute]
+    extra = {"none": 0.0, "selective": attn, "full": padded + attn}[recompute] + (padded + attn) * m.reversible
     return model, model + (3.0 * (padded - mats) + extra) * tokens
 
 
@@ -312,7 +312,7 @@ def layer_activation_bytes(m: ModelSpec, tokens: float, t: int, sp: bool, recomp
     swiglu: 4e.f); attention core (standard, split over tp): softmax e.as, dropout mask as, dropout
     output e.as. With e=2, f=4h, kv=h and dropout this is exactly sbh(10 + 24/t + 5as/(ht)).
     """
-    h, f, a, s = m.d_model, m.ffn, m.n_heads, m.seq_len
+    h, f, a, s = m.width, m.ffn, m.n_heads, m.seq_len
     kv = m.kv_heads * m.head_dim
     drop = 1 if m.dropout else 0
     if recompute == "full":
@@ -339,7 +339,7 @@ def moe_layer_bytes_per_token(m: ModelSpec, elem: int) -> float:
     r = max(elem, 4)
     slots = m.expert_slots_per_token
     hidden = (4 if m.mlp == "swiglu" else 2) * m.ffn
-    return slots * elem * (hidden + 2 * m.d_model) + elem * m.d_model + r * (2 * m.n_experts + 1) + 16 * m.top_k
+    return slots * elem * (hidden + 2 * m.width) + elem * m.width + r * (2 * m.n_experts + 1) + 16 * m.top_k
 
 
 def inflight_chunks(schedule: str, p: int, m: int, v: int) -> int:
@@ -622,11 +622,11 @@ def factored_statistics(m: ModelSpec) -> float:
     matrix (an n x m matrix keeps n + m, not n·m) over the model's elements, weighted like the parameters.
     Our engine keeps them whole on every rank under ZeRO (`parallel/zero_factored.py`); they are tiny
     (about 2/d_model of the parameters)."""
-    h, f, kv = m.d_model, m.ffn, m.kv_heads * m.head_dim
+    d, h, f, kv = m.d_model, m.width, m.ffn, m.kv_heads * m.head_dim
     n_mats = 3 if m.mlp == "swiglu" else 2
     layer = (h + h + 2 * kv) + 2 * h + n_mats * (h + f)
-    position = m.seq_len + h if m.position == "learned" else 0
-    rows_cols = m.n_layers * layer + (m.vocab_size + h) * (1 + (not m.tie_embeddings)) + position
+    position = m.seq_len + d if m.position == "learned" else 0
+    rows_cols = m.n_layers * layer + (m.vocab_size + d) * (1 + (not m.tie_embeddings)) + position
     return rows_cols / total_params(m)
 
 
@@ -683,6 +683,8 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     if kind == "full":  # one segment's full activations live while it is recomputed
         acts += seg * layer_activation_bytes(m, tokens, t, lay.sequence_parallel, "none", train.attention, eb)
     sp_div = t if lay.sequence_parallel else 1
+    if m.reversible:  # a chunk keeps its output stream; one layer's activations live while it is rebuilt
+        acts = chunks * tokens * eb * h / sp_div + layer_act
     # first stage: embedding output (+ dropout mask) per in-flight microbatch; last stage: final norm
     # and head inputs plus fp32 logits for the loss, 4sbv/t (Korthikanti Sec. 4.3)
     first_extra = tokens * (eb + (1 if m.dropout else 0)) * h / sp_div * min(chunks, mbs)
@@ -738,7 +740,7 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     tokens = b * s
     n_gpus = lay.world
     peak = gpu.peak_flops
-    d = h / t
+    d = m.width / t
     eff = gpu.gemm_efficiency * d / (d + a.gemm_half_dim)
     hbm = gpu.hbm_bandwidth * a.hbm_efficiency
     mats_split, mats_rep = layer_matmul_flops(m)
@@ -752,7 +754,7 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     stored = layer_activation_bytes(m, tokens, t, lay.sequence_parallel, "none", train.attention, eb)
     t_mem = a.mem_traffic * stored / hbm
     tp_link = group_link(gpu, t, 1, a)
-    msg = tokens * h * eb
+    msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
     t_tp = 2 * allreduce_time(msg, t, tp_link)  # 2 all-reduces (or AG + RS pairs with sp) per pass
     # expert all-to-alls: dispatch + combine of capacity_factor x k slots per token, on the ep group (ranks
     # t apart: intra- or inter-node by `group_link`), per MoE layer; n_moe = the MoE share of the layers
@@ -764,7 +766,7 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     recompute = {"none": 0.0, "full": f_layer + t_tp + t_ep,
                  "selective": t_attn + (a.mem_traffic * (stored - layer_activation_bytes(
                      m, tokens, t, lay.sequence_parallel, "selective", train.attention, eb)) / hbm)}
-    r_layer = recompute[recompute_kind(lay.recompute)[0]]
+    r_layer = recompute[recompute_kind(lay.recompute)[0]] + recompute["full"] * m.reversible
     t_tp_b = t_tp * (1 - a.tp_overlap)
 
     # ---- stage level (the slower of the first and the last stage)
@@ -869,7 +871,7 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     }
     tp_bytes = 0.0
     if t > 1:
-        n_coll = 4 + (2 if recompute_kind(lay.recompute)[0] == "full" else 0)
+        n_coll = 4 + (2 if recompute_kind(lay.recompute)[0] == "full" or m.reversible else 0)
         tp_bytes = mbs * lps * n_coll * 2 * (t - 1) / t * msg
     ep_bytes = mbs * lps * n_moe * 4 * (lay.ep - 1) / lay.ep * a2a_bytes if lay.ep > 1 else 0.0
     pp_total = mbs * 2 * v * pp_bytes if p > 1 else 0.0

@@ -33,17 +33,41 @@ def gib(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
+MEM_LEGEND = "p/g/o/a/b = parameters / gradients / optimizer states / activations / buffers, per GPU"
+
+
+def memory_unit(values: list[float]) -> tuple[str, float]:
+    """(name, bytes) of the binary unit that shows the smallest non-zero value with a digit before the point
+    rounded to 0.1: GiB for billion-parameter models, MiB or KiB for small ones (never "0.0" for non-zero)."""
+    small = min((v for v in values if v > 0), default=GiB)
+    for name, size in (("GiB", GiB), ("MiB", float(1 << 20))):
+        if small >= 0.1 * size:
+            return name, size
+    return "KiB", 1024.0
+
+
+def count(n: float) -> str:
+    """A parameter count for people: 124.44M, 1.3B, 12,345."""
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def in_unit(x: float, size: float) -> str:
+    v = x / size
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
 def table(cands: list[Estimate], cluster: Cluster, title: str):
     from rich.table import Table
 
-    t = Table(title=title, show_lines=False)
-    for col in ("#", "layout", "fits", "mem GiB (p/g/o/a/b)", "total", "step s", "tokens/s", "MFU",
+    unit, size = memory_unit([c.memory[k] for c in cands for k in MEM_KEYS])
+    t = Table(title=title, show_lines=False, caption=MEM_LEGEND)
+    for col in ("#", "layout", "fits", f"mem {unit} (p/g/o/a/b)", f"total {unit}", "step s", "tokens/s", "MFU",
                 "bubble", "dominant"):
         t.add_column(col, justify="right" if col not in ("layout", "dominant") else "left")
     for i, c in enumerate(cands, 1):
-        mem = "/".join(gib(c.memory[k]) for k in MEM_KEYS)
+        mem = "/".join(in_unit(c.memory[k], size) for k in MEM_KEYS)
         fits = "yes" if c.fits else f"no (+{gib(c.over_by)} GiB)"
-        t.add_row(str(i), c.layout.short(), fits, mem, gib(c.memory["total"]), f"{c.step_time_s:.3g}",
+        t.add_row(str(i), c.layout.short(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
                   f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}", f"{c.bubble_fraction:.1%}",
                   TIME_LABELS.get(c.dominant, c.dominant))
     return t
@@ -67,7 +91,7 @@ def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> 
         if delta <= 0.01 * best.step_time_s:
             continue
         o, b = other.time_breakdown[key], best.time_breakdown[key]
-        parts.append(f"{TIME_LABELS[key]} {o:.3g} s vs {b:.3g} s")
+        parts.append(f"{TIME_LABELS[key]} {b:.3g} s vs {o:.3g} s")  # best first, as in the headline
     text = (f"{best.layout.short()} is {ratio:.2f}x faster than the runner-up {other.layout.short()}"
             f" ({best.step_time_s:.3g} s vs {other.step_time_s:.3g} s per step)")
     text += ": " + "; ".join(parts) + "." if parts else "."
@@ -80,13 +104,13 @@ def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> 
             notes.append(f"ZeRO-{ol.zero} moves {ob / bb:.2g}x the bytes of ZeRO-{bl.zero}"
                          + (" and its collectives cross nodes" if crosses else ""))
     if bl.pp != ol.pp or bl.schedule != ol.schedule or bl.virtual_stages != ol.virtual_stages:
-        notes.append(f"pipeline bubble {other.bubble_fraction:.1%} vs {best.bubble_fraction:.1%}")
+        notes.append(f"pipeline bubble {best.bubble_fraction:.1%} vs {other.bubble_fraction:.1%}")
     if bl.tp != ol.tp:
         gpn = cluster.gpu.gpus_per_node
-        notes.append(f"tp {ol.tp} vs {bl.tp}" + (" (tp beyond one node crosses InfiniBand)"
+        notes.append(f"tp {bl.tp} vs {ol.tp}" + (" (tp beyond one node crosses InfiniBand)"
                                                  if max(bl.tp, ol.tp) > gpn else ""))
     if bl.recompute != ol.recompute:
-        notes.append(f"recompute {ol.recompute} vs {bl.recompute}")
+        notes.append(f"recompute {bl.recompute} vs {ol.recompute}")
     if notes:
         text += " " + "; ".join(notes) + "."
     return text

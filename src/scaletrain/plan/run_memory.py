@@ -413,8 +413,22 @@ def chunk_saved_bytes(cfg: Config, stage: int, lo: int, hi: int) -> int:
     first, last = stage == 0, stage == S - 1
     tied_copy = last and not first and cfg.model.tie_embeddings and cfg.parallel.pp > 1 and \
         0 not in stage_ids(cfg, (S - 1) % cfg.parallel.pp)
+    if cfg.model.reversible:
+        return reversible_chunk_bytes(cfg, last) + outside_saved_bytes(cfg, first, last, tied_copy)
     return _block_bytes(cfg, lo, hi) + outside_saved_bytes(cfg, first, last, tied_copy) + \
         rope_table_bytes(cfg)
+
+
+def reversible_chunk_bytes(cfg: Config, last: bool) -> int:
+    """What a chunk of reversible blocks keeps for one microbatch, whatever its depth (model/reversible.py): its
+    last output, the stream (B, T, C) (a sequence shard with sp), from which backward rebuilds every block's
+    input; nothing per block (the forward runs without autograd, RoPE tables included). On the last stage in
+    fp32 / fp64 the final norm saves that same tensor as its input (counted in `outside_saved_bytes`); under
+    bf16 / fp16 the norm saves an fp32 copy instead, so the output counts as well."""
+    s = _sizes(cfg)
+    if last and not s["low"]:
+        return 0
+    return s["n"] * s["c"] * s["e"] // (s["t"] if s["sp"] else 1)
 
 
 def rope_table_bytes(cfg: Config) -> int:

@@ -18,6 +18,14 @@ import json
 from pathlib import Path
 
 from scaletrain.errors import UserError
+from scaletrain.guards import (
+    MAX_TIMELINE_OPS,
+    MAX_TIMELINE_STAGES,
+    bounded_int,
+    check_output_file,
+    nonneg_float,
+    positive_float,
+)
 
 
 def add_parser(sub) -> None:
@@ -35,13 +43,16 @@ def add_parser(sub) -> None:
     t = rsub.add_parser("timeline", help="pipeline schedule as a Gantt chart: planned, or measured in a run")
     t.add_argument("--run", default=None, help="a run directory (or its pipeline_trace.json): draw what was measured")
     t.add_argument("--schedule", default="1f1b", help="planned: gpipe, 1f1b, interleaved, zb-h1, 2bw")
-    t.add_argument("--pp", type=int, default=4, help="planned: pipeline stages (ranks)")
-    t.add_argument("--microbatches", type=int, default=8, help="planned: microbatches per step")
-    t.add_argument("--virtual-stages", type=int, default=1, help="planned: model chunks per rank (interleaved)")
-    t.add_argument("--t-f", type=float, default=1.0, help="planned: forward time of one microbatch on one stage")
-    t.add_argument("--t-b", type=float, default=2.0,
+    t.add_argument("--pp", type=bounded_int(1, MAX_TIMELINE_STAGES), default=4,
+                   help=f"planned: pipeline stages (ranks), at most {MAX_TIMELINE_STAGES}")
+    t.add_argument("--microbatches", type=bounded_int(1), default=8, help="planned: microbatches per step")
+    t.add_argument("--virtual-stages", type=bounded_int(1), default=1,
+                   help="planned: model chunks per rank (interleaved)")
+    t.add_argument("--t-f", type=positive_float, default=1.0,
+                   help="planned: forward time of one microbatch on one stage (any unit; the chart shows it)")
+    t.add_argument("--t-b", type=positive_float, default=2.0,
                    help="planned: backward time (the input-gradient part when --t-w > 0)")
-    t.add_argument("--t-w", type=float, default=0.0, help="planned: weight-gradient time (split backward)")
+    t.add_argument("--t-w", type=nonneg_float, default=0.0, help="planned: weight-gradient time (split backward)")
     t.add_argument("--out", default=None,
                    help="PNG to write (default: timeline.png, or the run's pipeline_timeline.png)")
     t.add_argument("--trace", default=None, help="also write the Chrome/Perfetto trace JSON here")
@@ -51,6 +62,8 @@ def add_parser(sub) -> None:
 def cmd_run(args) -> int:
     from scaletrain.report.run_page import write_report
 
+    if args.to is not None and not Path(args.to).is_dir():  # a folder: write_report says so itself
+        check_output_file(args.to, "--to")
     path = write_report(args.out, args.to, args.peak_flops, args.gpu, args.calibrate)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
@@ -68,6 +81,12 @@ def _planned(args) -> int:
     from scaletrain.parallel.pipeline.simulate import simulate
 
     p, m, v = args.pp, args.microbatches, args.virtual_stages
+    if p * m * v > MAX_TIMELINE_OPS:
+        raise UserError(f"--pp ({p}) x --microbatches ({m}) x --virtual-stages ({v}) = {p * m * v:,} is above the "
+                        f"limit of {MAX_TIMELINE_OPS:,} (one bar per microbatch per stage)")
+    out = check_output_file(args.out if args.out is not None else "timeline.png", "--out", (".png",))
+    if args.trace:
+        check_output_file(args.trace, "--trace", (".json",))
     problems = schedule_constraints(args.schedule, p, m, v)
     problems += [f"--{k} must be >= 0, got {x}" for k, x in (("t-f", args.t_f), ("t-b", args.t_b), ("t-w", args.t_w))
                  if x < 0]
@@ -77,10 +96,9 @@ def _planned(args) -> int:
                         .replace("parallel.schedule", "--schedule"))
     # Per-chunk times: a chunk holds 1/v of a stage, so every rank does the same work for any v.
     sim = simulate(build_schedule(args.schedule, p, m, v), args.t_f / v, args.t_b / v, args.t_w / v)
-    out = Path(args.out or "timeline.png")
     title = (f"{args.schedule}: pp={p}, microbatches={m}{f', virtual stages={v}' if v > 1 else ''};"
              f" bubble {sim.bubble:.3f}")
-    draw_timeline(sim, out, title=title)
+    draw_timeline(sim, out, title=title, time_unit="units of --t-f")
     if args.trace:
         Path(args.trace).write_text(json.dumps(to_chrome_trace(sim)))
     print(f"schedule        {args.schedule} (pp={p}, microbatches={m}, virtual stages={v}; "
@@ -103,7 +121,7 @@ def _measured(args) -> int:
         trace = tr.load(js)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{js} is not a scaletrain pipeline trace ({e})") from None
-    out = Path(args.out) if args.out else js.parent / tr.TRACE_PNG
+    out = check_output_file(args.out if args.out is not None else js.parent / tr.TRACE_PNG, "--out", (".png",))
     trace.draw(out)
     pred = trace.predicted()
     t_f, t_b, t_w = trace.op_times()

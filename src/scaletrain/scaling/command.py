@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+import time
 
 from scaletrain.errors import UserError
 from scaletrain.scaling.laws import LAWS, Optimum, get_law
@@ -110,8 +111,21 @@ def run_fit(args: argparse.Namespace) -> int:
         raise UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     approaches = _parse_approaches(args.approach) if args.approach else (1, 2, 3)
     required = approaches if args.approach else (3,)
+    from scaletrain.guards import check_output_dir, check_output_file
+
+    if args.plot is not None:
+        check_output_dir(args.plot, "--plot")  # before the fit: a bad folder must not cost the minute of fitting
+    if args.html is not None:
+        check_output_file(args.html, "--html")
     points = load_points(args.runs)
-    report = fit_all(points, approaches, bootstrap=args.bootstrap, seed=args.seed, required=required)
+    start = time.monotonic()
+
+    def progress(text: str) -> None:
+        print(f"fitting {text} ... ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    progress_fn = progress if sys.stderr.isatty() else None  # a person watching: say what the minute is spent on
+    report = fit_all(points, approaches, bootstrap=args.bootstrap, seed=args.seed, required=required,
+                     progress=progress_fn)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

@@ -485,6 +485,11 @@ def fit_approach3(final: Points, n_starts: int = 16, delta: float = HUBER_DELTA,
     if n <= 5:
         raise UserError(f"approach 3 fits 5 parameters (E, A, B, alpha, beta) and needs more than 5 final"
                         f" points (runs); got {n}")
+    for what, values, exponent in (("model sizes", final.params, "alpha"), ("token counts", final.tokens, "beta")):
+        distinct = np.unique(values)
+        if len(distinct) < 3:  # E + A/N^alpha has 3 unknowns along N: two sizes fit any alpha exactly
+            raise UserError(f"approach 3 cannot identify {exponent}: the runs have {len(distinct)} distinct "
+                            f"{what} ({', '.join(f'{v:.3g}' for v in distinct)}); add runs of at least 3")
     logn, logd, logl = np.log(final.params), np.log(final.tokens), np.log(final.loss)
     starts = _grid_starts(logn, logd, logl, delta, n_starts)
     with one_blas_thread():
@@ -548,21 +553,22 @@ def _bootstrap_frontier(fit: FrontierFit, points: Points, by_run: bool, refit, r
 
 
 def fit_all(points: Points, approaches: tuple[int, ...] = (1, 2, 3), bootstrap: int = 100,
-            seed: int = 0, required: tuple[int, ...] = (3,)) -> FitReport:
+            seed: int = 0, required: tuple[int, ...] = (3,), progress=None) -> FitReport:
     """Run the requested approaches. An approach in `required` that cannot run is a UserError; the
-    others are reported in `skipped` with the reason."""
+    others are reported in `skipped` with the reason. `progress(text)`, if given, hears each approach start."""
     with one_blas_thread():
-        return _fit_all(points, approaches, bootstrap, seed, required)
+        return _fit_all(points, approaches, bootstrap, seed, required, progress or (lambda text: None))
 
 
 def _fit_all(points: Points, approaches: tuple[int, ...], bootstrap: int, seed: int,
-             required: tuple[int, ...]) -> FitReport:
+             required: tuple[int, ...], progress) -> FitReport:
     final = points.final()
     report = FitReport(len(points), len(points.run_indices()), len(final))
 
     def attempt(k: int, fn) -> None:
         if k not in approaches:
             return
+        progress(f"approach {k}" + (f" (+ {bootstrap} bootstrap refits)" if bootstrap else ""))
         try:
             fn()
         except ApproachSkipped as e:

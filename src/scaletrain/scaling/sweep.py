@@ -292,8 +292,10 @@ def run_sweep(out: Path, minutes: float = 10.0, levels: int = 3, sizes: int = 5,
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
+    from scaletrain.guards import check_output_dir
     from scaletrain.scaling.command import parse_positive
 
+    check_output_dir(args.out, "--out")  # a folder that cannot be written fails here, not after the first run
     flops = parse_positive(args.flops, "--flops") if args.flops is not None else None
     with _torch_threads(1):
         summary = run_sweep(Path(args.out), args.minutes, args.levels, args.sizes, args.seed, flops)

@@ -50,7 +50,7 @@ def find_checkpoint(path: str | Path, note: bool = True) -> Path:
 
     p = Path(path)
     if not p.is_dir():
-        raise UserError(f"{p} is not a directory")
+        raise UserError(f"{p} is not a scaletrain run, a checkpoint or a folder of runs (not a directory)")
     if (p / ckpt.COMPLETE).exists() or (p / ckpt.META).exists() or any(p.glob("rank*.pt")):
         return p
     found = ckpt.latest(p / "checkpoints")

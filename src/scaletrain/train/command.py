@@ -10,6 +10,7 @@ from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.errors import UserError
+from scaletrain.guards import MAX_SAMPLE_TOKENS, bounded_int, check_out_dir, mark_run, nonneg_float
 
 
 def add_parser(sub) -> None:
@@ -32,9 +33,11 @@ def add_parser(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a run's newest checkpoint (any layout)")
     s.add_argument("--out", required=True, help="the run's output directory (or a folder of runs: the newest)")
     s.add_argument("--prompt", default="def ", help="text to continue")
-    s.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (the most likely token)")
-    s.add_argument("--top-k", type=int, default=50)
+    s.add_argument("--tokens", type=bounded_int(1, MAX_SAMPLE_TOKENS), default=200,
+                   help=f"tokens to generate (1 to {MAX_SAMPLE_TOKENS:,})")
+    s.add_argument("--temperature", type=nonneg_float, default=0.8,
+                   help="softmax temperature (>= 0; 0 = greedy: the most likely token)")
+    s.add_argument("--top-k", type=bounded_int(1), default=50, help="sample among the k likeliest tokens (>= 1)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_sample)
 
@@ -57,16 +60,9 @@ def cmd_config_show(args) -> int:
     if not args.doc:
         sys.stdout.write(cfg.to_yaml())
         return 0
-    from dataclasses import fields
+    from scaletrain.config_doc import doc_text
 
-    from scaletrain.config import field_docs
-
-    for section in fields(cfg):
-        node = getattr(cfg, section.name)
-        docs = field_docs(type(node))
-        print(f"{section.name}:")
-        for f in fields(node):
-            print(f"  {f.name}: {getattr(node, f.name)!r:<14} # {docs.get(f.name, '')}")
+    sys.stdout.write(doc_text(cfg))
     return 0
 
 
@@ -84,6 +80,8 @@ def cmd_train(args) -> int:
         validate(cfg, env.world_size)
         if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
             check_before_launch(cfg, Path(args.out), local_world_size(env.world_size))
+        if env.rank == 0:
+            mark_run(Path(args.out))  # under torchrun too, so a later `train --out` knows the folder is a run
         return run_worker(cfg, Path(args.out), env, **resume_args)
     from scaletrain.report.runinfo import set_user_command
 
@@ -92,10 +90,12 @@ def cmd_train(args) -> int:
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
     validate(cfg, nproc)
-    out = Path(args.out)
-    _check_out(out)
+    out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
     from scaletrain.data import load_tokens
+    from scaletrain.train.announce import first_line, status
 
+    first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
+    status(f"loading data ({cfg.data.source})")
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
     from scaletrain.train.resume import check_run
 
@@ -106,8 +106,10 @@ def cmd_train(args) -> int:
         check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (memory/budget.py)
     warn_if_too_big(cfg, nproc)
+    mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
+    status("building the model" if nproc == 1 else f"starting {nproc} processes")
     if nproc == 1:
-        return run_worker(cfg, out, None, **resume_args)
+        return run_single(cfg, out, **resume_args)
     from scaletrain.launch import launch_local
 
     argv = ["train", "--out", str(out)] + (["--reshard"] if args.reshard else [])
@@ -141,9 +143,15 @@ def warn_if_too_big(cfg: Config, nproc: int) -> None:
                          f"{where} is {have / 2**30:.2f} GiB; `scaletrain plan --config` shows layouts that fit\n")
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
+def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None) -> int:
+    """The single-process run; a diverged loss is one line on stderr (exit 1), as on N processes."""
+    from scaletrain.train.trainer import TrainingDiverged
+
+    try:
+        return run_worker(cfg, out, None, reshard, init_from)
+    except TrainingDiverged as e:
+        sys.stderr.write(f"scaletrain: error: training diverged: {e}\n")
+        return 1
 
 
 def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None) -> int:
@@ -219,11 +227,11 @@ def cmd_demo(args) -> int:
     with resources.as_file(text) as path:
         cfg = load_config(path, args.set)
     validate(cfg, 1)
-    out = Path(args.out or f"runs/demo/{time.strftime('%Y%m%d-%H%M%S')}")
-    _check_out(out)
+    out = check_out_dir(args.out if args.out is not None else f"runs/demo/{time.strftime('%Y%m%d-%H%M%S')}")
+    mark_run(out)
     print(f"scaletrain demo: {cfg.model.n_layers}-layer GPT (d_model {cfg.model.d_model}) on the embedded corpus "
           f"(Python standard library sources), {cfg.train.steps} steps -> {out}")
-    code = run_worker(cfg, out, None)
+    code = run_single(cfg, out)
     if code or args.no_prove:
         return code
     from scaletrain.verify import build_args, cmd_verify

@@ -282,8 +282,11 @@ class Trainer:
         self.mem.update(plan_memory(self.cfg))  # the planner's prediction beside the measurement
 
     def memory(self) -> dict[str, int]:
-        """Measured bytes per category (max over ranks) and the peak so far."""
-        return {**self.mem, "mem_peak": int(_max_over_world(peak_bytes(self.device)))}
+        """Measured bytes per category (max over ranks) and the peak so far (and, with memory.count_allocations,
+        the allocator calls of step 2: memory/contiguous.py)."""
+        from scaletrain.memory.contiguous import allocation_report
+
+        return {**self.mem, **allocation_report(self.engine), "mem_peak": int(_max_over_world(peak_bytes(self.device)))}
 
     # ------------------------------------------------------------------ loop
 

@@ -67,6 +67,13 @@ def to_chrome_trace(events: SimResult | Iterable[Any]) -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
+def legend_notes(multi_chunk: bool) -> list[str]:
+    """What the box labels and shading mean (in the legend beside the op colours)."""
+    if multi_chunk:
+        return ["label m.c = microbatch m, model chunk c", "lighter = later chunk"]
+    return ["label = microbatch"]
+
+
 def draw_timeline(
     sim_result_or_events: SimResult | Iterable[Any],
     path: str | os.PathLike,
@@ -92,16 +99,21 @@ def draw_timeline(
     t1 = max((e.end_s for e in evs), default=1.0)
     span = max(t1 - t0, 1e-12)
 
-    fig, ax = plt.subplots(figsize=(min(4 + len(evs) / (2.5 * n_rows), 24), 0.6 * n_rows + 1.6))
+    narrowest = min((e.end_s - e.start_s for e in evs if e.end_s > e.start_s), default=span)
+    # Wide enough that the narrowest box holds a 3-character label at 8 points (up to 30 inches).
+    fig_w = min(max(4 + len(evs) / (2.5 * n_rows), 0.32 * span / narrowest), 30)
+    fig, ax = plt.subplots(figsize=(fig_w, 0.6 * n_rows + 1.6))
+    top_chunk = max((x.chunk for x in evs), default=0)
     for e in evs:
         width = e.end_s - e.start_s
         # Later chunks are drawn lighter so the interleaving is visible.
-        alpha = 1.0 - 0.45 * (e.chunk / max(1, max(x.chunk for x in evs))) if multi_chunk else 1.0
+        alpha = 1.0 - 0.45 * (e.chunk / max(1, top_chunk)) if multi_chunk else 1.0
         ax.barh(e.rank, width, left=e.start_s - t0, height=0.8, color=colours[e.name], alpha=alpha,
                 edgecolor="black", linewidth=0.4)
-        if e.microbatch >= 0 and width > span / 150:
-            label = f"{e.microbatch}.{e.chunk}" if multi_chunk else str(e.microbatch)
-            ax.text(e.start_s - t0 + width / 2, e.rank, label, ha="center", va="center", fontsize=6,
+        label = f"{e.microbatch}.{e.chunk}" if multi_chunk else str(e.microbatch)
+        # 8-point text needs about 0.07 inch per character: label only the boxes it fits in (readable or none).
+        if e.microbatch >= 0 and width / span * 0.8 * fig_w > 0.07 * len(label) + 0.04:
+            ax.text(e.start_s - t0 + width / 2, e.rank, label, ha="center", va="center", fontsize=8,
                     color="white", clip_on=True)
     ax.set_yticks(range(n_rows))
     ax.set_yticklabels([f"rank {r}" for r in range(n_rows)])
@@ -110,8 +122,10 @@ def draw_timeline(
     ax.set_xlabel(f"time{f' ({time_unit})' if time_unit else ''}")
     ax.set_title(title)
     used = [n for n in colours if any(e.name == n for e in evs)]
-    fig.legend(handles=[Patch(color=colours[n], label=OP_LABELS.get(n, n)) for n in used],
-               loc="lower center", ncol=max(1, len(used)), fontsize=8, frameon=False)
+    handles = [Patch(color=colours[n], label=OP_LABELS.get(n, n)) for n in used]
+    for text in legend_notes(multi_chunk):
+        handles.append(Patch(color="none", label=text))
+    fig.legend(handles=handles, loc="lower center", ncol=max(1, len(handles)), fontsize=8, frameon=False)
     legend_height = 0.3 / (0.6 * n_rows + 1.6)  # about 0.3 inch, as a fraction of the figure
     fig.tight_layout(rect=(0, legend_height, 1, 1))
     fig.savefig(path, dpi=120)

@@ -148,10 +148,11 @@ def param_costs(cfg: ModelConfig) -> LayerCosts:
 
     The head counts its V x C weight even when tied to the embedding: the last stage holds its own copy.
     """
-    from scaletrain.model.gpt import Block
+    from scaletrain.model.dropout import DropoutContext
+    from scaletrain.model.gpt import make_block
 
     with torch.device("meta"):
-        block = sum(p.numel() for p in Block(cfg).parameters())
+        block = sum(p.numel() for p in make_block(cfg, 0, DropoutContext()).parameters())
     C, V = cfg.d_model, cfg.vocab_size
     embed = V * C + (cfg.seq_len * C if cfg.position == "learned" else 0)
     head = V * C + C * (2 if cfg.bias else 1)

@@ -111,9 +111,9 @@ class PipelineStages(nn.Module):
     def _rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.position != "rope":
             return None
-        from scaletrain.model.gpt import rope_tables
+        from scaletrain.model.gpt import head_size, rope_tables
 
-        cos, sin = rope_tables(T, self.cfg.d_model // self.cfg.n_heads)
+        cos, sin = rope_tables(T, head_size(self.cfg))
         return cos.to(device), sin.to(device)
 
 

@@ -1,0 +1,43 @@
+"""What `scaletrain train` says before its first step: the run in one line, then what it is waiting for.
+
+No paper. Starting a run can take 10-30 s on a CPU (tokenizing the corpus once, importing torch in every
+process, building the model), so as soon as the config is valid the launcher prints the layout, the parameter
+count (`plan.costs.total_params`, exactly what `model.gpt` builds), the steps and the output folder, notes a
+warm-up as long as the run, and then one status line per slow phase.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from scaletrain.config import Config
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def first_line(cfg: Config, nproc: int, out: Path) -> None:
+    """The run in one line (and a note when the warm-up covers the whole run)."""
+    from scaletrain.plan.catalog import from_model_config
+    from scaletrain.plan.costs import total_params
+
+    p, t = cfg.parallel, cfg.train
+    layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}" + (f" ep={p.ep}" if cfg.model.moe.experts else "")
+    resuming = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+    _say(f"scaletrain train: {total_params(from_model_config(cfg.model)):,} parameters, {layout} on {nproc} "
+         f"process{'es' if nproc > 1 else ''}, {t.steps} steps of {cfg.tokens_per_step:,} tokens, {t.dtype} "
+         f"-> {out}{' (resuming)' if resuming else ''}")
+    if t.warmup_steps >= t.steps:
+        from scaletrain.train.schedule import lr_at
+
+        _say(f"note: train.warmup_steps ({t.warmup_steps}) >= train.steps ({t.steps}): the learning rate only rises, "
+             f"to {lr_at(t.steps, t):g} at the last step (train.lr is {t.lr:g}); set train.warmup_steps lower for "
+             "a short run")
+
+
+def status(text: str) -> None:
+    """One line saying what the run is doing now (before the progress bar or the first metrics)."""
+    _say(f"  {text} ...")
+    sys.stdout.flush()
