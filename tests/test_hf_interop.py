@@ -146,3 +146,8 @@ def test_bad_hugging_face_directories_exit_2_before_training(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and fragment in err, (d.name, err)
         assert not (out / "checkpoints").exists()
+    out = tmp_path / "run-reversible"  # half-width reversible blocks have no Hugging Face counterpart
+    code = main(["train", "--out", str(out), "--init-from", str(hf_dir), *sets, "--set", "model.reversible=true"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "model.reversible=true" in err, err
+    assert not (out / "checkpoints").exists()

@@ -49,6 +49,9 @@ def hf_kind(m: ModelConfig) -> str:
     if m.moe.experts:
         raise UserError(f"model.moe.experts ({m.moe.experts}) > 0: mixture-of-experts models have no GPT-2 or "
                         "Llama equivalent to export to")
+    if getattr(m, "reversible", False):
+        raise UserError("model.reversible=true: reversible blocks (two half-width streams) have no GPT-2 or Llama "
+                        "equivalent")
     for kind, want in (("gpt2", {"position": "learned", "mlp": "gelu", "norm": "layernorm", "bias": True}),
                        ("llama", {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm", "bias": False})):
         if have == want:
