@@ -145,7 +145,10 @@ def run_dir(tmp_path_factory):
 
 
 def _fails(argv: list[str], capsys, *fragments: str) -> str:
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # refused by the argument parser (cli.py: one line, exit 2)
+        code = e.code
     err = capsys.readouterr().err.strip()
     assert code == 2, (argv, err)
     lines = err.splitlines()
