@@ -9,7 +9,8 @@ attention key bias, whose exact gradient is zero, are the largest). Every source
 a single process and another world size; sources are the issue's list: single, dp2 (ZeRO 0, 1, 3 + parameter
 offload), tp2 + sp, pp2 1F1B, pp2 interleaved v2, dp2 x tp2, MoE with ep2, PipeDream-2BW. More pairs carry
 Adafactor and SM3 (factored statistics) across tp, ZeRO and one process, a Llama-shaped model (RoPE, SwiGLU,
-RMSNorm, untied head) from tp2 + sp to one process and to ZeRO-3, and ZeRO-Infinity (shards in files) both ways.
+RMSNorm, untied head) from tp2 + sp to one process and to ZeRO-3, ZeRO-Infinity (shards in files) both ways, and
+2D tensor parallelism (a 2 x 2 grid: blocks of both matrix dimensions) both ways.
 PipeDream-2BW is compared with an independent implementation of its rule, and switching between 2BW and a
 synchronous schedule with the rule that `--reshard` documents (the older version is dropped; entering 2BW starts
 with W(t-1) = W(t)). The runs of five layouts (tp2 + sp, pp2 interleaved, ZeRO-Infinity, ep2, 2BW) save
@@ -62,6 +63,7 @@ LAYOUTS = {  # name: (family, parallel overrides)
                                      "parallel.virtual_stages": 2}),
     "dp2-tp2": ("dense", {"parallel.dp": 2, "parallel.tp": 2}),
     "dp4-zero2": ("dense", {"parallel.dp": 4, "parallel.zero": 2}),
+    "tp4-2d": ("dense", {"parallel.tp": 4, "parallel.tp_mode": "2d"}),
     "tp2-pp2-zb": ("dense", {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1"}),
     "pp2-dp2-zero3": ("dense", {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "parallel.schedule": "gpipe"}),
     "2bw": ("dense", {"parallel.pp": 2, "parallel.schedule": "2bw"}),
@@ -91,7 +93,8 @@ LAYOUTS = {  # name: (family, parallel overrides)
 CONTINUE = {  # source: targets (train step 3 under the target layout)
     "single": ["tp2-sp", "dp2-tp2", "pp2-interleaved-v2", "2bw"],
     "dp2": ["single", "pp2-1f1b", "dp4-zero2"],
-    "dp2-zero1": ["single", "dp2-zero3-offload", "tp2-pp2-zb"],
+    "dp2-zero1": ["single", "dp2-zero3-offload", "tp2-pp2-zb", "tp4-2d"],
+    "tp4-2d": ["single", "dp4-zero2"],
     "dp2-zero3-offload": ["single", "tp2-sp", "dp2-tp2"],
     "tp2-sp": ["single", "pp2-interleaved-v2", "dp4-zero2", "dp2-zero3-nvme"],
     "dp2-zero3-nvme": ["single", "pp2-1f1b"],
@@ -277,7 +280,7 @@ def test_every_source_continues_exactly_under_three_other_layouts(runs):
     worst = 0.0
     for source, targets in CONTINUE.items():
         # beyond the matrix: optimizers, RMSNorm, ZeRO-Infinity's shards in files
-        extra = LAYOUTS[source][0] in ("ada", "sm3", "llama") or source == "dp2-zero3-nvme"
+        extra = LAYOUTS[source][0] in ("ada", "sm3", "llama") or source in ("dp2-zero3-nvme", "tp4-2d")
         assert len(targets) >= 3 or extra
         if not extra:  # the matrix: single and another world size
             assert any(_world(t) == 1 for t in targets) or source == "single", source

@@ -137,6 +137,12 @@ class ParallelConfig:
     """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
     timeout_s: float = 300.0
     """Timeout of every process group, in seconds: a stuck collective fails instead of hanging."""
+    tp_mode: str = "1d"
+    """How the parallel.tp ranks split the model: `1d` (Megatron-LM), `2d` (Optimus, SUMMA on a q x q grid, arXiv
+    2104.05343), `2.5d` (Tesseract, parallel.tp_depth x q x q, arXiv 2105.14500) or `3d` (q x q x q, arXiv
+    2105.14450); 2d/2.5d/3d also split every activation (docs/tensor_parallel.md)."""
+    tp_depth: int = 1
+    """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
 
 
 @dataclass
@@ -551,7 +557,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 
         for what, value in (("model.n_heads", m.n_heads), ("model.d_model", m.d_model),
                             ("the MLP hidden size model.d_ff", ffn_size(m))):
-            if value % p.tp:
+            if value % p.tp and p.tp_mode == "1d":  # the grid modes: _validate_tp_nd
                 errors.append(f"{what} ({value}) is not divisible by parallel.tp ({p.tp})")
         if world_size is not None and p.tp > world_size:
             errors.append(f"parallel.tp ({p.tp}) is larger than the number of processes ({world_size})")
@@ -561,6 +567,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
     errors += _validate_norm(cfg)
+    errors += _validate_tp_nd(cfg)
     errors += _validate_reversible(cfg)
     errors += _validate_contiguous(cfg)
     errors += _validate_nvme(cfg)
@@ -643,6 +650,85 @@ def _validate_norm(cfg: Config) -> list[str]:
     if cfg.model.norm not in ("layernorm", "rmsnorm"):
         return [f"model.norm must be layernorm or rmsnorm, got {cfg.model.norm!r}"]
     return []
+
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+
+
+def _validate_tp_nd(cfg: Config) -> list[str]:
+    """2D / 2.5D / 3D tensor parallelism (parallel/tensor_nd/, docs/tensor_parallel.md): the grid's shape, what it
+    splits, and the combinations not made to work with it (each refused with its reason)."""
+    from scaletrain.parallel.tensor_nd.grid import grid_shape
+
+    p, m, t, mem = cfg.parallel, cfg.model, cfg.train, cfg.memory
+    mode = p.tp_mode
+    if mode not in TP_MODES:
+        return [f"parallel.tp_mode must be one of {', '.join(TP_MODES)}, got {mode!r}"]
+    if mode != "2.5d" and p.tp_depth != 1:
+        return [f"parallel.tp_depth ({p.tp_depth}) is the depth of parallel.tp_mode=2.5d; it must be 1 with "
+                f"parallel.tp_mode={mode}"]
+    if p.tp_depth < 1:
+        return [f"parallel.tp_depth must be >= 1, got {p.tp_depth}"]
+    if mode == "1d":
+        return []
+    shape = grid_shape(mode, p.tp, p.tp_depth)
+    if shape is None:
+        need = {"2d": "a square q x q", "2.5d": f"parallel.tp_depth ({p.tp_depth}) x q x q", "3d": "a cube q x q x q"}
+        return [f"parallel.tp ({p.tp}) is not {need[mode]} for parallel.tp_mode={mode}"]
+    errors: list[str] = []
+    d, q, rows = shape.depth, shape.q, shape.row_blocks
+    if q < 2:
+        errors.append(f"parallel.tp_mode={mode} needs a grid side q >= 2, got parallel.tp ({p.tp})")
+    if mode == "2.5d" and d < 2:
+        errors.append("parallel.tp_mode=2.5d needs parallel.tp_depth >= 2 (depth 1 is parallel.tp_mode=2d)")
+    if t.micro_batch % rows:
+        errors.append(f"parallel.tp_mode={mode} splits each micro-batch into {rows} blocks of sequences: "
+                      f"train.micro_batch ({t.micro_batch}) is not divisible by {rows}")
+    from scaletrain.model.gpt import ffn_size
+
+    if m.n_heads % q:
+        errors.append(f"model.n_heads ({m.n_heads}) is not divisible by the grid side q ({q}) of "
+                      f"parallel.tp_mode={mode}")
+    for what, value in (("model.d_model", m.d_model), ("the MLP hidden size model.d_ff", ffn_size(m))):
+        if value % (q * q):
+            errors.append(f"{what} ({value}) is not divisible by q x q ({q * q}) of parallel.tp_mode={mode}")
+    why = f"with parallel.tp_mode={mode} is not available"
+    if p.sequence_parallel:
+        errors.append(f"parallel.sequence_parallel {why}: it is 1d (Megatron) sequence parallelism, and the grid "
+                      "modes already split every activation")
+    if p.zero >= 2:
+        errors.append(f"parallel.zero={p.zero} {why} (ZeRO-1 is): ZeRO-2/3's gradient and parameter hooks are not "
+                      "wired to the grid's layers")
+    if p.offload != "none":
+        errors.append(f"parallel.offload={p.offload} {why}")
+    if p.pp > 1 and mode != "2d":
+        errors.append(f"parallel.pp ({p.pp}) > 1 {why} (parallel.tp_mode=2d is): 2.5d/3d stages are not wired "
+                      "into the pipeline")
+    if p.dp > 1 and mode != "2d":
+        errors.append(f"parallel.dp ({p.dp}) > 1 {why} (parallel.tp_mode=2d is): dp x {mode} needs 16 or more "
+                      "processes, more than any equivalence test runs")
+    if p.pp > 1 and p.partition == "time":
+        errors.append(f"parallel.partition=time {why}: its profile runs one rank's blocks alone, and a grid block "
+                      "needs its row and column peers (use uniform, params or block counts)")
+    if p.pp > 1 and p.schedule in ("zb-h1", "2bw"):
+        errors.append(f"parallel.schedule={p.schedule} {why}: zero-bubble's split backward would run the grid's "
+                      "backward collectives twice, and 2BW's weight versions are not wired to it")
+    if m.moe.experts:
+        errors.append(f"model.moe.experts ({m.moe.experts}) > 0 {why}: experts are not split over the grid")
+    if cfg.optim.name != "adamw":
+        errors.append(f"optim.name={cfg.optim.name} {why}: its factored statistics are placed for 1d shards only")
+    if m.dropout > 0 and m.dropout_impl == "torch":
+        errors.append(f"model.dropout_impl=torch {why}: use the layout-independent global dropout")
+    if mem.partition_checkpoints or mem.offload_activations or mem.compress != "none":
+        errors.append(f"memory.partition_checkpoints, memory.offload_activations and memory.compress {why}: "
+                      "block inputs are split over the grid already")
+    if t.log_noise_scale:
+        errors.append(f"train.log_noise_scale {why}")
+    if m.reversible:
+        errors.append(f"model.reversible {why}: the grid's layers are not wired into the reverse pass")
+    if mem.contiguous:
+        errors.append(f"memory.contiguous {why}: its arenas are not wired to the grid's blocks")
+    return errors
 
 
 def _validate_reversible(cfg: Config) -> list[str]:

@@ -9,10 +9,19 @@ no-ops, so the single-process run is the same code path with trivial groups.
 Expert parallelism is carved from dp rather than being a grid axis: `ep` groups (each dp group cut into
 dp/ep runs of ep consecutive dp ranks, which split the experts) and `edp` groups (the ranks of a dp group
 holding the same experts, over which expert gradients are reduced) are built as extra groups (docs/moe.md).
+
+2D, 2.5D and 3D tensor parallelism (`parallel.tp_mode`, docs/tensor_parallel.md) arrange the t ranks of a tp group
+as a grid, `arange(t).view(depth, rows, cols)`: (1, q, q) for 2d (Optimus, arXiv 2104.05343), (d, q, q) for 2.5d
+(Tesseract, arXiv 2105.14500), (q, q, q) for 3d (Bian et al., arXiv 2105.14450). Its groups are named by what they
+are, not by the coordinate that varies: `tp_row` is this rank's grid row (same depth and row, every column),
+`tp_col` its grid column, `tp_dep` its depth fibre, `tp_dep_row` / `tp_dep_col` the planes of every depth and
+column (row) through it (3d), and `dp_dep` the ranks holding the same 2.5d weights (every dp and depth
+coordinate). `ParallelDims.tp_subgroups()` lists those a mode uses; `Mesh.build` creates them after the others.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -23,6 +32,12 @@ from scaletrain.errors import ConfigError
 
 ORDER = ("pp", "dp", "tp")  # outermost to innermost
 EXPERT_DIMS = ("ep", "edp")  # groups inside dp (expert parallelism), built after the grid's
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+# the tp grid's groups: the axes of the (pp, dp, depth, row, col) view that vary inside each
+TP_GRID_GROUPS = {"tp_row": (4,), "tp_col": (3,), "tp_dep": (2,), "tp_dep_row": (2, 4), "tp_dep_col": (2, 3),
+                  "dp_dep": (1, 2)}
+_TP_SUBGROUPS = {"1d": (), "2d": ("tp_row", "tp_col"), "2.5d": ("tp_row", "tp_col", "tp_dep", "dp_dep"),
+                 "3d": ("tp_row", "tp_col", "tp_dep", "tp_dep_row", "tp_dep_col")}
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,8 @@ class ParallelDims:
     dp: int = 1
     tp: int = 1
     ep: int = 1  # expert parallelism, carved from dp: not a grid axis of its own
+    tp_mode: str = "1d"  # 1d (Megatron), 2d, 2.5d, 3d: how the tp group is arranged (module docstring)
+    tp_depth: int = 1  # d of 2.5d
 
     def __post_init__(self) -> None:
         for name in (*ORDER, "ep"):
@@ -38,6 +55,32 @@ class ParallelDims:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.dp % self.ep:
             raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp})")
+        if self.tp_mode not in TP_MODES:
+            raise ConfigError(f"parallel.tp_mode must be one of {', '.join(TP_MODES)}, got {self.tp_mode!r}")
+        d, r, c = self.tp_grid()
+        if d * r * c != self.tp:
+            raise ConfigError(f"parallel.tp ({self.tp}) is not a {self.tp_mode} grid (parallel.tp_depth "
+                              f"{self.tp_depth}): 2d needs q*q, 2.5d tp_depth*q*q, 3d q*q*q ranks")
+
+    @classmethod
+    def from_config(cls, par) -> ParallelDims:
+        """The dims of a `config.ParallelConfig`."""
+        return cls(pp=par.pp, dp=par.dp, tp=par.tp, ep=par.ep, tp_mode=par.tp_mode, tp_depth=par.tp_depth)
+
+    def tp_grid(self) -> tuple[int, int, int]:
+        """(depth, rows, columns) of the tp group's grid; (1, 1, tp) for 1d."""
+        if self.tp_mode == "1d":
+            return 1, 1, self.tp
+        depth = self.tp_depth if self.tp_mode == "2.5d" else 1
+        per_layer = self.tp // depth if depth and self.tp % depth == 0 else 0
+        q = round(per_layer ** (1 / 3 if self.tp_mode == "3d" else 1 / 2)) if per_layer else 0
+        if self.tp_mode == "3d":
+            return q, q, q
+        return depth, q, q
+
+    def tp_subgroups(self) -> tuple[str, ...]:
+        """Names of the tp grid's groups this mode uses (module docstring)."""
+        return _TP_SUBGROUPS[self.tp_mode]
 
     @property
     def world_size(self) -> int:
@@ -54,9 +97,15 @@ class ParallelDims:
         return dict(zip(ORDER, idx))
 
     def group_ranks(self, dim: str) -> list[list[int]]:
-        """All groups along `dim`: lists of global ranks that differ only in that coordinate."""
+        """All groups along `dim`: lists of global ranks that differ only in that coordinate (for the tp grid's
+        groups, `TP_GRID_GROUPS`, in the coordinates that vary inside it), each in increasing rank order."""
         if dim in EXPERT_DIMS:
             return self.expert_group_ranks(dim)
+        if dim in TP_GRID_GROUPS:
+            axes = TP_GRID_GROUPS[dim]
+            g = self.grid().view(self.pp, self.dp, *self.tp_grid())
+            g = g.movedim(axes, tuple(range(5 - len(axes), 5)))
+            return g.reshape(-1, math.prod(g.shape[5 - len(axes):])).tolist()
         axis = ORDER.index(dim)
         g = self.grid().movedim(axis, -1).reshape(-1, getattr(self, dim))
         return g.tolist()
@@ -103,6 +152,11 @@ class Mesh:
                 g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     groups[dim], members[dim] = g, ranks
+        for dim in dims.tp_subgroups():  # the 2d / 2.5d / 3d grid (module docstring)
+            for ranks in dims.group_ranks(dim):
+                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                if rank in ranks:
+                    groups[dim], members[dim] = g, ranks
         return cls(dims, rank, groups, members)
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
@@ -111,6 +165,8 @@ class Mesh:
     def size(self, dim: str) -> int:
         if dim == "edp":
             return self.dims.dp // self.dims.ep
+        if dim in TP_GRID_GROUPS:
+            return len(self.members[dim])
         return getattr(self.dims, dim)
 
     def local_rank(self, dim: str) -> int:

@@ -96,6 +96,9 @@ def cmd_verify(args) -> int:
         cfg.model, cfg.train, cfg.optim, cfg.data, cfg.memory)
     validate(ref_cfg, 1)
     layout = f"dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}"
+    if cfg.parallel.tp_mode != "1d":  # 2d / 2.5d / 3d tensor parallelism (docs/tensor_parallel.md)
+        layout += f" tp_mode={cfg.parallel.tp_mode}" + (f" tp_depth={cfg.parallel.tp_depth}"
+                                                        if cfg.parallel.tp_mode == "2.5d" else "")
     procs = f"{cfg.world_size} process{'es' if cfg.world_size > 1 else ''}"
     print(f"verify: {layout} ({procs}) against 1 process, {cfg.train.steps} steps, {args.dtype}")
     ref_losses, ref_state = run(ref_cfg)

@@ -99,8 +99,9 @@ class _ApplyMask(torch.autograd.Function):
 class GlobalDropout(nn.Module):
     """Inverted dropout with a layout-independent mask (module docstring).
 
-    `x` is (rows, d1, d2, ...): dim 0 are samples (global row = context row + local row); `offsets[d] = (start,
-    total)` places the local coordinates of dim d in the global tensor (default: start 0, total = local size).
+    `x` is (rows, d1, d2, ...): dim 0 are samples (global row = context row + local row, + `offsets[0][0]` when the
+    rank holds a block of the micro-batch's samples); `offsets[d] = (start, total)` places the local coordinates of
+    dim d in the global tensor (default: start 0, total = local size).
     `roles` names the non-batch dims (`seq`, `head`, `feature`, ...) so a parallel pass knows which one it
     splits. `forward(x, index=...)` takes explicit global indices instead (broadcastable to x), for tensors
     whose elements are not a box of a global tensor (MoE expert slots)."""
@@ -119,7 +120,9 @@ class GlobalDropout(nn.Module):
         return name_seed(c.seed, f"dropout/{c.step}/{self.site}")
 
     def global_index(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        index = torch.arange(shape[0], device=device, dtype=torch.int64) + self.context.row
+        # offsets[0] = (first row, _): a rank holding a block of the micro-batch's samples (2d / 2.5d / 3d tp)
+        index = torch.arange(shape[0], device=device, dtype=torch.int64) + self.context.row + \
+            self.offsets.get(0, (0, 0))[0]
         for d in range(1, len(shape)):
             start, total = self.offsets.get(d, (0, shape[d]))
             coord = torch.arange(start, start + shape[d], device=device, dtype=torch.int64)

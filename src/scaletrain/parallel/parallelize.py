@@ -254,7 +254,11 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         from scaletrain.model.dropout import dropout_context
 
         engine.dropout = dropout_context(engine.module)  # None with model.dropout_impl=torch
-    if cfg.parallel.tp > 1:
+    if cfg.parallel.tp > 1 and cfg.parallel.tp_mode != "1d":
+        from scaletrain.parallel.tensor_nd import apply_tp_nd
+
+        apply_tp_nd(engine, cfg, mesh, comm)  # 2d / 2.5d / 3d: the grid's layers, activations split too
+    elif cfg.parallel.tp > 1:
         from scaletrain.parallel.tensor_parallel import apply_tp
 
         apply_tp(engine, cfg, mesh, comm)  # swaps modules for column/row/vocab-parallel ones, sets loss_fn
@@ -284,18 +288,24 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
 
         engine.optimizer = ExpertParallelOptimizer.from_config(engine.module, params, cfg, mesh, comm)  # experts: edp
     elif cfg.parallel.zero == 0:
-        engine.optimizer = ReplicatedOptimizer.from_config(params, cfg, mesh, comm)
+        engine.optimizer = ReplicatedOptimizer.from_config(params, cfg, mesh, comm, dim=_grad_dim(cfg))
     elif cfg.parallel.offload == "nvme":
         from scaletrain.memory.offload_nvme import nvme_optimizer
 
         engine.optimizer = nvme_optimizer(engine, cfg, mesh, comm, device)
     else:
-        engine.optimizer = zero_from_config(engine.module, cfg, mesh, comm)
+        engine.optimizer = zero_from_config(engine.module, cfg, mesh, comm, dim=_grad_dim(cfg))
     if cfg.memory.contiguous or cfg.memory.count_allocations:
         from scaletrain.memory.contiguous import apply_contiguous_and_probe
 
         apply_contiguous_and_probe(engine, cfg, device)  # ZeRO-R contiguous buffers; allocation count of a step
     return engine
+
+
+def _grad_dim(cfg: Config) -> str:
+    """The group the optimizer reduces gradients over: dp, or dp x depth for 2.5d tensor parallelism (its depth
+    layers hold the same weights, parallel/tensor_nd/tp2p5d.py)."""
+    return "dp_dep" if cfg.parallel.tp_mode == "2.5d" else "dp"
 
 
 def zero_from_config(module: nn.Module, cfg: Config, mesh: Mesh, comm: CommStats, params=None, dim: str = "dp"):

@@ -217,7 +217,8 @@ def config_layout(cfg) -> costs.Layout:
     return costs.Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero, micro_batch=t.micro_batch,
                         recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
                         virtual_stages=par.virtual_stages,
-                        sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload)
+                        sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
+                        tp_mode=par.tp_mode, tp_depth=par.tp_depth)
 
 
 def config_training(cfg) -> costs.Training:
@@ -239,7 +240,10 @@ def _run_config(args) -> int:
     model = catalog.from_model_config(cfg.model, name=args.config)
     lay, train = config_layout(cfg), config_training(cfg)
     args.gpus = cfg.world_size
-    if not (args.gpu or args.cluster or args.calibrate):
+    if cfg.parallel.tp_mode != "1d" and args.calibrate:
+        raise UserError(f"--calibrate profiles 1d tensor-parallel blocks; a parallel.tp_mode={cfg.parallel.tp_mode} "
+                        "run is predicted with --gpu or --cluster (memory exact, time from the analytic model)")
+    if not (args.gpu or args.cluster or args.calibrate) and cfg.parallel.tp_mode == "1d":
         args.calibrate = True
     pred = costs.predict_run(cfg)
     extra: dict = {"run_prediction": pred}

@@ -103,6 +103,10 @@ class Layout:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     offload: str = "none"
+    tp_mode: str = "1d"
+    """`1d` (Megatron), `2d`, `2.5d`, `3d` (plan/tp_nd.py)."""
+    tp_depth: int = 1
+    """The depth d of tp_mode=2.5d."""
 
     @property
     def world(self) -> int:
@@ -110,10 +114,13 @@ class Layout:
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute",
-                                               "schedule", "virtual_stages", "sequence_parallel", "offload")}
+                                               "schedule", "virtual_stages", "sequence_parallel", "offload",
+                                               "tp_mode", "tp_depth")}
 
     def short(self) -> str:
-        s = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth})" if self.tp_depth > 1
+                                                                      else ")")
+        s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
         s += f" z{self.zero} mb{self.micro_batch} {self.recompute}"
@@ -581,9 +588,13 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
     if n_gpus is not None and lay.world != n_gpus:
         raise UserError(f"layout dp ({lay.dp}) x tp ({lay.tp}) x pp ({lay.pp}) = {lay.world}"
                         f" does not match --gpus ({n_gpus})")
-    if m.n_heads % lay.tp:
+    if lay.tp_mode != "1d" or lay.tp_depth != 1:  # 2d / 2.5d / 3d: the grid's own constraints
+        from scaletrain.plan import tp_nd
+
+        tp_nd.check_layout(m, lay)
+    elif m.n_heads % lay.tp:
         raise UserError(f"heads ({m.n_heads}) is not divisible by tp ({lay.tp})")
-    if m.kv_heads % lay.tp and lay.tp % m.kv_heads:
+    elif m.kv_heads % lay.tp and lay.tp % m.kv_heads:
         raise UserError(f"kv heads ({m.kv_heads}) and tp ({lay.tp}) do not divide each other")
     chunks = lay.pp * lay.virtual_stages
     if m.n_layers % chunks:
@@ -672,17 +683,24 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     edp = lay.dp // lay.ep
     first, last = stage_params(m, lay)
     tokens = b * s
+    if lay.tp_mode != "1d":  # 2d / 2.5d / 3d (plan/tp_nd.py): their parameters per rank
+        from scaletrain.plan import tp_nd
+
+        if lay.tp_mode == "2.5d":  # the same bytes and times as 2d with d times the dp (tp_nd.as_2d)
+            return replace(estimate(m, gpu, train, tp_nd.as_2d(lay), a, n_gpus, memory_only), layout=lay)
+        first, last = tp_nd.stage_params(m, lay)
 
     # ---- memory of the most loaded rank (first or last stage)
-    sp = lay.sequence_parallel
+    # (the grid modes split every activation over the t ranks: Korthikanti's fully partitioned form, as with sp)
+    sp = lay.sequence_parallel or lay.tp_mode != "1d"
     kind, seg = recompute_kind(lay.recompute)
     layer_act = layer_activation_bytes(m, tokens, t, sp, kind, train.attention, eb)
     layers_per_chunk = m.n_layers / (p * v)
     chunks = inflight_chunks(lay.schedule, p, mbs, v)
     acts = layer_act * layers_per_chunk * chunks / seg  # every:k keeps one input per segment of k blocks
     if kind == "full":  # one segment's full activations live while it is recomputed
-        acts += seg * layer_activation_bytes(m, tokens, t, lay.sequence_parallel, "none", train.attention, eb)
-    sp_div = t if lay.sequence_parallel else 1
+        acts += seg * layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
+    sp_div = t if sp else 1
     if m.reversible:  # a chunk keeps its output stream; one layer's activations live while it is rebuilt
         acts = chunks * tokens * eb * h / sp_div + layer_act
     # first stage: embedding output (+ dropout mask) per in-flight microbatch; last stage: final norm
@@ -740,7 +758,8 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     tokens = b * s
     n_gpus = lay.world
     peak = gpu.peak_flops
-    d = m.width / t
+    nd = lay.tp_mode != "1d"  # 2d / 3d (plan/tp_nd.py): a rank's GEMMs are h/q wide, every activation is split
+    d = m.width / t if not nd else m.width / round(t ** (0.5 if lay.tp_mode == "2d" else 1 / 3))
     eff = gpu.gemm_efficiency * d / (d + a.gemm_half_dim)
     hbm = gpu.hbm_bandwidth * a.hbm_efficiency
     mats_split, mats_rep = layer_matmul_flops(m)
@@ -751,11 +770,16 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     t_gemm = tokens * (mats_split / t + mats_rep) / m.n_layers / (peak * eff)
     attn_eff = eff * (a.attn_efficiency if train.attention == "standard" else 1.0)
     t_attn = tokens * attn / m.n_layers / t / (peak * attn_eff)
-    stored = layer_activation_bytes(m, tokens, t, lay.sequence_parallel, "none", train.attention, eb)
+    sp = lay.sequence_parallel or nd
+    stored = layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
     t_mem = a.mem_traffic * stored / hbm
     tp_link = group_link(gpu, t, 1, a)
     msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
     t_tp = 2 * allreduce_time(msg, t, tp_link)  # 2 all-reduces (or AG + RS pairs with sp) per pass
+    if nd:  # the grid's collectives per layer, each on its group's link
+        from scaletrain.plan import tp_nd
+
+        t_tp, t_tp_nd_b = tp_nd.layer_comm_time(lay.tp_mode, t, tp_nd.dims_of(m, b, eb), gpu, a)
     # expert all-to-alls: dispatch + combine of capacity_factor x k slots per token, on the ep group (ranks
     # t apart: intra- or inter-node by `group_link`), per MoE layer; n_moe = the MoE share of the layers
     n_moe = m.n_moe_layers / m.n_layers
@@ -765,9 +789,9 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     f_layer = t_gemm + t_attn + t_mem
     recompute = {"none": 0.0, "full": f_layer + t_tp + t_ep,
                  "selective": t_attn + (a.mem_traffic * (stored - layer_activation_bytes(
-                     m, tokens, t, lay.sequence_parallel, "selective", train.attention, eb)) / hbm)}
+                     m, tokens, t, sp, "selective", train.attention, eb)) / hbm)}
     r_layer = recompute[recompute_kind(lay.recompute)[0]] + recompute["full"] * m.reversible
-    t_tp_b = t_tp * (1 - a.tp_overlap)
+    t_tp_b = (t_tp_nd_b if nd else t_tp) * (1 - a.tp_overlap)
 
     # ---- stage level (the slower of the first and the last stage)
     t_logits = tokens * logits / t / (peak * eff) + a.mem_traffic * tokens * 4 * m.vocab_size / t / hbm
@@ -870,7 +894,10 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
         "dp_comm": t_dp, "optimizer": t_opt, "offload": t_off,
     }
     tp_bytes = 0.0
-    if t > 1:
+    if t > 1 and nd:
+        per_layer = tp_nd.layer_comm_bytes(lay.tp_mode, t, tp_nd.dims_of(m, b, eb), 1, recompute_kind(lay.recompute)[0])
+        tp_bytes = mbs * lps * sum(per_layer.values())
+    elif t > 1:
         n_coll = 4 + (2 if recompute_kind(lay.recompute)[0] == "full" or m.reversible else 0)
         tp_bytes = mbs * lps * n_coll * 2 * (t - 1) / t * msg
     ep_bytes = mbs * lps * n_moe * 4 * (lay.ep - 1) / lay.ep * a2a_bytes if lay.ep > 1 else 0.0

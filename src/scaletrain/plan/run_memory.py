@@ -129,7 +129,11 @@ def engine_module_on_meta(cfg: Config, pp_rank: int = 0) -> nn.Module:
     if cfg.model.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     model.to(_TORCH[cfg.train.dtype])
-    if cfg.parallel.tp > 1:
+    if cfg.parallel.tp > 1 and cfg.parallel.tp_mode != "1d":  # 2d / 2.5d / 3d: the engine's own pass (tp_nd.py)
+        from scaletrain.plan.tp_nd import shard_meta
+
+        shard_meta(model, cfg)
+    elif cfg.parallel.tp > 1:
         _shard_tp_on_meta(model, cfg, cfg.parallel.tp)
     if _experts(cfg) and cfg.parallel.ep > 1:
         _shard_experts_on_meta(model, cfg.parallel.ep)
@@ -183,7 +187,8 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
     kw = dict(optimizer=o.name, beta1=o.use_beta1, momentum=o.momentum > 0)
     experts = [p for p in params if getattr(p, "_st_expert", False)]
     if not experts:
-        ranks = predict_bytes_per_rank(module, par.zero, par.dp, par.bucket_mb, par.offload, **kw)
+        dp = par.dp * (par.tp_depth if par.tp_mode == "2.5d" else 1)  # 2.5d: ZeRO over dp x depth (tp2p5d.py)
+        ranks = predict_bytes_per_rank(module, par.zero, dp, par.bucket_mb, par.offload, **kw)
         return {k: max(r[k] for r in ranks) for k in ranks[0]}
     dense = [p for p in params if not getattr(p, "_st_expert", False)]
     d = predict_bytes_per_rank(module, par.zero, par.dp, par.bucket_mb, par.offload, params=dense, **kw)
@@ -258,6 +263,10 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     `recompute`: `full` keeps the block input only (the block is a checkpoint); `selective` recomputes
     the attention core, which drops the log-sum-exp; `every:k` is accounted for per segment by the caller.
     """
+    if cfg.parallel.tp_mode != "1d" and cfg.parallel.tp > 1:  # 2d / 2.5d / 3d
+        from scaletrain.plan import tp_nd
+
+        return tp_nd.layer_saved_bytes(cfg, recompute)
     s = _sizes(cfg)
     n, c, f, nh, t, e, e32 = s["n"], s["c"], s["f"], s["nh"], s["t"], s["e"], s["e32"]
     rep = t if s["sp"] else 1
@@ -319,6 +328,10 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
     the local softmax (V'/t per token), the local targets (int64) and their mask (bool). A pipeline's
     last stage that does not hold the embedding saves its copy of the tied weight (a buffer, not a
     parameter) per microbatch."""
+    if cfg.parallel.tp_mode != "1d" and cfg.parallel.tp > 1:  # 2d / 2.5d / 3d
+        from scaletrain.plan import tp_nd
+
+        return tp_nd.outside_saved_bytes(cfg, first, last, tied_copy)
     s = _sizes(cfg)
     n, c, t, e, e32 = s["n"], s["c"], s["t"], s["e"], s["e32"]
     rep = t if s["sp"] else 1

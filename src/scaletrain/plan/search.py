@@ -1,6 +1,7 @@
 """Enumerate the parallel layouts of a model on a cluster and rank them by predicted step time.
 
-The search space: tp over the divisors of the GPU count up to one node (heads divisible), pp over
+The search space: tp over the divisors of the GPU count up to one node (heads divisible) for Megatron's 1D, and
+the 2D / 2.5D / 3D grids of any size that divide it (`tp_mode`, plan/tp_nd.py; pp only with 2D), pp over
 divisors that split the layers, dp the rest, ep over divisors of dp and the expert count (MoE only),
 micro-batch sizes dividing the per-rank batch, ZeRO 0-3 (under pipeline parallelism ZeRO-3 keeps a stage
 gathered for the whole step, as FSDP does with pipelining), recompute none / selective / full, sequence parallelism when
@@ -37,6 +38,7 @@ from scaletrain.plan.costs import (
 from scaletrain.plan.hardware import GPU
 
 LAYOUT_FIELDS = {f.name: f.type for f in fields(Layout)}
+TP_MODES = ("1d", "2d", "2.5d", "3d")
 
 
 def parse_layout(text: str) -> dict:
@@ -54,6 +56,11 @@ def parse_layout(text: str) -> dict:
         key = {"mb": "micro_batch", "sp": "sequence_parallel", "v": "virtual_stages"}.get(key, key)
         if key not in LAYOUT_FIELDS:
             raise UserError(f"--layout: unknown field {key!r} (known: {', '.join(LAYOUT_FIELDS)})")
+        if key == "tp_mode":
+            if raw not in TP_MODES:
+                raise UserError(f"--layout: tp_mode must be one of {', '.join(TP_MODES)}, got {raw!r}")
+            out[key] = raw
+            continue
         if key == "sequence_parallel":
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise UserError(f"--layout: sequence_parallel must be true or false, got {raw!r}")
@@ -105,12 +112,10 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
         if key in fixed and n_gpus % fixed[key]:
             raise UserError(f"layout {key} ({fixed[key]}) does not divide --gpus ({n_gpus})")
     out: list[Layout] = []
-    tps = _options(fixed, "tp", [d for d in divisors(n_gpus) if d <= gpu.gpus_per_node])
-    for tp in tps:
-        if m.n_heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
-            continue
+    for mode, tp, depth, rows in _tp_choices(m, gpu, n_gpus, fixed):
+        grid_mode = mode != "1d"
         for pp in _options(fixed, "pp", divisors(n_gpus // tp) if n_gpus % tp == 0 else []):
-            if n_gpus % (tp * pp) or m.n_layers % pp:
+            if n_gpus % (tp * pp) or m.n_layers % pp or (pp > 1 and mode in ("2.5d", "3d")):
                 continue
             dp = n_gpus // (tp * pp)
             if "dp" in fixed and fixed["dp"] != dp:
@@ -118,16 +123,17 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
             if train.global_batch % dp:
                 continue
             per_rank = train.global_batch // dp
-            mbs = _options(fixed, "micro_batch", [d for d in divisors(per_rank) if d <= 16])
+            mbs = _options(fixed, "micro_batch", [d for d in divisors(per_rank) if d <= max(16, 4 * rows)
+                                                  and d % rows == 0])
             eps = _options(fixed, "ep", [e for e in divisors(dp) if m.n_experts and m.n_experts % e == 0]
                            if m.n_experts else [1])
-            zeros = _options(fixed, "zero", [0, 1, 2, 3])
-            sps = _options(fixed, "sequence_parallel", [True, False] if tp > 1 else [False])
+            zeros = _options(fixed, "zero", [0, 1] if grid_mode else [0, 1, 2, 3])
+            sps = _options(fixed, "sequence_parallel", [True, False] if tp > 1 and not grid_mode else [False])
             scheds: list[tuple[str, int]] = []
             if pp == 1:
                 scheds = [(fixed.get("schedule", "1f1b"), fixed.get("virtual_stages", 1))]
             else:
-                names = _options(fixed, "schedule", ["1f1b", "interleaved", "zb-h1"])
+                names = _options(fixed, "schedule", ["1f1b", "interleaved"] + ([] if grid_mode else ["zb-h1"]))
                 for name in names:
                     if name == "interleaved":
                         vs = _options(fixed, "virtual_stages",
@@ -147,7 +153,36 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
                 if sched == "interleaved" and (per_rank // mb) % pp:
                     continue
                 out.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec,
-                                  schedule=sched, virtual_stages=v, sequence_parallel=sp, offload=off))
+                                  schedule=sched, virtual_stages=v, sequence_parallel=sp, offload=off,
+                                  tp_mode=mode, tp_depth=depth))
+    return out
+
+
+def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[str, int, int, int]]:
+    """(tp_mode, tp, tp_depth, sequence blocks of a micro-batch) to search: 1D over the divisors of the GPU count
+    up to a node (heads divisible); 2D / 2.5D / 3D over the q^2, d q^2 (2 <= d <= q) and q^3 grids dividing it
+    (any size: their groups are q wide; heads divisible by q, widths by q^2; dense, non-reversible models only)."""
+    from scaletrain.parallel.tensor_nd.grid import grid_shape
+
+    out = []
+    for mode in _options(fixed, "tp_mode", list(TP_MODES)):
+        if mode == "1d":
+            for tp in _options(fixed, "tp", [d for d in divisors(n_gpus) if d <= gpu.gpus_per_node]):
+                if not (m.n_heads % tp or (m.kv_heads % tp and tp % m.kv_heads)):
+                    out.append(("1d", tp, 1, 1))
+            continue
+        for tp in _options(fixed, "tp", divisors(n_gpus)):
+            for depth in _options(fixed, "tp_depth", divisors(tp) if mode == "2.5d" else [1]):
+                if "tp" in fixed and "tp_mode" in fixed:  # asked for: say why it is not a grid
+                    from scaletrain.plan.tp_nd import grid
+
+                    grid(mode, tp, depth)
+                s = grid_shape(mode, tp, depth)
+                if s is None or s.q < 2 or (mode == "2.5d" and not 2 <= depth <= s.q) or m.n_experts or m.reversible:
+                    continue
+                if m.n_heads % s.q or m.kv_heads % s.q or m.d_model % (s.q * s.q) or m.ffn % (s.q * s.q):
+                    continue
+                out.append((mode, tp, depth, s.row_blocks))
     return out
 
 

@@ -98,6 +98,43 @@ def spec_blocks(spec, rank: int, n: int, offsets: tuple[int, ...], sizes: tuple[
     return out
 
 
+@dataclass
+class IndexSpec:
+    """A local tensor whose elements sit at given flat indices of the whole tensor (`index`, row-major per local
+    element, -1 for padding): the blocks of 2D / 2.5D / 3D tensor parallelism (`parallel/tensor_nd/`)."""
+
+    index: torch.Tensor
+    full_shape: tuple[int, ...]
+
+    def global_shape(self, local_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+        return tuple(self.full_shape)
+
+
+def index_blocks(spec: IndexSpec, flat: torch.Tensor, a: int, b: int) -> list[Block]:
+    """The elements [a, b) of a local tensor placed by `spec` (`flat`: their values, flat) as rectangles of the
+    whole tensor: maximal runs of consecutive global indices within one row of the last dimension."""
+    shape = tuple(spec.full_shape)
+    last = shape[-1] if shape else 1
+    idx = spec.index[a:b]
+    if idx.numel() == 0:
+        return []
+    valid = idx >= 0
+    brk = torch.ones_like(valid)
+    brk[1:] = (idx[1:] != idx[:-1] + 1) | (idx[1:] % last == 0) | ~valid[:-1]
+    starts = torch.nonzero(brk & valid).flatten().tolist()
+    ends = torch.nonzero(brk[1:] | ~valid[1:]).flatten().add(1).tolist() + [idx.numel()]
+    out, e = [], 0
+    for i in starts:
+        while ends[e] <= i:
+            e += 1
+        j = ends[e]
+        g = int(idx[i])
+        off = tuple(int(x) for x in torch.unravel_index(torch.tensor(g), shape)) if shape else ()
+        sizes = (1,) * (len(shape) - 1) + (j - i,) if shape else ()
+        out.append(Block(off, sizes, [flat[i:j].view(sizes)]))
+    return out
+
+
 def global_shape(spec, local_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     """The whole tensor's shape for a local tensor of `local_shape` split by `spec` (None: whole) over n ranks."""
     return tuple(local_shape) if spec is None else tuple(spec.global_shape(tuple(local_shape), n))
@@ -109,6 +146,8 @@ def local_blocks(spec, rank: int, n: int, shape: tuple[int, ...], data: torch.Te
     the local tensor itself, or (with `b`) the flat tensor holding the values of its flat range [a, b), a ZeRO shard
     piece."""
     shape = tuple(int(s) for s in shape)
+    if isinstance(spec, IndexSpec):
+        return index_blocks(spec, data.reshape(-1) if b is None else data, a, math.prod(shape) if b is None else b)
     if b is None:
         rects, flat = [((0,) * len(shape), shape, 0)], None
     else:

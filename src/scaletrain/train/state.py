@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from scaletrain.train.shards import Block, global_shape, local_blocks
+from scaletrain.train.shards import Block, IndexSpec, global_shape, local_blocks
 
 
 @dataclass
@@ -51,6 +51,8 @@ class Entry:
 def placement(p: torch.Tensor) -> tuple[Any, int, int]:
     """(spec, rank, n): how a local parameter is split by tensor or expert parallelism (spec None: whole)."""
     mark = getattr(p, "_st_tp_shard", None) or getattr(p, "_st_ep_shard", None)
+    if mark is None and getattr(p, "_st_nd_index", None) is not None:  # a 2D / 2.5D / 3D grid block
+        return IndexSpec(p._st_nd_index, tuple(p._st_nd[1])), 0, 1
     return mark if mark is not None else (None, 0, 1)
 
 

@@ -76,7 +76,7 @@ class Trainer:
         self.progress = progress and self.rank == 0
         p, t = cfg.parallel, cfg.train
 
-        self.mesh = Mesh.build(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep), p.timeout_s)
+        self.mesh = Mesh.build(ParallelDims.from_config(p), p.timeout_s)
         self.dp_group, self.dp_rank = self.mesh.group("dp"), self.mesh.local_rank("dp")
         self.comm = CommStats()
 

@@ -171,12 +171,17 @@ def split_pp(engine, cfg: Config, mesh: Mesh, comm: CommStats,
     engine.pp_partition = plan
 
     m = cfg.parallel.microbatches or cfg.grad_accum
+    act_shape = (cfg.train.micro_batch, cfg.model.seq_len // shards, cfg.model.d_model)
+    if cfg.parallel.tp_mode != "1d":  # 2d tensor parallelism: this rank's block
+        from scaletrain.parallel.tensor_nd import local_activation_shape
+
+        act_shape = local_activation_shape(cfg)
     executor = PipelineExecutor(
         stages=stages,
         actions=build_schedule(cfg.parallel.schedule, p, m, v)[r],
         schedule=cfg.parallel.schedule, rank=r, p=p, m=m, v=v,
         group=mesh.group("pp"), peers=list(mesh.members["pp"]),
-        act_shape=(cfg.train.micro_batch, cfg.model.seq_len // shards, cfg.model.d_model),
+        act_shape=act_shape,
         comm=comm, tied=cfg.model.tie_embeddings, trace_call=min(2, cfg.train.steps),
     )
     engine.pipeline = executor
