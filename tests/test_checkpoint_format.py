@@ -64,6 +64,25 @@ def test_flat_ranges_are_tiled_by_contiguous_rectangles(shape):
             assert seen == list(range(a, b))
 
 
+def test_grid_blocks_land_at_their_global_indices():
+    """A 2D / 2.5D / 3D grid block (any local element -> flat global index, -1 padding; `shards.IndexSpec`) and any
+    flat range of it (ZeRO-1 over the grid) become rectangles that put every element at its index."""
+    from scaletrain.train.shards import IndexSpec, index_blocks
+
+    full = (4, 6)
+    g = torch.arange(24).view(full)
+    # two row pieces, a corner, padding, then a run of consecutive indices across a row end
+    index = torch.cat([g[1, 2:5], g[3, 2:5], g[2, 5:6], torch.tensor([-1, -1]), g[0, 4:6], g[1, 0:2]])
+    for a, b in [(0, 13), (1, 5), (3, 9), (6, 7), (7, 9), (8, 12)]:
+        cover = torch.full((24,), -5, dtype=torch.long)
+        for blk in index_blocks(IndexSpec(index, full), index[a:b].clone(), a, b):
+            cover.view(full)[tuple(slice(o, o + n) for o, n in zip(blk.offsets, blk.sizes))] = blk.views[0]
+        want = torch.full((24,), -5, dtype=torch.long)
+        held = index[a:b][index[a:b] >= 0]
+        want[held] = held
+        assert torch.equal(cover, want), (a, b)
+
+
 @pytest.mark.parametrize("spec, local_shape, n", [
     (ShardSpec(0, full=10), (3, 3), 4),  # vocabulary padded to 12 rows over 4 ranks
     (ShardSpec(0, parts=3), (6, 4), 2),  # fused q, k, v, each split over 2 ranks
