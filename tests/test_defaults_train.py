@@ -30,6 +30,7 @@ OPTIONS = {
     "compress int8": ["memory.compress=int8"],
     "compress bf16+relu-mask": ["memory.compress=bf16,relu-mask"],
     "offload activations": ["memory.offload_activations=true"],
+    "precision autocast-bf16": ["train.precision=autocast-bf16"],
 }
 
 

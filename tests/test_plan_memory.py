@@ -189,6 +189,10 @@ ONE_RANK = [  # the passes that run in one process: precision, recomputation, of
     {"memory.offload_activations": True},
     {"optim.name": "adafactor"},
     {"optim.name": "sm3", "optim.momentum": 0.9, "train.dtype": "bf16"},
+    # autocast-bf16: fp32 residual stream, bf16 casts of each linear layer's input and of every weight
+    {"train.precision": "autocast-bf16", "model.mlp": "swiglu", "model.position": "rope", "model.bias": False},
+    {"train.precision": "autocast-bf16", "memory.recompute": "selective", "model.tie_embeddings": False},
+    {"train.precision": "autocast-bf16", "memory.recompute": "every:2", "model.n_layers": 4},
 ]
 
 
@@ -219,6 +223,7 @@ TWO_RANKS = [  # every parallel layout on two processes: dp x ZeRO 0-3 (+ offloa
     {"parallel.pp": 2, "parallel.schedule": "zb-h1", "train.dtype": "bf16", "model.tie_embeddings": False},
     {"parallel.pp": 2, "parallel.zero": 3, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
      "model.n_layers": 4},
+    {"parallel.pp": 2, "train.precision": "autocast-bf16"},  # autocast on each stage: the head's casts on the last
     {"model.moe.experts": 4, "parallel.dp": 2, "parallel.ep": 2},
     # Adafactor / SM3 under ZeRO: replicated factored statistics, sharded element-wise states
     {"parallel.dp": 2, "parallel.zero": 1, "optim.name": "adafactor", "optim.use_beta1": True, "train.dtype": "bf16"},

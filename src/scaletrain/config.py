@@ -167,6 +167,13 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     dtype: str = "fp32"
     """Parameter and compute dtype: fp32, fp64 (tight equivalence tests), bf16, fp16."""
+    precision: str = "dtype"
+    """`dtype`: parameters, activations and matmuls in train.dtype (bf16/fp16 keep fp32 masters, docs/precision.md);
+    `autocast-bf16`: fp32 parameters, gradients and optimizer state, matmuls and attention in bf16 under
+    torch.autocast (needs train.dtype=fp32; the fast setting on GPUs, docs/gpu.md)."""
+    compile: bool = False
+    """torch.compile each transformer block (after the tensor-parallel and recomputation passes, before data
+    parallelism / ZeRO, as torchtitan orders them); docs/gpu.md lists what it combines with."""
     eval_every: int = 50
     """Validation loss every N steps (and at the end); 0 disables it."""
     eval_batches: int = 4
@@ -572,6 +579,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_contiguous(cfg)
     errors += _validate_nvme(cfg)
     errors += _validate_report(cfg)
+    errors += _validate_fast_path(cfg)
     if world_size is not None and cfg.world_size != world_size:
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -580,6 +588,16 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if errors:
         raise ConfigError("; ".join(errors))
     return cfg
+
+
+def _validate_fast_path(cfg: Config) -> list[str]:
+    """train.precision and train.compile: the values and the combinations they are made to work with (docs/gpu.md)."""
+    from scaletrain.memory.autocast import PRECISIONS, precision_errors
+    from scaletrain.parallel.compile import compile_errors
+
+    if cfg.train.precision not in PRECISIONS:
+        return [f"train.precision must be one of {', '.join(PRECISIONS)}, got {cfg.train.precision!r}"]
+    return precision_errors(cfg) + compile_errors(cfg)
 
 
 def _validate_hardening(cfg: Config) -> list[str]:

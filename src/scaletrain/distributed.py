@@ -1,8 +1,10 @@
 """Process-group setup from the environment of torchrun, SLURM, or our own local launcher.
 
 `detect_env()` reads RANK / WORLD_SIZE / LOCAL_RANK (torchrun, and our launcher, which uses torchrun) or
-SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun). `init(...)` starts the default group with a timeout:
-NCCL when CUDA is present, gloo otherwise, and picks the device (cuda:LOCAL_RANK or cpu).
+SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun). `pick_device` gives rank LOCAL_RANK the GPU cuda:LOCAL_RANK
+(or the CPU); `init(...)` makes it the current device before anything is allocated and starts the default group
+with a timeout: NCCL bound to that device when CUDA is present, gloo otherwise. Every group `mesh.Mesh` creates
+carries the same timeout (`parallel.timeout_s`).
 """
 
 from __future__ import annotations
@@ -35,13 +37,19 @@ def detect_env() -> DistEnv | None:
 
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """cpu, or cuda:LOCAL_RANK: one GPU per local rank (NCCL refuses two ranks on one GPU, so a local rank
+    without a GPU of its own is an error, not a silent wrap-around)."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        from scaletrain.errors import ConfigError
+    from scaletrain.errors import ConfigError
 
+    if not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is available")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"local rank {local_rank} has no GPU of its own: {count} CUDA device(s) visible "
+                          "(start at most one process per GPU, or check CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", local_rank)
 
 
 def init(env: DistEnv, timeout_s: float, device: torch.device) -> None:
@@ -53,10 +61,15 @@ def init(env: DistEnv, timeout_s: float, device: torch.device) -> None:
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
         os.environ.setdefault("MASTER_PORT", "29500")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    bind = {}
     if device.type == "cuda":
+        # before anything is allocated: NCCL communicators, the current stream and every tensor created with
+        # device=cuda go to this rank's GPU; binding the default group to it (device_id) creates its NCCL
+        # communicator eagerly and lets barrier() know the device instead of guessing
         torch.cuda.set_device(device)
+        bind["device_id"] = device
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s), **bind)
 
 
 def shutdown(clean: bool = True) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from scaletrain.device.kernels import pinned
 from scaletrain.errors import DataError
 
 _TRAIN, _VAL = 0, 1
@@ -60,5 +61,15 @@ class BatchLoader:
         x, y = self.global_batch_at(index, split)
         per_rank = self.global_batch // dp
         x, y = x[dp_rank * per_rank: (dp_rank + 1) * per_rank], y[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        x, y = staged(x, y, torch.device(device))
         return [(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
                 for xm, ym in zip(x.split(micro_batch), y.split(micro_batch))]
+
+
+def staged(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's inputs and targets in one page-locked host buffer when they go to a CUDA device, so that the
+    `non_blocking=True` copies of its micro-batches are asynchronous; unchanged for any other device."""
+    if device.type != "cuda":
+        return x, y
+    both = pinned(torch.stack([x, y]), device)
+    return both[0], both[1]

@@ -36,7 +36,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from scaletrain.errors import UserError
 
@@ -96,11 +95,9 @@ class ResidentMeter:
 
     def end(self, device: torch.device, step: int) -> dict[str, int]:
         local = self.measure(device)
-        worst = local
-        if dist.is_initialized():
-            t = torch.tensor([float(local)], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            worst = int(t.item())
+        from scaletrain.parallel.comm import all_reduce_max_list
+
+        worst = int(all_reduce_max_list([float(local)])[0])  # on the backend's device (the rank's GPU under NCCL)
         row = {"mem_resident": worst}
         if self.budget:
             row["mem_budget"] = self.budget

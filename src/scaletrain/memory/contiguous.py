@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 Key = tuple[tuple[int, ...], torch.dtype, str, bool]
 
@@ -343,12 +342,10 @@ class AllocationProbe:
         and every rank measures the same step)."""
         if self.result is None:
             return {}
-        fields = self.result.fields()
-        if dist.is_initialized():
-            t = torch.tensor(list(fields.values()), dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            fields = {k: int(v) for k, v in zip(fields, t.tolist())}
-        return fields
+        from scaletrain.parallel.comm import all_reduce_max_list
+
+        fields = self.result.fields()  # maxed on the backend's device (the rank's GPU under NCCL)
+        return {k: int(v) for k, v in zip(fields, all_reduce_max_list([float(v) for v in fields.values()]))}
 
 
 def allocation_report(engine: Any) -> dict[str, int]:

@@ -322,13 +322,19 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         self._grad_muls.append(coef)  # applied chunk by chunk in the step, in this order (as in memory)
         self._grad_sq = {k: [v * (coef * coef) for v in parts] for k, parts in self._grad_sq.items()}
 
-    def unscale_(self, inv_scale: float) -> bool:
+    def unscale_(self, inv_scale: float) -> torch.Tensor:
+        """As ZeroOptimizer.unscale_ (a bool tensor on the run's device, stacked with the loss's flag), from the
+        squared norms the gradient writer kept."""
         if not self.nvme_grads:
             return super().unscale_(inv_scale)
         if inv_scale != 1.0:
             self.scale_grads_(inv_scale)
         self._wait_grads()
-        return not math.isfinite(float(sum(sum(parts) for parts in self._grad_sq.values())))
+        sq = torch.zeros((), dtype=torch.float64)
+        for parts in self._grad_sq.values():
+            for part in parts:
+                sq += part
+        return (~torch.isfinite(sq)).to(self.device)
 
     def zero_grad(self) -> None:
         if not self.nvme_grads:

@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from scaletrain.errors import ConfigError
 from scaletrain.memory.accounting import add_memory_report, count_kept, count_saved
 from scaletrain.memory.contiguous import Arena, Held, engine_arena, hold_copy
-from scaletrain.model.dropout import dropout_context
+from scaletrain.model.dropout import GlobalDropout, dropout_context
 from scaletrain.model.moe import MoE
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -225,7 +225,8 @@ class _Checkpointed:
         self.fn, self.hooks = fn, hooks
         self.moes = [m for mod in modules for m in mod.modules() if isinstance(m, MoE)]
         # layout-independent dropout: its masks depend on the (step, micro-batch row) context of the forward
-        self.dropout = next((c for mod in modules if (c := dropout_context(mod)) is not None), None)
+        # (nothing to replay when all its dropouts have p = 0; the checkpoint then needs no context_fn)
+        self.dropout = next((c for mod in modules if (c := dropout_context(mod)) is not None and _drops(mod)), None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -241,6 +242,10 @@ class _Checkpointed:
         replay = _ReplayState(self)
         replay.record = record
         return record, replay
+
+
+def _drops(module: nn.Module) -> bool:
+    return any(isinstance(m, GlobalDropout) and m.p > 0 for m in module.modules())
 
 
 class _RecordState:

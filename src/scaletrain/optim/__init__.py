@@ -51,6 +51,11 @@ def build_optimizer(name: str, param_groups: Iterable[Any], **hyper: Any) -> tor
         raise ConfigError(
             f"optimizer {key} does not take {', '.join(unknown)} (it takes {', '.join(accepted)})"
         )
+    if key == "adamw" and not {"fused", "foreach"} & set(hyper):  # fused on CUDA, torch._foreach_* elsewhere
+        from scaletrain.device.kernels import adamw_kernel, param_list
+
+        param_groups = list(param_groups)
+        hyper = {**hyper, **adamw_kernel(param_list(param_groups))}
     try:
         return cls(param_groups, **hyper)
     except ValueError as e:

@@ -44,18 +44,29 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceO
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a collective's tensors must live for `group`'s backend (the default group's when None): the current
+    CUDA device under NCCL (set by `distributed.init` before any allocation), else the CPU (gloo)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_max_list(values: list[float] | torch.Tensor, group: dist.ProcessGroup | None = None) -> list[float]:
+    """Element-wise max over the group (the whole world when group is None and initialised) of numbers or a
+    tensor, in one collective on the backend's device and one host read."""
+    if not (dist.is_initialized() and (group is None or group_size(group) > 1)):
+        return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    device = collective_device(group)
+    if isinstance(values, torch.Tensor):
+        t = values.to(device, torch.float64, copy=True)
+    else:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def all_reduce_max(value: float, group: dist.ProcessGroup | None = None) -> float:
     """Max of a Python scalar over the group (the default group when group is None and initialised)."""
-    if not dist.is_initialized() or (group is not None and group_size(group) == 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return all_reduce_max_list([value], group)[0]
 
-
-def all_reduce_sum(value: float, group: dist.ProcessGroup | None) -> float:
-    if group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return float(t.item())

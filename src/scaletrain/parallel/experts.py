@@ -34,8 +34,8 @@ import torch.nn as nn
 from scaletrain.config import Config
 from scaletrain.mesh import Mesh
 from scaletrain.model.moe import Experts, moe_layers, moe_modules
-from scaletrain.parallel.comm import CommStats, group_size
-from scaletrain.parallel.parallelize import ReplicatedOptimizer, global_grad_norm
+from scaletrain.parallel.comm import CommStats, collective_device, group_size
+from scaletrain.parallel.parallelize import ReplicatedOptimizer, clip_coefficient, global_grad_norm
 from scaletrain.parallel.tp_plan import ShardSpec
 
 # --------------------------------------------------------------------------- all-to-all
@@ -173,18 +173,19 @@ class ExpertParallelOptimizer:
         for o in self.parts:
             o.finish_backward()
 
-    def unscale_(self, inv_scale: float) -> bool:
-        return any([o.unscale_(inv_scale) for o in self.parts])
+    def unscale_(self, inv_scale: float) -> torch.Tensor:
+        return torch.stack([o.unscale_(inv_scale) for o in self.parts]).any()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # each distinct gradient element counts once over the world (see each part's local_grad_sq)
         norm = global_grad_norm(sum(o.local_grad_sq() for o in self.parts), world=True)
-        if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
+        if max_norm > 0:
+            coef = clip_coefficient(norm, max_norm)
             for o in self.parts:
-                o.scale_grads_(max_norm / (norm + 1e-6))
+                o.scale_grads_(coef)
         return norm
 
-    def expert_grad_sq(self) -> float:
+    def expert_grad_sq(self) -> torch.Tensor:
         """|G|² of the expert parameters' (reduced, unclipped) gradients, summed over the world (collective)."""
         return global_grad_norm(self.parts[1].local_grad_sq(), world=True) ** 2
 
@@ -246,8 +247,10 @@ def moe_metrics(module: nn.Module, cfg: Config, mesh: Mesh) -> dict[str, Any]:
         vec[layers.index(m.layer)] += m.stats.vector(E)
     vec[-1, 0] = all_to_all_seconds(module)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
+    if world > 1:  # on the backend's device (NCCL needs CUDA tensors), back on the host for the metrics
+        vec = vec.to(collective_device(), copy=True)
         dist.all_reduce(vec)
+        vec = vec.cpu()
     a2a_s, vec = float(vec[-1, 0]) / world, vec[:-1]
     if not cfg.parallel.sequence_parallel:
         vec /= mesh.size("tp")  # tensor-parallel ranks computed the same statistics (with sp: their own tokens')

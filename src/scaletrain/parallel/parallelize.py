@@ -35,11 +35,18 @@ def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[s
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def global_grad_norm(local_sq: torch.Tensor, world: bool) -> float:
-    """sqrt of the sum over all ranks of their owned squared-gradient contributions."""
+def global_grad_norm(local_sq: torch.Tensor, world: bool) -> torch.Tensor:
+    """sqrt of the sum over all ranks of their owned squared-gradient contributions (a 0-dim device tensor)."""
     if world and dist.is_initialized():
         dist.all_reduce(local_sq)
-    return float(local_sq.sqrt())
+    return local_sq.sqrt()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)) as a device tensor: gradients are always multiplied by it (by exactly 1
+    when the norm is within bounds), so clipping needs no host read of the norm (torch's clip_grad_norm_ does
+    the same)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -108,11 +115,11 @@ class ReplicatedOptimizer:
         if self.mean and self.group is not None and self.reducer.sync:
             torch._foreach_div_(self.grads, dist.get_world_size(self.group))
 
-    def unscale_(self, inv_scale: float) -> bool:
-        """Multiply the gradients by `inv_scale`; True if any of this rank's is inf or NaN."""
+    def unscale_(self, inv_scale: float) -> torch.Tensor:
+        """Multiply the gradients by `inv_scale`; a bool device tensor: whether any of this rank's is inf or NaN."""
         if inv_scale != 1.0:
             torch._foreach_mul_(self.grads, inv_scale)
-        return not bool(torch.isfinite(_sq_norm(self.grads, self.grads[0].device)))
+        return ~torch.isfinite(_sq_norm(self.grads, self.grads[0].device))
 
     def local_grad_sq(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm: the replicas of its group count on group
@@ -120,18 +127,17 @@ class ReplicatedOptimizer:
         owned = [g for p, g in zip(self.params, self.grads) if is_norm_owner(p)] if self.dp_rank == 0 else []
         return _sq_norm(owned, self.params[0].device)
 
-    def scale_grads_(self, coef: float) -> None:
+    def scale_grads_(self, coef: float | torch.Tensor) -> None:
         torch._foreach_mul_(self.grads, coef)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip to `max_norm` by the global norm; returns the norm before clipping (0-dim device tensor)."""
         if self.world_norm:
             norm = global_grad_norm(self.local_grad_sq(), world=True)
         else:
-            norm = float(_sq_norm(self.grads, self.params[0].device).sqrt())
+            norm = _sq_norm(self.grads, self.params[0].device).sqrt()
         if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                self.scale_grads_(coef)
+            self.scale_grads_(clip_coefficient(norm, max_norm))
         return norm
 
     def step(self, lr: float | None = None) -> None:
@@ -282,6 +288,14 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         from scaletrain.memory.precision import apply_precision
 
         apply_precision(engine.module)  # layer norms in fp32; the optimizers keep fp32 masters
+    if cfg.train.precision == "autocast-bf16":
+        from scaletrain.memory.autocast import apply_autocast
+
+        apply_autocast(engine.module, device)  # fp32 parameters, bf16 matmuls and attention in the forward
+    if cfg.train.compile:
+        from scaletrain.parallel.compile import apply_compile
+
+        apply_compile(engine)  # each block compiled, after tp / recompute, before dp / ZeRO (torchtitan's order)
     params = [p for p in engine.module.parameters() if p.requires_grad]
     if any(getattr(p, "_st_expert", False) for p in params):
         from scaletrain.parallel.experts import ExpertParallelOptimizer

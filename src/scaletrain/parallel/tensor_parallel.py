@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletrain.errors import UserError
+from scaletrain.memory.autocast import forward_compute_dtype
 from scaletrain.model.init import name_seed
 from scaletrain.parallel.comm import CommStats, group_size
 
@@ -185,6 +186,9 @@ class f_sp_linear(torch.autograd.Function):  # noqa: N801 - f_sp fused with the 
     @staticmethod
     def forward(ctx, x_full, x_shard, weight, bias, group, stats):
         ctx.group, ctx.stats, ctx.has_bias, ctx.gathers = group, stats, bias is not None, x_full is None
+        # under autocast (train.precision=autocast-bf16) F.linear computes in the autocast dtype; backward runs
+        # outside the region and casts as autocast's cast nodes would (memory/autocast.py)
+        ctx.compute = forward_compute_dtype(x_shard)
         ctx.save_for_backward(x_shard, weight)
         x = start_gather_seq(x_shard, group, stats).wait() if x_full is None else x_full
         return F.linear(x, weight, bias)
@@ -194,15 +198,17 @@ class f_sp_linear(torch.autograd.Function):  # noqa: N801 - f_sp fused with the 
         x_shard, weight = ctx.saved_tensors
         need_w = ctx.needs_input_grad[2]
         gathering = start_gather_seq(x_shard, ctx.group, ctx.stats, async_op=True) if need_w else None
-        dx = dy.matmul(weight)  # (B, T, in)
+        w = weight if ctx.compute is None else weight.to(ctx.compute)
+        dx = dy.matmul(w).to(x_shard.dtype)  # (B, T, in); summed over tp in the input's dtype
         if ctx.gathers:
             dx = start_reduce_scatter_seq(dx, ctx.group, ctx.stats, async_op=True)
         dw = db = None
         if need_w:
             x = gathering.wait()
-            dw = dy.flatten(0, -2).t().matmul(x.flatten(0, -2))
+            x = x if ctx.compute is None else x.to(ctx.compute)
+            dw = dy.flatten(0, -2).t().matmul(x.flatten(0, -2)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = dy.flatten(0, -2).sum(0)
+            db = dy.flatten(0, -2).sum(0).to(weight.dtype)
         if ctx.gathers:
             return None, dx.wait(), dw, db, None, None
         return dx, None, dw, db, None, None
@@ -332,7 +338,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         y = (g_sp if self.sequence_parallel else g).apply(y, self.group, self.stats)
-        return y if self.bias is None else y + self.bias
+        # the bias in the output's dtype: under autocast a whole nn.Linear adds it in bf16, and so does this one
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}/{group_size(self.group)}, out={self.out_features}"

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from scaletrain.device.kernels import adamw_kernel, pinned
 from scaletrain.parallel.comm import CommStats, group_size
 from scaletrain.parallel.data_parallel import bucket_params
 
@@ -168,7 +169,8 @@ class ZeroOptimizer:
         decay = [pc for g in self.groups for pc in g.piece_params if pc.ndim_orig >= 2]
         no_decay = [pc for g in self.groups for pc in g.piece_params if pc.ndim_orig < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
+                                     **adamw_kernel(decay + no_decay))  # fused on CUDA, foreach elsewhere
 
     def _param_pieces(self, tp_group: dist.ProcessGroup | None = None) -> list[dict]:
         """Every parameter, in the same order on every rank, with this rank's piece of it (maybe empty). Under
@@ -232,7 +234,7 @@ class ZeroOptimizer:
                     g.full[off: off + p.numel()].copy_(p.reshape(-1))
                     p.data = g.full[off: off + p.numel()].view_as(p)
             keep_on = torch.device("cpu") if self.offload == "params" else self.device
-            g.param_shard = g.own(g.full).clone().to(keep_on)
+            g.param_shard = pinned(g.own(g.full).clone().to(keep_on), self.device)  # async copies to a GPU
             g.shard_grad = torch.zeros(g.shard, dtype=self.grad_dtype, device=self.device)
             self._release(g)
             self.groups.append(g)
@@ -254,8 +256,8 @@ class ZeroOptimizer:
             src = g.param_shard if self.stage == 3 else g.own(g.full)
             if self.offload != "none":
                 keep = self.stage == 3 and self.offload == "params" and not self.main_grads
-                g.master = src if keep else src.detach().to("cpu", self.grad_dtype, copy=True)
-                g.master_grad = torch.zeros(g.shard, dtype=g.master.dtype)
+                g.master = src if keep else pinned(src.detach().to("cpu", self.grad_dtype, copy=True), self.device)
+                g.master_grad = pinned(torch.zeros(g.shard, dtype=g.master.dtype, device="cpu"), self.device)
             elif self.main_grads:
                 g.master = src.detach().to(self.grad_dtype, copy=True)
             else:
@@ -440,37 +442,41 @@ class ZeroOptimizer:
                     sq += g.shard_grad[pc.lo: pc.hi].double().square().sum()
         return sq
 
-    def scale_grads_(self, coef: float) -> None:
+    def scale_grads_(self, coef: float | torch.Tensor) -> None:
         for g in self.groups:
             g.shard_grad.mul_(coef)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip to `max_norm` by the global norm; returns the norm before clipping (0-dim device tensor)."""
+        from scaletrain.parallel.parallelize import clip_coefficient
+
         sq = self.local_grad_sq()
         if dist.is_initialized() and (self.world_norm or self.group is not None):
             dist.all_reduce(sq, group=None if self.world_norm else self.group)
-        norm = float(sq.sqrt())
+        norm = sq.sqrt()
         if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                self.scale_grads_(coef)
+            self.scale_grads_(clip_coefficient(norm, max_norm))  # no host read: x 1 when within bounds
         return norm
 
     def step(self, lr: float | None = None) -> None:
         if lr is not None:
             for pg in self.opt.param_groups:
                 pg["lr"] = lr
+        host = self.offload != "none" and self.device.type == "cuda"
         for g in self.groups:
             if g.master_grad is not None:
-                g.master_grad.copy_(g.shard_grad)
+                g.master_grad.copy_(g.shard_grad, non_blocking=host)  # to pinned host memory
+        if host:  # the one wait of an offloaded step: the host optimizer needs the gradients
+            torch.cuda.current_stream(self.device).synchronize()
         self.opt.step()
         works = []
         for g in self.groups:
             if self.stage == 3:
                 if g.master is not g.param_shard:
-                    g.param_shard.copy_(g.master)
+                    g.param_shard.copy_(g.master, non_blocking=host)
                 continue
             if g.master is not None and g.master.data_ptr() != g.own(g.full).data_ptr():
-                g.own(g.full).copy_(g.master)
+                g.own(g.full).copy_(g.master, non_blocking=host)
             if self.n > 1:  # every rank gets everybody's updated slice
                 self.comm.add("all_gather", (self.n - 1) / self.n * g.full.numel() * g.full.element_size())
                 works.append(_all_gather(g.full, g.own(g.full).clone(), group=self.group,
@@ -549,13 +555,13 @@ class ZeroOptimizer:
         optim += [g.master_grad for g in self.groups if g.master_grad is not None]
         return {"params": params, "grads": grads, "optim": optim}
 
-    def unscale_(self, inv_scale: float) -> bool:
-        """Multiply this rank's gradient shards by `inv_scale`; True if any is inf or NaN."""
+    def unscale_(self, inv_scale: float) -> torch.Tensor:
+        """Multiply this rank's gradient shards by `inv_scale`; a bool device tensor: whether any is inf or NaN."""
         shards = [g.shard_grad for g in self.groups]
         if inv_scale != 1.0:
             torch._foreach_mul_(shards, inv_scale)
         sq = torch.stack([n.double() for n in torch._foreach_norm(shards)]).square().sum()
-        return not bool(torch.isfinite(sq))
+        return ~torch.isfinite(sq)
 
 
 def unit_list(module: nn.Module, units: Iterable[nn.Module] | None) -> list[nn.Module]:

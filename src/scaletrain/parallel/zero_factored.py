@@ -105,9 +105,15 @@ class ShardedFactored:
     # ------------------------------------------------------------------ helpers
 
     def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        from scaletrain.parallel.comm import collective_device
+
         for group in self.groups:
             if dist.get_world_size(group) > 1:
-                dist.all_reduce(t, op=op, group=group)
+                dev = collective_device(group)  # offloaded statistics live on the host; NCCL reduces on the GPU
+                work = t if t.device == dev else t.to(dev)
+                dist.all_reduce(work, op=op, group=group)
+                if work is not t:
+                    t.copy_(work)
         return t
 
     @staticmethod

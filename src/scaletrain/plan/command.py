@@ -229,8 +229,11 @@ def config_training(cfg) -> costs.Training:
     elem = costs.DTYPES[t.dtype][0]
     low = t.dtype in ("bf16", "fp16")
     k = (2 * (4 if low else elem) + (4 if low else 0)) if cfg.optim.name == "adamw" else (4 if low else 0)
-    return costs.Training(t.global_batch, t.dtype, "standard" if cfg.model.dropout > 0 else "flash",
-                          True, optimizer_k=k, grad_bytes=4 if low else elem)
+    attention = "standard" if cfg.model.dropout > 0 else "flash"
+    if t.precision == "autocast-bf16":  # fp32 parameters, gradients and moments; bf16 matmuls and activations
+        return costs.Training(t.global_batch, "bf16", attention, True, optimizer_k=8 if cfg.optim.name == "adamw"
+                              else 0, grad_bytes=4, param_bytes=4)
+    return costs.Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem)
 
 
 def _run_config(args) -> int:

@@ -88,6 +88,8 @@ class Training:
     """Adafactor with beta1 / SM3 with momentum: one more element-wise state per parameter."""
     grad_bytes: int | None = None
     """Bytes per gradient element; None = the dtype's (2 in bf16/fp16; our engine keeps fp32 buffers: 4)."""
+    param_bytes: int | None = None
+    """Bytes per parameter element; None = the dtype's (autocast keeps fp32 parameters, 4, with bf16 compute)."""
 
 
 @dataclass(frozen=True)
@@ -677,7 +679,7 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     """Memory, time and communication of one layout. Raises UserError for impossible layouts."""
     mbs = check_layout(m, train, lay, n_gpus)
     pb, gb, eb, _ = DTYPES[train.dtype]
-    gb = train.grad_bytes or gb
+    gb, pb = train.grad_bytes or gb, train.param_bytes or pb
     k, k_whole = optimizer_bytes(m, train)
     t, p, v, b, s, h = lay.tp, lay.pp, lay.virtual_stages, lay.micro_batch, m.seq_len, m.d_model
     edp = lay.dp // lay.ep
@@ -753,7 +755,7 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
 def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions,
           first: StageParams, last: StageParams, mbs: int, k: float) -> None:
     pb, gb, eb, _ = DTYPES[train.dtype]
-    gb = train.grad_bytes or gb
+    gb, pb = train.grad_bytes or gb, train.param_bytes or pb
     t, p, v, b, s, h = lay.tp, lay.pp, lay.virtual_stages, lay.micro_batch, m.seq_len, m.d_model
     tokens = b * s
     n_gpus = lay.world

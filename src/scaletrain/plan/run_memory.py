@@ -238,7 +238,35 @@ def _sizes(cfg: Config) -> dict:
         hd=m.d_model // m.n_heads, t=t, sp=par.sequence_parallel and t > 1, e=e, low=low,
         e32=4 if low else e,  # layer-norm inputs and statistics, attention log-sum-exp, loss: fp32 when low
         bias=int(m.bias), V=m.vocab_size, Vt=(t * math.ceil(m.vocab_size / t)) // t,
+        autocast=cfg.train.precision == "autocast-bf16",
     )
+
+
+def autocast_layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
+    """`layer_saved_bytes` under train.precision=autocast-bf16 (tp = 1, dropout 0; `predicts_activations`).
+
+    The residual stream stays fp32: per token the two norms' inputs (2c) and statistics (4) in fp32, then each
+    linear layer's input is cast to bf16 and that copy is saved (c for qkv, c for the GELU MLP's fc; SwiGLU's gate
+    and up cast it twice: activation casts are not cached); in bf16 the qkv output (3c), the attention output (c,
+    the projection's input), the MLP's 2f (GELU) or 4f (SwiGLU); the flash kernel's log-sum-exp in fp32 (nh).
+    Per block and micro-batch the bf16 copy of every weight that autocast caches for the forward (attention 4c²,
+    MLP 2cf or 3cf). RoPE: rotated q and k plus the projection's input copy (3c) and the cos/sin tables, in bf16.
+    Full / every:k recomputation keeps the fp32 block input only."""
+    s = _sizes(cfg)
+    n, c, f, nh = s["n"], s["c"], s["f"], s["nh"]
+    if recompute in ("full", "every"):
+        return n * c * 4
+    swiglu = cfg.model.mlp == "swiglu"
+    casts = 3 if swiglu else 2
+    replicated = n * (2 * c * 4 + 4 * 4 + casts * c * 2)
+    core = 3 * c * 2 + c * 2 + (0 if recompute == "selective" else nh * 4)
+    split = n * (core + (4 if swiglu else 2) * f * 2)
+    weights = 2 * (4 * c * c + (3 if swiglu else 2) * c * f)
+    total = replicated + split + weights
+    if cfg.model.position == "rope":
+        extra = 2 if recompute == "selective" else 3
+        total += n * extra * c * 2 + 2 * s["T"] * s["hd"] * 2
+    return total
 
 
 def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
@@ -268,6 +296,8 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
 
         return tp_nd.layer_saved_bytes(cfg, recompute)
     s = _sizes(cfg)
+    if s["autocast"]:
+        return autocast_layer_saved_bytes(cfg, recompute)
     n, c, f, nh, t, e, e32 = s["n"], s["c"], s["f"], s["nh"], s["t"], s["e"], s["e32"]
     rep = t if s["sp"] else 1
     if recompute in ("full", "every"):
@@ -345,7 +375,9 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
             total += 8 * s["T"]
         if cfg.model.dropout > 0:  # the embedding dropout's mask (bool with the global implementation)
             total += n * c * (1 if cfg.model.dropout_impl == "global" else e) // rep
-    if last:
+    if last and s["autocast"]:  # fp32 ln_f; the head's bf16 input and weight copies; the loss on fp32 logits
+        total += n * (c * 4 + 2 * 4 + c * 2) + s["V"] * c * 2 + n * s["V"] * 4 + 8 * n + 4
+    elif last:
         total += n * (c * e32 + 2 * e32 + c * e) // rep
         if s["low"]:
             total += (1 + s["bias"]) * c * 4
@@ -490,9 +522,15 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
 
 
 def predicts_activations(cfg: Config) -> bool:
-    """Whether `activation_bytes` models this run: not with activation compression, nor for MoE layers
-    with router noise, random routing or expert dropout (their extra saved tensors are not counted)."""
+    """Whether `activation_bytes` models this run: not with activation compression or torch.compile, not under
+    autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random routing or
+    expert dropout (their extra saved tensors are not counted)."""
     if cfg.memory.compress != "none":
         return False
+    if cfg.train.compile:
+        return False  # inductor's fused kernels save other tensors than eager ops
+    m, mem = cfg.model, cfg.memory
+    if cfg.train.precision == "autocast-bf16" and (cfg.parallel.tp > 1 or m.dropout > 0 or mem.offload_activations):
+        return False  # autocast modelled without tensor parallelism, dropout and activation offload (docs/gpu.md)
     moe = cfg.model.moe
     return not _experts(cfg) or (moe.router_noise == 0 and not moe.random_routing and moe.expert_dropout == 0)

@@ -146,7 +146,9 @@ def world_sum(value: float) -> float:
     """Sum of a Python scalar over every process (identity without a process group)."""
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    from scaletrain.parallel.comm import collective_device
+
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     return float(t.item())
 

@@ -240,7 +240,7 @@ def cmd_demo(args) -> int:
           "step by step and parameter by parameter, with the single-process run")
     for title, sets in DEMO_PROOFS:
         print(f"\n== {title}")
-        argv = ["verify", "--small", "--set", "train.steps=3"]
+        argv = ["verify", "--small", "--set", "train.steps=3", "--set", "train.device=cpu"]  # gloo: any machine
         for item in sets:
             argv += ["--set", item]
         code = cmd_verify(build_args(argv)) or code

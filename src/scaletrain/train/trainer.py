@@ -10,10 +10,8 @@ summed, the result equals the single-process run for any dp and micro-batch spli
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,9 @@ import torch.distributed as dist
 
 from scaletrain.config import Config
 from scaletrain.data import BatchLoader, load_tokens
+from scaletrain.device.attention import probe_run
+from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
+from scaletrain.device.timing import StepTimer
 from scaletrain.distributed import DistEnv, pick_device
 from scaletrain.memory.accounting import memory_reports, peak_bytes, tensor_bytes
 from scaletrain.memory.precision import DynamicLossScaler
@@ -32,12 +33,13 @@ from scaletrain.mesh import Mesh, ParallelDims
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.comm import CommStats, all_reduce_sum
+from scaletrain.parallel.comm import CommStats, all_reduce, all_reduce_max_list
 from scaletrain.parallel.experts import moe_metrics
 from scaletrain.parallel.parallelize import build_engine
 from scaletrain.report.observers import RunObservers
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
+from scaletrain.train.pending import first_bad_loss, resolve_rows
 from scaletrain.train.schedule import lr_at
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,6 +87,10 @@ class Trainer:
                                   cfg.model.vocab_size)
         self.engine = build_engine(cfg, self.mesh, self.device, self.dtype, self.comm)
         self.model = self.engine.module
+        self.attention = probe_run(cfg, self.device, self.dtype)  # the SDPA kernel that runs (device/attention.py)
+        if self.out is not None and self.rank == 0:
+            print(self.attention.line(), flush=True)
+        self.timer = StepTimer(self.device)  # CUDA events on GPUs: no host synchronisation inside a step
         self.n_params = self.engine.n_params
         # Dropout stream: this trainer's own (per rank, restored exactly on resume), swapped into the
         # global generator only while the trainer computes, so two trainers in one process do not interact.
@@ -146,10 +152,25 @@ class Trainer:
             ckpt.set_rng_state(outer, self.device)
 
     def train_step(self, step: int, drain: bool = True) -> dict[str, Any]:
-        """One optimizer step. drain=False lets an asynchronous pipeline schedule (2bw) start step + 1's
-        first forwards during this step; the next call must then be train_step(step + 1)."""
+        """One optimizer step; its metrics as numbers. drain=False lets an asynchronous pipeline schedule (2bw)
+        start step + 1's first forwards during this step; the next call must then be train_step(step + 1)."""
+        row = self._lazy_step(step, drain)
+        self._resolve([row])
+        return row
+
+    def _lazy_step(self, step: int, drain: bool = True) -> dict[str, Any]:
+        """One optimizer step whose loss, gradient norm and time stay on the device until `_resolve`."""
         with self.own_rng():
             return self._train_step(step, drain)
+
+    def _resolve(self, rows: list[dict[str, Any]]) -> None:
+        """Turn the rows' device values into numbers with one host read (train/pending.py); a NaN/inf loss
+        stops the run here under train.on_nan=stop, naming its first step."""
+        resolve_rows(rows, self.cfg.tokens_per_step)
+        bad = first_bad_loss(rows) if self.scaler is None and self.cfg.train.on_nan == "stop" else None
+        if bad is not None:
+            raise TrainingDiverged(f"loss is {bad['loss']} at step {bad['step']} (seen on rank {self.rank}); "
+                                   "set train.on_nan=skip to skip such steps")
 
     @property
     def overlaps_steps(self) -> bool:
@@ -161,7 +182,7 @@ class Trainer:
     def _train_step(self, step: int, drain: bool = True) -> dict[str, Any]:
         if self.resident is not None:
             self.resident.begin(self.device)
-        t0 = time.perf_counter()
+        mark = self.timer.begin()
         cfg = self.cfg
         self.comm.reset()
         lr = lr_at(step, cfg.train) * self.lr_scale
@@ -183,45 +204,44 @@ class Trainer:
         else:
             self.engine.next_micro = None
         total = self.engine.forward_backward(micro, scale / cfg.tokens_per_step)
-        loss_value = all_reduce_sum(total.item(), self.dp_group) / scale
-        moe = moe_metrics(self.model, cfg, self.mesh) if cfg.model.moe.experts else {}
+        # No host synchronisation unless a decision needs a value (docs/gpu.md): the loss stays a device tensor,
+        # summed over dp in place, and is read with the log line (`_resolve`).
+        all_reduce(total, self.dp_group)
+        loss = total / scale
+        moe = moe_metrics(self.model, cfg, self.mesh) if cfg.model.moe.experts else {}  # (reads its statistics)
         if moe:  # the loss breakdown: cross-entropy plus the weighted auxiliary and z-losses it was trained on
             w = cfg.model.moe
-            moe["loss_ce"] = loss_value
-            loss_value += w.aux_loss_weight * moe["loss_aux"] + w.z_loss_weight * moe["loss_z"]
+            moe["loss_ce"] = loss
+            loss = loss + (w.aux_loss_weight * moe["loss_aux"] + w.z_loss_weight * moe["loss_z"])
         # Skip decisions are taken by every rank together: flags all-reduced with MAX over the world, in one
-        # collective. Gradients are checked for inf/NaN only where that can change the decision (fp16's
-        # loss scaler, or train.on_nan=skip); a plain fp32 step pays for neither the check nor the reduction.
+        # collective and one host read — the one synchronisation such a step keeps, since whether to step depends
+        # on it. Gradients are checked for inf/NaN only where that can change the decision (fp16's loss scaler,
+        # or train.on_nan=skip); a plain step pays for neither the check nor the reduction, and a NaN loss under
+        # train.on_nan=stop stops the run when the loss is read (the same number on every rank: summed over dp,
+        # computed whole on every tp rank, broadcast over pp).
         check_grads = self.scaler is not None or cfg.train.on_nan == "skip"
-        flags = [float(not math.isfinite(loss_value)), float(check_grads and opt.unscale_(1.0 / scale))]
-        # (Without the check the loss alone decides; it is the same number on every rank: summed over dp,
-        # computed whole on every tp rank, broadcast over pp.)
-        bad_loss, grads_bad = _max_over_world_all(flags) if check_grads else flags
-        if bad_loss and self.scaler is None and cfg.train.on_nan == "stop":
-            raise TrainingDiverged(f"loss is {loss_value} at step {step} (seen on rank {self.rank}); "
-                                   "set train.on_nan=skip to skip such steps")
-        overflow = bool(bad_loss or grads_bad)
-        grad_norm = float("nan")
+        overflow = False
+        if check_grads:
+            flags = torch.stack([~torch.isfinite(loss), opt.unscale_(1.0 / scale)]).to(torch.float64)
+            overflow = any(all_reduce_max_list(flags))
+        grad_norm: Any = float("nan")
         noise: dict[str, float] = {}
         if overflow:
             self.skipped += 1  # fp16 overflow (or on_nan=skip): nobody updates, the scale backs off
         else:
             # expert parallelism: the expert part of |G_big|², before clipping scales it (noise scale only)
             expert_sq = opt.expert_grad_sq() if self.noise is not None and cfg.parallel.ep > 1 else 0.0
-            grad_norm = opt.clip_grad_norm(cfg.train.grad_clip)
-            if self.noise is not None:
-                noise = self._noise_scale(grad_norm, scale, expert_sq)
+            grad_norm = opt.clip_grad_norm(cfg.train.grad_clip)  # a device tensor; clipping needs no read
+            if self.noise is not None:  # the noise scale's estimators need the values (a read per step)
+                noise = self._noise_scale(float(grad_norm), scale, float(expert_sq))
             opt.step(lr)
         if self.scaler is not None:
             self.scaler.update(overflow)
         if not self.mem:
             self._measure_static()  # gradients and optimizer state exist only now
         opt.zero_grad()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": cfg.tokens_per_step / dt, "step_time_s": dt}
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": None,
+               "step_time_s": self.timer.end(mark)}  # tokens_per_s from the step time when resolved
         if self.scaler is not None or overflow:
             row.update(skipped=overflow, skipped_total=self.skipped)
             if self.scaler is not None:
@@ -261,8 +281,9 @@ class Trainer:
             micro = self.loader.micro_batches(i, self.dp_rank, self.cfg.parallel.dp, self.cfg.train.micro_batch,
                                               self.loader.val, self.device)
             total += self.engine.eval_loss(micro)
-        total = all_reduce_sum(total, self.dp_group)
-        return total / (self.cfg.train.eval_batches * self.cfg.tokens_per_step)
+        t = torch.tensor(total, dtype=torch.float64, device=self.device)
+        all_reduce(t, self.dp_group)
+        return float(t) / (self.cfg.train.eval_batches * self.cfg.tokens_per_step)
 
     # ------------------------------------------------------------------ memory
 
@@ -277,16 +298,21 @@ class Trainer:
             **memory_reports(self.engine),  # the memory passes' own fields (offloaded bytes, compression ratio)
         }
         self.observers.first_memory(local, self.step, peak_bytes(self.device))  # per rank, for the report
-        maxed = {k: _max_over_world(v) for k, v in local.items()}
+        keys = list(local)
+        maxed = dict(zip(keys, all_reduce_max_list([float(local[k]) for k in keys])))
         self.mem = {k: int(v) if k.startswith("mem_") else v for k, v in maxed.items()}
         self.mem.update(plan_memory(self.cfg))  # the planner's prediction beside the measurement
 
     def memory(self) -> dict[str, int]:
-        """Measured bytes per category (max over ranks) and the peak so far (and, with memory.count_allocations,
-        the allocator calls of step 2: memory/contiguous.py)."""
+        """Measured bytes per category and the peak so far (max over ranks); on CUDA also the allocator's peaks
+        beside the planner's total (device/cuda_memory.py; host-side statistics: no device read); with
+        memory.count_allocations, the allocator calls of step 2 (memory/contiguous.py)."""
         from scaletrain.memory.contiguous import allocation_report
 
-        return {**self.mem, **allocation_report(self.engine), "mem_peak": int(_max_over_world(peak_bytes(self.device)))}
+        local = {"mem_peak": peak_bytes(self.device), **cuda_memory_fields(self.device)}
+        peaks = {k: int(v) for k, v in zip(local, all_reduce_max_list([float(v) for v in local.values()]))}
+        return {**self.mem, **allocation_report(self.engine), **peaks,
+                **(planned_total(self.mem) if len(local) > 1 else {})}
 
     # ------------------------------------------------------------------ loop
 
@@ -308,6 +334,7 @@ class Trainer:
         bar = _Progress(t.steps, self.step) if self.progress else None
         tokens, elapsed = 0, 0.0
         last = min(t.steps, stop_after) if stop_after is not None else t.steps
+        pending: list[dict[str, Any]] = []  # rows whose device values are not read yet
         try:
             every = t.checkpoint_every
             while self.step < last:
@@ -315,21 +342,28 @@ class Trainer:
                 # 2bw: drain the pipeline before a checkpoint and at the end (nothing of step + 1 in flight)
                 saving = self.out is not None and ((every and self.step % every == 0) or self.step == t.steps)
                 with self.observers.step(self.step):
-                    row = self.train_step(self.step, drain=saving or self.step == last)
-                tokens += self.cfg.tokens_per_step
-                elapsed += row["step_time_s"]
-                result.losses[self.step] = row["loss"]
-                result.last_row = row
-                if self.step == 1 or self.step % t.log_every == 0 or self.step == t.steps:
+                    row = self._lazy_step(self.step, drain=saving or self.step == last)
+                pending.append(row)
+                logged = self.step % t.log_every == 0 or self.step == t.steps
+                if self.step == 1 or logged:
                     row.update(self.memory())
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                evaluating = t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps)
+                if logged or saving or evaluating or self.step == last:
+                    self._resolve(pending)  # one host read for the steps since the last one (train/pending.py)
+                    for r in pending:
+                        result.losses[r["step"]] = r["loss"]
+                        tokens += self.cfg.tokens_per_step
+                        elapsed += r["step_time_s"]
+                    result.last_row = row
+                    pending.clear()
+                    if bar is not None:
+                        bar.update(self.step, row)
+                if evaluating:
                     row["val_loss"] = result.val_losses[self.step] = self.evaluate()
-                if metrics is not None and (self.step % t.log_every == 0 or self.step == t.steps):
+                if metrics is not None and logged:
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
                     self.observers.log(row)
-                if bar is not None:
-                    bar.update(self.step, row)
                 every = t.checkpoint_every
                 if self.out is not None and ((every and self.step % every == 0) or self.step == t.steps):
                     if metrics is not None:
@@ -375,22 +409,6 @@ def _seeded_rng_state(seed: int, device: torch.device) -> dict[str, Any]:
     state = ckpt.rng_state(device)
     ckpt.set_rng_state(outer, device)
     return state
-
-
-def _max_over_world_all(values: list[float]) -> list[float]:
-    if not dist.is_initialized():
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _max_over_world(value: float) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _write_text(path: Path, text: str) -> None:
