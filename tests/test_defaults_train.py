@@ -22,6 +22,7 @@ MARGIN = 0.85
 OPTIONS = {
     "adafactor": ["optim.name=adafactor"],
     "sm3": ["optim.name=sm3"],
+    "sgd": ["optim.name=sgd"],
     "moe topk": ["model.moe.experts=4"],
     "moe switch": ["model.moe.experts=4", "model.moe.router=switch"],
     "moe expert_choice": ["model.moe.experts=4", "model.moe.router=expert_choice"],

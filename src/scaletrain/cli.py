@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "scaletrain.scaling.command",
     "scaletrain.report.command",
     "scaletrain.verify",
+    "scaletrain.parallel.async_dp.command",
 )
 
 

@@ -137,6 +137,34 @@ class ParallelConfig:
     """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
     timeout_s: float = 300.0
     """Timeout of every process group, in seconds: a stuck collective fails instead of hanging."""
+    sync: str = "bsp"
+    """Data-parallel synchronisation (docs/async.md): `bsp` (all-reduce every step), `ps` (parameter servers, Li et
+    al. OSDI 2014), `hogwild` (shared memory, no lock; Niu et al. arXiv 1106.5730) or `local` (local SGD, Lin et al.
+    arXiv 1808.07217; DiLoCo with parallel.outer=diloco, arXiv 2311.08105)."""
+    servers: int = 1
+    """ps: server processes holding the parameters and optimizer state, tensors spread over them; the job has
+    parallel.dp workers plus these (--nproc = dp + servers; servers are ranks 0..servers-1, on the CPU)."""
+    staleness: int = 0
+    """ps: most server versions a gradient may be behind the parameters it is applied to (SSP, Ho et al. NIPS 2013);
+    0 is BSP exactly, -1 unbounded (ASP)."""
+    hogwild_lock: bool = False
+    """hogwild: take a lock around each read and update of the shared parameters (then it is ASP with one
+    gradient per update); false is the paper's lock-free Hogwild."""
+    local_steps: int = 8
+    """local: optimizer steps each worker takes alone between two synchronisations (the paper's H)."""
+    outer: str = "avg"
+    """local: `avg` sets the parameters to the workers' average; `diloco` applies the average change with an outer
+    Nesterov optimizer (outer_lr, outer_momentum)."""
+    outer_lr: float = 0.7
+    """local with outer=diloco: outer learning rate (DiLoCo uses 0.7)."""
+    outer_momentum: float = 0.9
+    """local with outer=diloco: outer Nesterov momentum (DiLoCo uses 0.9; 0 is plain SGD on the average change)."""
+    slow_ranks: str = ""
+    """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
+    forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""
+    ps_tolerate_loss: bool = False
+    """ps with staleness=-1: when a worker dies, continue with the others (its data is given to them) instead of
+    stopping the job; needs scaletrain's own launcher (`train --nproc`), which does not stop the job on a death."""
     tp_mode: str = "1d"
     """How the parallel.tp ranks split the model: `1d` (Megatron-LM), `2d` (Optimus, SUMMA on a q x q grid, arXiv
     2104.05343), `2.5d` (Tesseract, parallel.tp_depth x q x q, arXiv 2105.14500) or `3d` (q x q x q, arXiv
@@ -216,7 +244,8 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer: `adamw`, `adafactor` (arXiv 1804.04235) or `sm3` (arXiv 1901.11150)."""
+    """Optimizer: `adamw`, `adafactor` (arXiv 1804.04235), `sm3` (arXiv 1901.11150) or `sgd` (torch's, with
+    optim.momentum; L2 weight decay in the gradient; the inner optimizer of local SGD, arXiv 1808.07217)."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW, arXiv 1711.05101) on matrices; not on biases, norms."""
     beta1: float = 0.9
@@ -235,9 +264,10 @@ class OptimConfig:
     """Adafactor: update clipping threshold d."""
     lr_scale: float = 0.0
     """Multiplier of the schedule's learning rate for this optimizer; 0 = its default: 1 for adamw and adafactor,
-    5 for sm3 (AdaGrad-style accumulators shrink its step as 1/sqrt(t); 5x train.lr trains the demo like AdamW)."""
+    5 for sm3 (AdaGrad-style accumulators shrink its step as 1/sqrt(t); 5x train.lr trains the demo like AdamW),
+    100 for sgd (no per-coordinate normalisation)."""
     momentum: float = 0.0
-    """SM3 momentum (0 disables the extra full-size buffer); Adafactor uses beta1 only if use_beta1."""
+    """SM3 and SGD momentum (0 disables the extra full-size buffer); Adafactor uses beta1 only if use_beta1."""
     use_beta1: bool = False
     """Adafactor: keep a first moment with optim.beta1 (adds a full-size buffer)."""
 
@@ -289,7 +319,8 @@ class Config:
     # ---- derived quantities (never stored) ----
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp
+        servers = self.parallel.servers if self.parallel.sync == "ps" else 0  # ps: server ranks besides the workers
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp + servers
 
     @property
     def grad_accum(self) -> int:
@@ -498,8 +529,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         errors.append(f"train.grad_clip must be >= 0, got {t.grad_clip}")
     if t.device not in ("auto", "cpu", "cuda"):
         errors.append(f"train.device must be auto, cpu or cuda, got {t.device!r}")
-    if o.name not in ("adamw", "adafactor", "sm3"):
-        errors.append(f"optim.name must be adamw, adafactor or sm3, got {o.name!r}")
+    if o.name not in ("adamw", "adafactor", "sm3", "sgd"):
+        errors.append(f"optim.name must be adamw, adafactor, sm3 or sgd, got {o.name!r}")
     if o.momentum < 0 or o.momentum >= 1 or o.clip_threshold < 1 or not 0 < o.decay_rate <= 1:
         errors.append(f"optim.momentum ({o.momentum}) must be in [0, 1), optim.clip_threshold ({o.clip_threshold})"
                       f" >= 1 and optim.decay_rate ({o.decay_rate}) in (0, 1]")
@@ -580,7 +611,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_nvme(cfg)
     errors += _validate_report(cfg)
     errors += _validate_fast_path(cfg)
-    if world_size is not None and cfg.world_size != world_size:
+    errors += _validate_async(cfg, world_size)
+    if world_size is not None and cfg.world_size != world_size and p.sync != "ps":
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
             f" does not match the number of processes ({world_size})"
@@ -668,6 +700,84 @@ def _validate_norm(cfg: Config) -> list[str]:
     if cfg.model.norm not in ("layernorm", "rmsnorm"):
         return [f"model.norm must be layernorm or rmsnorm, got {cfg.model.norm!r}"]
     return []
+
+
+SYNC_MODES = ("bsp", "ps", "hogwild", "local")
+
+
+def _validate_async(cfg: Config, world_size: int | None) -> list[str]:
+    """Asynchronous and relaxed data parallelism (parallel.sync; docs/async.md)."""
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    errors: list[str] = []
+    if o.name == "sgd":  # plain SGD is implemented by the replicated (non-ZeRO, non-factored) optimizer path
+        for name, value, ok in (("parallel.zero", p.zero, 0), ("parallel.tp", p.tp, 1), ("parallel.ep", p.ep, 1)):
+            if value != ok:
+                errors.append(f"optim.name=sgd needs {name}={ok}, got {value}: ZeRO's sharded optimizer and the "
+                              "tensor/expert-parallel factored path implement adamw, adafactor and sm3")
+    if p.sync not in SYNC_MODES:
+        return errors + [f"parallel.sync must be one of {', '.join(SYNC_MODES)}, got {p.sync!r}"]
+    from scaletrain.parallel.async_dp.straggler import parse_slow_ranks
+
+    try:
+        parse_slow_ranks(p.slow_ranks, p.dp)
+    except ConfigError as e:
+        errors.append(str(e))
+    default = ParallelConfig()
+    owners = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
+              "local_steps": "local", "outer": "local", "outer_lr": "local", "outer_momentum": "local"}
+    for key, mode in owners.items():
+        if getattr(p, key) != getattr(default, key) and p.sync != mode:
+            errors.append(f"parallel.{key} ({getattr(p, key)}) is used only with parallel.sync={mode}, "
+                          f"got parallel.sync={p.sync}")
+    if p.servers < 1:
+        errors.append(f"parallel.servers must be >= 1, got {p.servers}")
+    if p.staleness < -1:
+        errors.append(f"parallel.staleness must be >= -1 (-1 = unbounded, ASP), got {p.staleness}")
+    if p.local_steps < 1:
+        errors.append(f"parallel.local_steps (H) must be >= 1, got {p.local_steps}")
+    if p.outer not in ("avg", "diloco"):
+        errors.append(f"parallel.outer must be avg or diloco, got {p.outer!r}")
+    if not p.outer_lr > 0 or not 0 <= p.outer_momentum < 1:
+        errors.append(f"parallel.outer_lr ({p.outer_lr}) must be > 0 and parallel.outer_momentum "
+                      f"({p.outer_momentum}) in [0, 1)")
+    if p.sync == "bsp":
+        return errors
+    mode = f"parallel.sync={p.sync}"
+    for name, value, ok in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0),
+                            ("parallel.ep", p.ep, 1)):
+        if value != ok:
+            errors.append(f"{mode} needs {name}={ok}, got {value}: each worker holds the whole model and its own "
+                          "optimizer (or none, with ps)")
+    if t.dtype not in ("fp32", "fp64"):
+        errors.append(f"{mode} needs train.dtype fp32 or fp64, got {t.dtype}: updates are applied one worker at a "
+                      "time, without the synchronous overflow decision of mixed precision")
+    if cfg.model.moe.experts:
+        errors.append(f"{mode} needs a dense model, got model.moe.experts={cfg.model.moe.experts}")
+    if t.log_noise_scale:
+        errors.append(f"train.log_noise_scale needs parallel.sync=bsp, got {mode}")
+    if t.profile_steps:
+        errors.append(f"train.profile_steps needs parallel.sync=bsp, got {mode}: an asynchronous run's steps are not "
+                      "one process's steps")
+    if t.precision != "dtype" or t.compile:
+        errors.append(f"{mode} needs train.precision=dtype and train.compile=false, got {t.precision} and "
+                      f"{str(t.compile).lower()}: autocast and compiled blocks are not wired to the workers' flat "
+                      "parameter buffers")
+    if t.on_nan != "stop":
+        errors.append(f"{mode} needs train.on_nan=stop, got {t.on_nan}: a skipped step has no asynchronous meaning")
+    if p.sync == "hogwild" and t.device == "cuda":
+        errors.append("parallel.sync=hogwild shares the parameters in host memory: it needs train.device cpu or auto "
+                      "(hogwild always runs on the CPU)")
+    if p.ps_tolerate_loss and p.staleness != -1:
+        errors.append(f"parallel.ps_tolerate_loss needs parallel.staleness=-1 (ASP), got {p.staleness}: with bounded "
+                      "staleness the job stops when a worker dies")
+    if p.sync == "ps" and world_size is not None:
+        if p.servers >= world_size:
+            errors.append(f"parallel.servers ({p.servers}) must be smaller than the number of processes "
+                          f"({world_size}): the others are the workers")
+        elif p.dp + p.servers != world_size:
+            errors.append(f"parallel.dp ({p.dp}) workers + parallel.servers ({p.servers}) = {p.dp + p.servers} "
+                          f"does not match the number of processes ({world_size})")
+    return errors
 
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")

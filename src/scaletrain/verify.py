@@ -53,9 +53,9 @@ def _config(args) -> Config:
 
 
 def run(cfg: Config, env=None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    from scaletrain.train.trainer import Trainer
+    from scaletrain.parallel.async_dp import make_trainer
 
-    t = Trainer(cfg, None, env)
+    t = make_trainer(cfg, None, env)  # the Trainer, or an asynchronous mode's runner (parallel.sync)
     return t.run().losses, t.full_state()
 
 

@@ -74,6 +74,11 @@ def add_parser(subparsers) -> None:
     out.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     out.add_argument("--png", help="write a PNG of the memory breakdown of the top layouts")
     out.add_argument("--html", metavar="FILE", help="write a self-contained HTML page of the result (docs/report.md)")
+    sy = p.add_argument_group("asynchronous data parallelism (docs/async.md)")
+    sy.add_argument("--servers", type=int, help="compare, for the best layout, a parameter server with this many "
+                                                "servers and local SGD / DiLoCo with the all-reduce")
+    sy.add_argument("--local-steps", type=int, help="H of local SGD / DiLoCo in that comparison (default 8)")
+    sy.add_argument("--server-bw", type=float, metavar="GB/S", help="one server's link (default: one NIC, inter_bw)")
     bud = p.add_argument_group("compute budget (scaletrain.scaling.budget)")
     bud.add_argument("--flops-budget", metavar="C",
                      help="training FLOPs: choose the compute-optimal model by --law, find its best layout and "
@@ -165,7 +170,8 @@ def run(args) -> int:
     fixed = parse_layout(args.layout)
     result = search(model, gpu, args.gpus, train, fixed, _assumptions(args))
     top = dedupe(result.candidates, args.top)
-    return _emit(args, model, cluster, train, top, result.evaluated, result.offload_needed)
+    extra = _sync_comm(args, model, gpu, train, top[0].layout) if top else None
+    return _emit(args, model, cluster, train, top, result.evaluated, result.offload_needed, extra)
 
 
 def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool = False,
@@ -206,6 +212,10 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     if extra:
         for key, value in extra.get("run_prediction", {}).items():
             con.print(f"{key}: {value:,} bytes")
+        if "sync_comm" in extra:
+            from scaletrain.plan import async_costs
+
+            con.print(async_costs.table(extra["sync_comm"]))
     if args.png:
         con.print(f"memory breakdown: {args.png}")
     return 0
@@ -240,6 +250,9 @@ def _run_config(args) -> int:
     from scaletrain.config import load_config, validate
 
     cfg = validate(load_config(args.config, args.set))
+    from scaletrain.plan.async_costs import as_bsp
+
+    cfg, p = as_bsp(cfg), cfg.parallel  # compute, memory and time of one worker as in BSP; p: the run's sync
     model = catalog.from_model_config(cfg.model, name=args.config)
     lay, train = config_layout(cfg), config_training(cfg)
     args.gpus = cfg.world_size
@@ -268,7 +281,30 @@ def _run_config(args) -> int:
         if name in pred:
             est.memory[key] = float(pred[name])
     est.memory["total"] = sum(v for k, v in est.memory.items() if k != "total")
+    if p.sync != "bsp":  # the run's own synchronisation next to the all-reduce (ps: servers, local: H)
+        args.servers = args.servers or p.servers
+        args.local_steps = args.local_steps or p.local_steps
+    extra.update(_sync_comm(args, model, gpu, train, lay, p.outer) or {})
+    if p.sync == "ps":
+        extra["servers"] = p.servers
     return _emit(args, model, hardware.Cluster(gpu, cfg.world_size), train, [est], 1, extra=extra)
+
+
+def _sync_comm(args, model, gpu, train, lay, outer: str = "avg") -> dict | None:
+    """The synchronisation comparison (`plan/async_costs.py`) when --servers or --local-steps is given."""
+    servers, h = getattr(args, "servers", None), getattr(args, "local_steps", None)
+    bw = getattr(args, "server_bw", None)
+    if servers is None and h is None:
+        return None
+    for flag, value in (("--servers", servers), ("--local-steps", h)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if bw is not None and not bw > 0:
+        raise UserError(f"--server-bw must be a positive bandwidth in GB/s, got {bw}")
+    from scaletrain.plan import async_costs
+
+    return {"sync_comm": async_costs.for_layout(model, gpu, train, lay, servers or lay.dp, h or 8,
+                                                bw * 1e9 if bw else None, outer, _assumptions(args))}
 
 
 def _run_params(args) -> int:

@@ -168,6 +168,9 @@ def optimizer_state_bytes(cfg: Config, params: list[torch.Tensor], state_elem: i
         if o.name == "adamw":
             total += 2 * numel * state_elem + _step_bytes()
             continue
+        if o.name == "sgd":  # torch's SGD: a momentum buffer only when momentum is on
+            total += numel * state_elem if o.momentum > 0 else 0
+            continue
         shape = getattr(p, "_st_global_shape", tuple(p.shape))
         sizes = state_sizes(o.name, shape, numel, beta1=o.use_beta1, momentum=o.momentum > 0)
         total += sum(sizes.values()) * state_elem

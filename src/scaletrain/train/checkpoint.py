@@ -131,6 +131,13 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
     if any(directory.glob("rank*.pt")) and not (directory / dcp_io.INDEX).exists():
+        from scaletrain.parallel.async_dp.rank_checkpoint import FORMAT as ASYNC_FORMAT
+        from scaletrain.parallel.async_dp.rank_checkpoint import is_async_checkpoint
+
+        if is_async_checkpoint(directory):
+            raise CheckpointError(f"{directory} is a per-rank checkpoint of an asynchronous run ({ASYNC_FORMAT}, "
+                                  "parallel.sync=ps/hogwild/local): resume it with that run's parallel.sync, which "
+                                  "cannot change, and without --reshard")
         raise CheckpointError(f"{directory} is a checkpoint in the old per-rank format (rankNNNNN.pt), which this "
                               "version does not read; train into a new --out")
     if not (directory / COMPLETE).is_file():

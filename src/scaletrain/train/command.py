@@ -99,7 +99,7 @@ def cmd_train(args) -> int:
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
     from scaletrain.train.resume import check_run
 
-    check_run(out, cfg, nproc, args.reshard)  # so does a checkpoint of another run or layout
+    check_run(out, cfg, nproc, args.reshard, args.init_from)  # so does a checkpoint of another run or layout
     if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
         from scaletrain.interop.hf import check_hf_config, read_hf_config
 
@@ -118,6 +118,10 @@ def cmd_train(args) -> int:
         argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
+    if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
+        from scaletrain.parallel.async_dp.launch import launch_ps
+
+        return launch_ps(nproc, argv, out, cfg)
     return launch_local(nproc, argv, out)
 
 
@@ -158,7 +162,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
-    from scaletrain.train.trainer import Trainer
+    from scaletrain.parallel.async_dp import make_trainer
 
     rank = env.rank if env else 0
     with WorkerContext(rank):
@@ -167,7 +171,8 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
             distributed.init(env, cfg.parallel.timeout_s, device)
         try:
             start = time.time()
-            trainer = Trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard, init_from=init_from)
+            trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard,
+                                   init_from=init_from)  # bsp: the Trainer (train/resume.py)
             if trainer.step >= cfg.train.steps and rank == 0:
                 print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
             result = trainer.run()

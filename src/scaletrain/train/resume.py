@@ -121,8 +121,13 @@ def current_config(out: Path) -> dict[str, Any]:
     return config
 
 
-def check_run(out: Path, cfg: Config, world: int, reshard: bool) -> None:
+def check_run(out: Path, cfg: Config, world: int, reshard: bool, init_from: str | Path | None = None) -> None:
     """Before launching: refuse (CheckpointError) if the newest checkpoint in `out` cannot be resumed by `cfg`."""
+    if cfg.parallel.sync != "bsp":  # per-rank checkpoints of the asynchronous runners (docs/async.md)
+        from scaletrain.parallel.async_dp.common import check_async_run
+
+        check_async_run(Path(out), cfg, reshard, init_from)
+        return
     found = ckpt.latest(Path(out) / "checkpoints")
     if found is not None:
         check_compatible(found, ckpt.read_meta(found), cfg, world, reshard)

@@ -92,6 +92,10 @@ class Trainer:
             print(self.attention.line(), flush=True)
         self.timer = StepTimer(self.device)  # CUDA events on GPUs: no host synchronisation inside a step
         self.n_params = self.engine.n_params
+        if p.slow_ranks:  # straggler injection for experiments (parallel/async_dp/straggler.py)
+            from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
+
+            wrap_engine(self.engine, Straggler.for_rank(p.slow_ranks, p.dp, self.dp_rank))
         # Dropout stream: this trainer's own (per rank, restored exactly on resume), swapped into the
         # global generator only while the trainer computes, so two trainers in one process do not interact.
         # Tensor-parallel ranks share this stream (replicated regions must drop the same elements); split

@@ -1,0 +1,198 @@
+"""What every asynchronous mode's runner shares with the synchronous trainer: the run signature a checkpoint
+must match, `config.yaml`, `metrics.jsonl` (trimmed on resume), the progress bar and a barrier over a subset of
+ranks that does not need a process group (the store of the default group; used when a rank may be gone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from scaletrain.config import Config
+from scaletrain.errors import CheckpointError, UserError
+from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
+
+SYNC_KEYS = ("sync", "servers", "staleness", "hogwild_lock", "local_steps", "outer", "outer_lr", "outer_momentum")
+
+
+def run_signature(cfg: Config) -> dict[str, Any]:
+    """What an asynchronous runner's checkpoint must agree with to be resumed by this config (the layout is fixed:
+    these checkpoints are per rank and are not resharded; rank_checkpoint.py)."""
+    p, t = cfg.parallel, cfg.train
+    return {
+        "model": cfg.to_dict()["model"],
+        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero},
+        "seed": t.seed, "global_batch": t.global_batch, "micro_batch": t.micro_batch, "dtype": t.dtype,
+        "data_source": cfg.data.source, "optim": cfg.to_dict()["optim"],
+    }
+
+
+def async_signature(cfg: Config) -> dict[str, Any]:
+    """The run signature plus the synchronisation settings that change the state being saved."""
+    sig = run_signature(cfg)
+    sig["sync"] = {k: getattr(cfg.parallel, k) for k in SYNC_KEYS}
+    return sig
+
+
+def find_resume(out: Path | None, cfg: Config) -> tuple[Path | None, dict[str, Any]]:
+    """The newest complete checkpoint in `out` matching this run (None if there is none); CheckpointError if one
+    exists but belongs to another run."""
+    if out is None:
+        return None, {}
+    found = ckpt.latest(out / "checkpoints")
+    if found is None:
+        return None, {}
+    meta = ckpt.read_meta(found)
+    diff = differences(meta, async_signature(cfg))
+    if diff:
+        listed = "; ".join(f"{k}: checkpoint {a}, this run {b}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"checkpoint {found} does not match this run ({listed}); an asynchronous run's "
+                              f"checkpoints are per rank and cannot be resharded: use another --out, or the run's "
+                              f"own config {out / 'config.yaml'}")
+    return found, meta
+
+
+def refuse_reshard(cfg: Config, reshard: bool, init_from: str | Path | None = None) -> None:
+    """UserError for what the per-rank checkpoints of the asynchronous runners cannot do."""
+    if reshard:
+        raise UserError(f"--reshard needs parallel.sync=bsp, got parallel.sync={cfg.parallel.sync}: an asynchronous "
+                        "run's checkpoints are per rank (servers' shards, workers' replicas) and keep their layout")
+    if init_from is not None:
+        raise UserError(f"--init-from needs parallel.sync=bsp, got parallel.sync={cfg.parallel.sync}")
+
+
+def check_async_run(out: Path, cfg: Config, reshard: bool, init_from: str | Path | None = None) -> None:
+    """Before launching an asynchronous run: refuse --reshard / --init-from, and a checkpoint in `out` that this
+    config cannot resume (another run, another layout or sync mode, or a parallel.sync=bsp checkpoint)."""
+    refuse_reshard(cfg, reshard, init_from)
+    find_resume(out, cfg)
+
+
+def differences(meta: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Signature keys (dotted, e.g. `layout.dp`) whose values differ: {key: (checkpoint's, this run's)}."""
+    from scaletrain.train.resume import flatten
+
+    saved = flatten({k: meta.get(k) for k in want})
+    current = flatten(want)
+    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)}
+
+
+def write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def observers(cfg: Config, out: Path | None, rank: int, device, world: int, step: int):
+    """The trainer's reporting hooks (run_info.json, TensorBoard, the HTML report; report/observers.py) for an
+    asynchronous runner. Collective: every rank of the job constructs them at the same point."""
+    from types import SimpleNamespace
+
+    from scaletrain.report.observers import RunObservers
+
+    if out is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)  # run_info.json is written before the first checkpoint or metric
+    return RunObservers(SimpleNamespace(cfg=cfg, out=out, rank=rank, device=device, step=step,
+                                        mesh=SimpleNamespace(world_size=world)))
+
+
+class Metrics:
+    """`OUT/metrics.jsonl` on the logging rank: rows of steps <= the resume step are kept, later ones rewritten;
+    each row also goes to the run's observers (TensorBoard)."""
+
+    def __init__(self, out: Path | None, cfg: Config, resume_step: int, progress: bool, obs=None):
+        self.obs = obs
+        self.f = None
+        self.bar = None
+        self.rows: list[dict[str, Any]] = []  # every row this invocation wrote (kept for tests and benchmarks)
+        self.log_every, self.steps = cfg.train.log_every, cfg.train.steps
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        write_text(out / "config.yaml", cfg.to_yaml())
+        path = out / "metrics.jsonl"
+        kept: list[str] = []
+        if resume_step and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= resume_step:
+                        kept.append(line)
+                except ValueError:
+                    break
+        write_text(path, "".join(x + "\n" for x in kept))
+        self.f = open(path, "a")
+        if progress:
+            from scaletrain.train.trainer import _Progress
+
+            self.bar = _Progress(cfg.train.steps, resume_step)
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        self.rows.append(row)
+        if self.f is not None and (step % self.log_every == 0 or step == self.steps):
+            self.f.write(json.dumps(row) + "\n")
+            self.f.flush()
+            if self.obs is not None:
+                self.obs.log(row)
+        if self.bar is not None:
+            self.bar.update(step, row)
+
+    def sync(self) -> None:
+        if self.f is not None:
+            os.fsync(self.f.fileno())
+
+    def checkpoint(self, step: int) -> None:
+        if self.obs is not None:
+            self.obs.checkpoint(step, None)
+
+    def close(self) -> None:
+        if self.obs is not None:
+            self.obs.stop()
+        if self.bar is not None:
+            self.bar.close()
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+def default_store(unwrap: bool = False):
+    """The store of the default process group (None in a single process); with `unwrap`, the store under its
+    prefixes, where keys written by the launcher (which hosts it) are visible."""
+    if not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    while unwrap and isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class StoreBarrier:
+    """A barrier over `ranks` through the store: works when other ranks of the job are gone (a process group's
+    barrier would wait for them). Each use is a new generation, so it can be reused."""
+
+    def __init__(self, store, name: str, ranks: list[int], timeout_s: float):
+        self.store, self.name, self.ranks, self.timeout_s = store, name, list(ranks), timeout_s
+        self.generation = 0
+
+    def __call__(self) -> None:
+        if self.store is None or len(self.ranks) <= 1:
+            return
+        self.generation += 1
+        key = f"{self.name}/{self.generation}"
+        arrived = self.store.add(key, 1)
+        if arrived == len(self.ranks):
+            self.store.set(key + "/open", "1")
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check([key + "/open"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"barrier {key}: {arrived} of {len(self.ranks)} ranks arrived within "
+                                   f"{self.timeout_s:.0f} s")
+            time.sleep(0.005)
