@@ -132,3 +132,11 @@ def test_async_config_over_a_bsp_checkpoint_is_refused(tmp_path, capsys):
     before = _snapshot(out)
     _one_line(capsys, main(_argv(out, TINY + LOCAL2)), dcp_ckpt.FORMAT, "resume it with parallel.sync=bsp")
     assert _snapshot(out) == before
+
+
+def test_sample_and_checkpoint_inspect_refuse_an_async_checkpoint_in_one_line(async_run, capsys):
+    before = _snapshot(async_run)
+    _one_line(capsys, main(["sample", "--out", str(async_run)]), "asynchronous run", rc.FORMAT)
+    _one_line(capsys, main(["checkpoint", "inspect", str(async_run / "checkpoints" / "step_00000001")]),
+              "asynchronous run", rc.FORMAT)
+    assert _snapshot(async_run) == before
