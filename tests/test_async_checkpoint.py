@@ -140,3 +140,24 @@ def test_sample_and_checkpoint_inspect_refuse_an_async_checkpoint_in_one_line(as
     _one_line(capsys, main(["checkpoint", "inspect", str(async_run / "checkpoints" / "step_00000001")]),
               "asynchronous run", rc.FORMAT)
     assert _snapshot(async_run) == before
+
+
+def test_a_resume_keeps_config_yaml_and_records_the_changes(tmp_path):
+    """Issue 21 (c) for the asynchronous runners too: a resume with another train.lr / train.steps keeps the run's
+    config.yaml and appends the change to resumes.jsonl; current_config (report, replay) applies it."""
+    from scaletrain.parallel.async_dp.common import Metrics
+    from scaletrain.train.resume import HISTORY, current_config
+
+    out = tmp_path / "run"
+    first = load_config(None, TINY + LOCAL2)
+    Metrics(out, first, 0, False).close()
+    original = (out / "config.yaml").read_bytes()
+    resumed = load_config(None, TINY + LOCAL2 + ["train.lr=0.5", "train.steps=4"])
+    Metrics(out, resumed, 2, False).close()
+    assert (out / "config.yaml").read_bytes() == original
+    record = json.loads((out / HISTORY).read_text().splitlines()[-1])
+    assert record["from_step"] == 2
+    assert record["changed"] == {"train.lr": [first.train.lr, 0.5], "train.steps": [2, 4]}
+    assert current_config(out)["train"]["lr"] == 0.5 and current_config(out)["train"]["steps"] == 4
+    Metrics(out, first, 0, False).close()  # a fresh start (no checkpoint) writes config.yaml and drops the history
+    assert not (out / HISTORY).exists()

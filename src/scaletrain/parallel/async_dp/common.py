@@ -83,6 +83,25 @@ def differences(meta: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[A
             if saved.get(k) != current.get(k)}
 
 
+def record_config(out: Path, cfg: Config, resume_step: int) -> None:
+    """As the synchronous trainer does (train/resume.py): a fresh start writes `config.yaml`; a resume keeps it
+    (the config the run started with) and appends what this invocation changed to `resumes.jsonl`."""
+    import time
+
+    from scaletrain.train.resume import HISTORY, current_config, differences
+
+    path, history = out / "config.yaml", out / HISTORY
+    if not resume_step or not path.exists():
+        write_text(path, cfg.to_yaml())
+        history.unlink(missing_ok=True)  # resumes of checkpoints that are gone: a new run starts here
+        return
+    changed = differences(current_config(out), cfg.to_dict())
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "from_step": resume_step,
+              "changed": {k: [a, b] for k, (a, b) in changed.items()}}
+    with open(history, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".part")
     tmp.write_text(text)
@@ -115,7 +134,7 @@ class Metrics:
         if out is None:
             return
         out.mkdir(parents=True, exist_ok=True)
-        write_text(out / "config.yaml", cfg.to_yaml())
+        record_config(out, cfg, resume_step)
         path = out / "metrics.jsonl"
         kept: list[str] = []
         if resume_step and path.exists():
