@@ -60,6 +60,8 @@ def test_world_counts_servers_and_accepts_ps():
     (["--set", "parallel.sync=ps", "--set", "parallel.servers=2", "--nproc", "2"], ["parallel.servers (2)"]),
     (["--set", "parallel.sync=ps", "--set", "parallel.staleness=-3"], ["parallel.staleness", "-3"]),
     (["--set", "parallel.sync=local", "--set", "parallel.local_steps=-1"], ["parallel.local_steps", "-1"]),
+    (["--set", "parallel.sync=local", "--set", "parallel.dp=2", "--nproc", "2", "--set", "parallel.heartbeat_s=2"],
+     ["parallel.heartbeat_s (2.0)", "parallel.sync=local"]),
 ])
 def test_cli_bad_async_input_is_one_line_exit_2(tmp_path, capsys, sets, words):
     code = main(["train", "--out", str(tmp_path / "o"), *sets])

@@ -215,3 +215,64 @@ def test_parse_modes():
         parse_modes("bf16,int8")
     with pytest.raises(ConfigError, match="none"):
         parse_modes("none,int8")
+
+
+# ----------------------------------------------------------------------------- int8 blocks (layout independence)
+
+
+def _int8_roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
+    from scaletrain.memory.compress import _encode
+
+    return _encode(x, "int8", block).decode()
+
+
+@pytest.mark.parametrize("last", [8, 13, 1])
+def test_int8_blocks_hold_each_block_to_half_its_own_step(last):
+    """One absmax scale per block of 4 along the last dimension (the last block of a 13-wide row is short):
+    every entry is within half its block's step max|x| / 127 / 2, and a block of zeros stays zero."""
+    x = torch.randn(6, 5, last, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x[0, 0] = 0.0
+    x[1, 1, :min(last, 4)] *= 1e6  # an outlier block does not widen its neighbours' steps
+    got = _int8_roundtrip(x, 4)
+    assert got.shape == x.shape and got.is_contiguous() and torch.equal(got[0, 0], x[0, 0])
+    for start in range(0, last, 4):
+        part = x[..., start:start + 4]
+        step = part.abs().amax(-1, keepdim=True) / 127
+        assert ((got[..., start:start + 4] - part).abs() <= step / 2 * (1 + 1e-12)).all()
+
+
+def test_int8_blocks_of_a_tensor_and_of_its_shards_decode_the_same():
+    """What makes training compression layout-independent: splitting the last dimension at multiples of the
+    block (a tp shard) or the rows (a sequence, micro-batch or expert shard) changes no decoded value."""
+    x = torch.randn(4, 6, 48, generator=torch.Generator().manual_seed(4))
+    whole = _int8_roundtrip(x, 8)
+    assert torch.equal(torch.cat([_int8_roundtrip(c, 8) for c in x.split(16, dim=-1)], dim=-1), whole)
+    assert torch.equal(torch.cat([_int8_roundtrip(c, 8) for c in x.split(3, dim=1)], dim=1), whole)
+    assert not torch.equal(torch.cat([_int8_roundtrip(c, 0) for c in x.split(16, dim=-1)], dim=-1),
+                           _int8_roundtrip(x, 0))  # one scale per tensor: the shards round differently
+
+
+def test_views_of_a_block_encoded_base_with_a_short_last_block_decode_to_the_right_entries():
+    """A view into a base whose rows end in a short block (13 = 8 + 5) is rebuilt from the decoded base with
+    the base's strides, so the decoded base must be contiguous (it once was a strided slice of the padding)."""
+    comp = ActivationCompressor("int8", min_numel=0, block=8)
+    base = torch.randn(6, 13, dtype=torch.float64, requires_grad=True) * 1.0  # has a grad_fn: encoded
+    view = base[:, :12].view(6, 4, 3)
+    expected = _int8_roundtrip(base.detach(), 8)[:, :12].reshape(6, 4, 3)
+    assert torch.equal(comp._pack(view).unpack(), expected)
+    assert torch.equal(comp._pack(base).unpack(), _int8_roundtrip(base.detach(), 8))
+
+
+def test_int8_block_divides_every_width_tensor_parallelism_splits():
+    from scaletrain.config import ModelConfig
+    from scaletrain.memory.compress import int8_block
+    from scaletrain.model.gpt import ffn_size
+
+    for d, h, mlp in ((32, 4, "gelu"), (128, 4, "swiglu"), (720, 12, "gelu"), (12288, 96, "gelu"),
+                      (96, 6, "swiglu")):
+        cfg = ModelConfig(d_model=d, n_heads=h, mlp=mlp)
+        b, ff = int8_block(cfg), ffn_size(cfg)
+        legal = [tp for tp in range(1, h + 1) if h % tp == 0 and d % tp == 0 and ff % tp == 0]
+        assert 1 <= b <= 64 and (d // h) % b == 0
+        assert all((d // tp) % b == 0 and (ff // tp) % b == 0 for tp in legal), (d, h, b)
+    assert int8_block(ModelConfig(d_model=720, n_heads=12)) == 60  # not only powers of two

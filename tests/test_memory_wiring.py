@@ -88,12 +88,13 @@ def test_optimizer_and_compression_config_errors_name_the_values():
 
 def test_reduced_precision_compression_tracks_the_loss_and_logs_its_ratio(tmp_path):
     ref = train_cli(tmp_path, "none")
-    for mode, tol, lo, hi in (("bf16", 5e-3, 1.8, 2.0), ("int8", 5e-3, 3.0, 4.0)):
+    # int8 in training: one fp32 scale per block of int8_block = 8 entries (d_model 32, 4 heads): 32/(8+4) per slot
+    for mode, tol, lo, hi in (("bf16", 5e-3, 1.8, 2.0), ("int8", 5e-3, 2.2, 32 / 12)):
         rows = train_cli(tmp_path, mode, f"memory.compress={mode}")
         for a, b in zip(rows, ref):
             assert abs(a["loss"] - b["loss"]) <= tol, (mode, a["step"], a["loss"], b["loss"])
         first = rows[0]
-        assert lo < first["compress_ratio"] < hi and lo < first[f"compress_ratio_{mode}"] <= 4.0
+        assert lo < first["compress_ratio"] < hi and lo < first[f"compress_ratio_{mode}"] <= hi
         # the activation counter sees the compressed size: exactly what compression removed is gone
         removed = first["compress_bytes_before"] - first["compress_bytes_after"]
         assert ref[0]["mem_activations"] - first["mem_activations"] == removed > 0

@@ -46,9 +46,31 @@ def test_fixed_layout_and_table(capsys):
 def test_params_mode_reproduces_zero_figure1(capsys):
     code, out, _ = run(capsys, "plan", "--params", "7.5e9", "--gpus", "64", "--json")
     assert code == 0
-    totals = [c["memory_bytes"]["total"] / 1e9 for c in json.loads(out)["candidates"]]
+    by_stage = {c["layout"]["zero"]: c["memory_bytes"]["total"] / 1e9 for c in json.loads(out)["candidates"]}
     # arXiv 1910.02054 Fig. 1 (the paper prints 16.64 as 16.6 and 1.875 as 1.9)
-    assert totals == pytest.approx([120, 31.4, 16.6, 1.9], rel=5e-3, abs=0.03)
+    assert [by_stage[z] for z in range(4)] == pytest.approx([120, 31.4, 16.6, 1.9], rel=5e-3, abs=0.03)
+
+
+def test_params_mode_orders_best_first_and_honours_the_layout(capsys):
+    """--params: layouts that fit first, by data-parallel traffic (ZeRO 0-2: 2Ψ, ZeRO-3: 3Ψ), then memory;
+    --layout fixes dp/tp/pp/zero (tp·pp split Ψ), and keys that need a model are refused."""
+    code, out, _ = run(capsys, "plan", "--params", "7.5e9", "--gpus", "64", "--json")
+    cands = json.loads(out)["candidates"]
+    assert [c["layout"]["zero"] for c in cands] == [2, 1, 3, 0]  # ZeRO-0 (120 GB) does not fit 80 GB
+    assert [c["fits"] for c in cands] == [True, True, True, False]
+    comm = [c["comm_bytes_per_step"]["dp"] for c in cands]
+    assert comm[0] == comm[1] == int(63 / 64 * 7.5e9 * 4) and comm[2] == int(63 / 64 * 7.5e9 * 6)
+    code, out, _ = run(capsys, "plan", "--params", "7.5e9", "--gpus", "64", "--layout", "tp=8,zero=1", "--json")
+    (only,) = json.loads(out)["candidates"]
+    assert only["layout"] == {"dp": 8, "tp": 8, "pp": 1, "ep": 1, "zero": 1}
+    assert only["memory_bytes"]["optimizer"] == 12 * 7.5e9 / 8 / 8 and only["memory_bytes"]["params"] == 2 * 7.5e9 / 8
+    code, out, _ = run(capsys, "plan", "--params", "7.5e9", "--gpus", "64", "--layout", "zero=3,dp=64")
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert code == 0 and "best first" in out and len(rows) == 1 and rows[0].split("│")[2].strip() == "3"  # ZeRO-3 only
+    for layout, msg in (("recompute=full", "--layout recompute needs a model"),
+                        ("dp=16,tp=2", "does not match --gpus (64)"), ("tp=3", "does not divide --gpus (64)")):
+        code, _, err = run(capsys, "plan", "--params", "7.5e9", "--gpus", "64", "--layout", layout)
+        assert code == 2 and msg in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("optimizer,first_moment,k", [("adamw", False, 12), ("adafactor", False, 4),
@@ -58,7 +80,8 @@ def test_optimizer_choice_sets_the_optimizer_state(capsys, optimizer, first_mome
     moment), plus their factored statistics (rows + columns: about 2/d_model of the parameters)."""
     extra = ["--first-moment"] if first_moment else []
     code, out, _ = run(capsys, "plan", "--params", "1e9", "--gpus", "8", "--json", "--optimizer", optimizer, *extra)
-    assert code == 0 and json.loads(out)["candidates"][1]["memory_bytes"]["optimizer"] == k * 1e9 / 8  # ZeRO-1
+    zero1 = next(c for c in json.loads(out)["candidates"] if c["layout"]["zero"] == 1)
+    assert code == 0 and zero1["memory_bytes"]["optimizer"] == k * 1e9 / 8
     code, out, _ = run(capsys, *BASE, "--json", "--optimizer", optimizer, *extra, "--top", "1",
                        "--layout", "dp=16,tp=8,pp=8,zero=1,mb=1,recompute=full")
     doc = json.loads(out)
@@ -164,3 +187,35 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_catalog_model_and_its_dimensions_with_equal_flags_predict_the_same(capsys):
+    """megatron-1.7b keeps dropout masks (Korthikanti's 34sbh); the same dims predict the same with --dropout, and
+    the plan prints that assumption either way."""
+    lay = ["--gpus", "64", "--global-batch", "512", "--top", "3", "--layout", "tp=1,pp=1"]
+    dims = ["--layers", "24", "--hidden", "2304", "--heads", "24", "--vocab", "51200", "--seq-len", "2048"]
+    _, cat, _ = run(capsys, "plan", "--model", "megatron-1.7b", *lay, "--json")
+    _, same, _ = run(capsys, "plan", *dims, "--dropout", *lay, "--json")
+    _, other, _ = run(capsys, "plan", *dims, *lay, "--json")
+    assert json.loads(cat)["candidates"] == json.loads(same)["candidates"] != json.loads(other)["candidates"]
+    _, text, _ = run(capsys, "plan", "--model", "megatron-1.7b", *lay)
+    assert "--vocab 51200 --seq-len 2048 --ffn 9216 --mlp gelu --kv-heads 24 --position learned " \
+           "--tie-embeddings --bias --dropout" in " ".join(text.split())
+    _, text, _ = run(capsys, "plan", *dims, *lay)
+    assert "--no-dropout" in " ".join(text.split())
+
+
+def test_every_catalog_entry_is_rebuilt_by_the_flags_the_plan_prints():
+    """No hidden attribute: the printed flags, given as custom dimensions, give the same ModelSpec (name aside)."""
+    from scaletrain.cli import build_parser
+    from scaletrain.plan import catalog
+    from scaletrain.plan.command import _model, model_flags
+
+    def spec(m):
+        return {**m.to_dict(), "name": "", "source": "", "n_kv_heads": m.kv_heads}
+
+    for name, m in catalog.MODELS.items():
+        args = build_parser().parse_args(["plan", *model_flags(m).split()])
+        assert spec(_model(args)) == spec(m), name
+        over = build_parser().parse_args(["plan", "--model", name, "--no-dropout", "--position", "rope"])
+        assert (_model(over).dropout, _model(over).position) == (False, "rope")  # flags override an entry

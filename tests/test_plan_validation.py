@@ -1,4 +1,6 @@
-"""Planner throughput against published measurements of large runs (all errors must be under 15%).
+"""Planner throughput against published measurements of large runs: the claims of docs/planner-validation.md and
+the README (all 25 rows within 9%, mean |error| under 5%; the six ZeRO-3 rows within 14%, the fitted link
+21.7 GB/s).
 
 Sources (every number below is from the cited table; nothing is fitted to them, the planner's
 constants are the a-priori `Assumptions` and catalog GEMM efficiencies):
@@ -72,8 +74,13 @@ def predict(row) -> float:
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r[0]}-{r[1]}-{r[4]}-{r[7]}" for r in ROWS])
-def test_prediction_within_15_percent_of_published(row):
-    assert predict(row) == pytest.approx(row[-1], rel=0.15)
+def test_prediction_within_9_percent_of_published(row):
+    assert predict(row) == pytest.approx(row[-1], rel=0.09)
+
+
+def test_mean_error_over_the_published_rows_is_under_5_percent():
+    errors = [abs(predict(row) / row[-1] - 1) for row in ROWS]
+    assert len(errors) == 25 and sum(errors) / len(errors) < 0.05
 
 
 # Narayanan et al. 2021 (arXiv 2104.04473) Table 2, ZeRO-3 without model parallelism (DeepSpeed ZeRO-3 of
@@ -117,13 +124,13 @@ def test_zero3_prefetch_model_with_nccl_bandwidth_is_far_too_optimistic_for_deep
     assert min(errors) > 0.4 and max(errors) > 2.5, errors
 
 
-def test_zero3_per_tensor_model_fitted_on_175b_predicts_530b_within_15_percent():
+def test_zero3_per_tensor_model_fitted_on_175b_predicts_530b_within_14_percent():
     """Held out: the link is fitted on the three 175B rows only, then predicts the three 530B rows (a
     different model, batch and micro-batch sizes). The fitted bandwidth is about one HDR NIC per GPU."""
     bw = fit_zero3_link(ZERO3_ROWS[:3])
-    assert 0.6 * HDR_RAIL < bw < HDR_RAIL, bw
+    assert 0.6 * HDR_RAIL < bw < HDR_RAIL and round(bw / 1e9, 1) == 21.7, bw
     errors = zero3_errors(bw)
-    assert all(abs(e) < 0.15 for e in errors), [f"{e:+.1%}" for e in errors]
+    assert all(abs(e) < 0.14 for e in errors), [f"{e:+.1%}" for e in errors]
 
 
 def test_zero3_per_tensor_model_moves_three_gathers_and_waits_for_reduce_scatters():

@@ -229,7 +229,7 @@ def test_int8_compression_under_tp_and_pp_tracks_the_loss_and_reports_its_ratio(
     base, run = two_ranks[f"{layout}-none"], two_ranks[f"{layout}-int8"]
     for step, loss in base[0].items():
         assert abs(run[0][step] - loss) <= 5e-3  # the tolerance of test_memory_wiring
-    assert 7.5 < run[2]["compress_ratio_int8"] <= 8.0  # fp64 -> int8, one scale per tensor
+    assert 3.5 < run[2]["compress_ratio_int8"] <= 4.0  # fp64 -> int8 with one fp64 scale per 8 entries: 64/16
     assert run[2]["mem_activations"] < base[2]["mem_activations"] / 2
 
 

@@ -135,7 +135,8 @@ def _layout_runs(rank, world, layouts, out):
 def test_noise_scale_is_logged_finite_positive_and_equal_across_layouts(tmp_path):
     Trainer(make_config(NOISE), tmp_path / "single").run()
     single = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
-    layouts = [{"parallel.dp": 2}] + [{"parallel.dp": 2, "parallel.zero": z} for z in (1, 3)] + [{"parallel.tp": 2}]
+    layouts = [{"parallel.dp": 2}] + [{"parallel.dp": 2, "parallel.zero": z} for z in (1, 2, 3)] + \
+        [{"parallel.tp": 2}]
     runs = run_ranks(_layout_runs, 2, layouts, str(tmp_path / "par"), timeout=150)[0]
     dp2 = [json.loads(line) for line in (tmp_path / "par" / "0" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in single] == [1, 2, 3]

@@ -23,7 +23,8 @@ COMMAND_MODULES = (
     "scaletrain.scaling.command",
     "scaletrain.report.command",
     "scaletrain.verify",
-    "scaletrain.parallel.async_dp.command",
+    "scaletrain.multinode.command",
+    "scaletrain.replay_cli",
 )
 
 

@@ -137,6 +137,12 @@ class ParallelConfig:
     """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
     timeout_s: float = 300.0
     """Timeout of every process group, in seconds: a stuck collective fails instead of hanging."""
+    heartbeat_s: float = 5.0
+    """Launched runs: a rank that stops (killed, SIGSTOP, dead machine) is noticed within this many seconds and
+    every rank stops naming it (heartbeat through the job's TCP store, docs/multinode.md); 0 disables it."""
+    flight_recorder: int = 256
+    """Launched runs: each rank records its last N collectives and point-to-point messages; when one times out
+    the ranks' records are matched into a report naming the operation and step (docs/multinode.md); 0: off."""
     sync: str = "bsp"
     """Data-parallel synchronisation (docs/async.md): `bsp` (all-reduce every step), `ps` (parameter servers, Li et
     al. OSDI 2014), `hogwild` (shared memory, no lock; Niu et al. arXiv 1106.5730) or `local` (local SGD, Lin et al.
@@ -610,8 +616,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     errors += _validate_contiguous(cfg)
     errors += _validate_nvme(cfg)
     errors += _validate_report(cfg)
+    errors += _validate_multinode(cfg)
     errors += _validate_fast_path(cfg)
     errors += _validate_async(cfg, world_size)
+    errors += _validate_compress_segments(cfg) if not errors else []
+    errors += _validate_matrix_failures(cfg)
     if world_size is not None and cfg.world_size != world_size and p.sync != "ps":
         errors.append(
             f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
@@ -622,6 +631,50 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
+def _validate_matrix_failures(cfg: Config) -> list[str]:
+    """Pairs the layout matrix found to differ from one process in fp64 (docs/verify.md), refused until fixed."""
+    from scaletrain.memory.compress import parse_modes
+
+    p, mem = cfg.parallel, cfg.memory
+    errors = []
+    lossy = parse_modes(mem.compress) & {"bf16", "int8"}
+    if mem.partition_checkpoints and lossy:
+        errors.append(f"memory.partition_checkpoints with memory.compress={mem.compress} is not available: the "
+                      "partitioned block inputs are not encoded as one process encodes them (the layout matrix "
+                      "measures up to 7e-4 relative gradient-norm differences in fp64)")
+    if p.sequence_parallel and p.ep > 1:
+        errors.append(f"parallel.sequence_parallel with parallel.ep ({p.ep}) > 1 is not available: the routed "
+                      "tokens of a sequence shard differ from one process's (the layout matrix measures 6e-4 "
+                      "relative loss differences in fp64)")
+    return errors
+
+
+def _validate_compress_segments(cfg: Config) -> list[str]:
+    """Lossy activation compression with recompute=every:k under pp: a segment's input is kept compressed and its
+    blocks are recomputed from it, so the segments must be the ones one process has (k blocks from block 0): a
+    chunk must start at a multiple of k (docs/memory.md)."""
+    from scaletrain.memory.compress import parse_modes
+    from scaletrain.memory.recompute import parse_recompute
+
+    p, mem = cfg.parallel, cfg.memory
+    mode = parse_recompute(mem.recompute)
+    if p.pp == 1 or mode.kind != "every" or not parse_modes(mem.compress) & {"bf16", "int8"}:
+        return []
+    chunks = p.pp * p.virtual_stages
+    if p.partition in ("params", "time"):
+        return [f"memory.recompute={mem.recompute} with memory.compress={mem.compress} needs pipeline chunks that "
+                f"start at multiples of {mode.k} blocks; parallel.partition={p.partition} decides them only at run "
+                "time: give block counts (e.g. parallel.partition=2,2) or use recompute full"]
+    counts = [cfg.model.n_layers // chunks] * chunks if p.partition == "uniform" else \
+        [int(x) for x in p.partition.split(",")]
+    starts = [sum(counts[:i]) for i in range(1, len(counts))]
+    bad = [b for b in starts if b % mode.k]
+    if bad:
+        return [f"memory.recompute={mem.recompute} with memory.compress={mem.compress} under parallel.pp ({p.pp}): "
+                f"pipeline chunks start at blocks {', '.join(map(str, starts))}, not all multiples of {mode.k}, so "
+                "the segments differ from one process's and recompute from other compressed inputs; choose "
+                "parallel.partition block counts that are multiples of k, or recompute full"]
+    return []
 def _validate_fast_path(cfg: Config) -> list[str]:
     """train.precision and train.compile: the values and the combinations they are made to work with (docs/gpu.md)."""
     from scaletrain.memory.autocast import PRECISIONS, precision_errors
@@ -700,6 +753,21 @@ def _validate_norm(cfg: Config) -> list[str]:
     if cfg.model.norm not in ("layernorm", "rmsnorm"):
         return [f"model.norm must be layernorm or rmsnorm, got {cfg.model.norm!r}"]
     return []
+
+
+def _validate_multinode(cfg: Config) -> list[str]:
+    """Heartbeat and flight recorder bounds (scaletrain.multinode)."""
+    p = cfg.parallel
+    errors = []
+    if not (p.heartbeat_s == 0 or 0.5 <= p.heartbeat_s < p.timeout_s):
+        errors.append(f"parallel.heartbeat_s ({p.heartbeat_s}) must be 0 (off) or at least 0.5 and below "
+                      f"parallel.timeout_s ({p.timeout_s})")
+    if p.sync != "bsp" and p.heartbeat_s != ParallelConfig().heartbeat_s:
+        errors.append(f"parallel.heartbeat_s ({p.heartbeat_s}) is used only with parallel.sync=bsp, got "
+                      f"parallel.sync={p.sync}: asynchronous runs are not supervised by the heartbeat")
+    if not 0 <= p.flight_recorder <= 100_000:
+        errors.append(f"parallel.flight_recorder ({p.flight_recorder}) must be between 0 (off) and 100000 entries")
+    return errors
 
 
 SYNC_MODES = ("bsp", "ps", "hogwild", "local")
@@ -786,7 +854,7 @@ TP_MODES = ("1d", "2d", "2.5d", "3d")
 def _validate_tp_nd(cfg: Config) -> list[str]:
     """2D / 2.5D / 3D tensor parallelism (parallel/tensor_nd/, docs/tensor_parallel.md): the grid's shape, what it
     splits, and the combinations not made to work with it (each refused with its reason)."""
-    from scaletrain.parallel.tensor_nd.grid import grid_shape
+    from scaletrain.tp_grid import grid_shape
 
     p, m, t, mem = cfg.parallel, cfg.model, cfg.train, cfg.memory
     mode = p.tp_mode

@@ -52,8 +52,9 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init(env: DistEnv, timeout_s: float, device: torch.device) -> None:
-    """Initialise the default process group for `env` (no-op for a single process)."""
+def init(env: DistEnv, timeout_s: float, device: torch.device, store: dist.Store | None = None) -> None:
+    """Initialise the default process group for `env` (no-op for a single process); `store`: an existing
+    client of the job's store (scaletrain.multinode.job), else the env:// rendezvous makes one."""
     if env.world_size == 1 or dist.is_initialized():
         return
     if env.launcher == "slurm":
@@ -69,7 +70,7 @@ def init(env: DistEnv, timeout_s: float, device: torch.device) -> None:
         torch.cuda.set_device(device)
         bind["device_id"] = device
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s), **bind)
+                            timeout=timedelta(seconds=timeout_s), store=store, **bind)
 
 
 def shutdown(clean: bool = True) -> None:

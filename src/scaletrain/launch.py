@@ -6,13 +6,17 @@ WORLD_SIZE, or SLURM variables, are set) nothing is launched: the process is one
 
 Output: rank 0 writes to the terminal; the other ranks write to `OUT/logs/rankN.log`. A rank that fails
 writes `OUT/logs/rankN.error.json`; torchrun then stops the others within a second, and the launcher prints
-the earliest failure in one line (exit 2 for bad input, 1 otherwise) with the path of the full log.
+the failure in one line (exit 2 for bad input, 1 otherwise): a rank killed by a signal (from torchrun's own
+summary, `exitcode: -9`), else the earliest error record, with the path of a log only when it exists.
+`restarts` is torchrun's `--max-restarts`: the workers are started again after a failure and resume from the
+newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,18 +35,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, argv: list[str], port: int | None = None) -> list[str]:
+def torchrun_command(nproc: int, argv: list[str], port: int | None = None, restarts: int = 0) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--nnodes=1", "--node-rank=0",
         "--master-addr=127.0.0.1", f"--master-port={port or free_port()}",
-        "--monitor-interval=0.2",
+        "--monitor-interval=0.2", f"--max-restarts={restarts}",
         "-m", "scaletrain", *argv,
     ]
 
 
-def launch_local(nproc: int, argv: list[str], out_dir: Path) -> int:
-    """Run `scaletrain <argv>` on `nproc` local ranks; returns the exit code for the user."""
+def launch_local(nproc: int, argv: list[str], out_dir: Path, restarts: int = 0) -> int:
+    """Run `scaletrain <argv>` on `nproc` local ranks (restarted up to `restarts` times after a failure, each
+    time resuming from the newest complete checkpoint); returns the exit code for the user."""
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("rank*.error.json"):
@@ -51,7 +56,7 @@ def launch_local(nproc: int, argv: list[str], out_dir: Path) -> int:
     env[LOG_DIR_ENV] = str(logs.resolve())
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     with open(logs / "launcher.log", "w") as launcher_log:
-        proc = subprocess.Popen(torchrun_command(nproc, argv), env=env, stderr=launcher_log)
+        proc = subprocess.Popen(torchrun_command(nproc, argv, restarts=restarts), env=env, stderr=launcher_log)
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -63,24 +68,64 @@ def launch_local(nproc: int, argv: list[str], out_dir: Path) -> int:
     return report_failure(logs, rc)
 
 
-def report_failure(logs: Path, rc: int) -> int:
+def report_failure(logs: Path, rc: int, launcher_log: Path | None = None) -> int:
+    """Print the job's failure in one line and return the exit code: a rank killed by a signal (torchrun's
+    summary in the launcher log knows it: `exitcode: -9`) is the cause; otherwise the earliest error record.
+    Only logs that exist are named."""
+    launcher_log = launcher_log or logs / "launcher.log"
+    text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
     errors = []
     for f in logs.glob("rank*.error.json"):
         try:
             errors.append(json.loads(f.read_text()))
         except ValueError:
             continue
+    killed = [d for d in signal_deaths(text) if d["signal"] != "SIGTERM"]  # SIGTERM: torchrun stopping the rest
+    if killed:
+        d = killed[0]
+        log = logs / f"rank{d['rank']}.log"
+        where = f" (its output: {log})" if d["rank"] != 0 and log.exists() else ""
+        sys.stderr.write(f"scaletrain: error: rank {d['rank']} (local rank {d['local_rank']} on host {d['host']}) was "
+                         f"killed by {d['signal']} (exit code {d['exitcode']}); the other ranks were stopped{where}\n")
+        return 1
     if not errors:
-        tail = (logs / "launcher.log").read_text().strip().splitlines()[-5:]
-        sys.stderr.write(f"scaletrain: error: the workers failed (exit {rc}); see {logs / 'launcher.log'}\n")
+        tail = text.strip().splitlines()[-5:]
+        where = f"; see {launcher_log}" if launcher_log.exists() else ""
+        sys.stderr.write(f"scaletrain: error: the workers failed (exit {rc}){where}\n")
         sys.stderr.write("".join(f"  {line}\n" for line in tail))
         return 1
     first = min(errors, key=lambda e: e["time"])
     code = int(first.get("exit_code", 1))
-    log = logs / f"rank{first['rank']}.log"
-    where = "" if code == 2 else f" (traceback in {log})"
-    sys.stderr.write(f"scaletrain: error: rank {first['rank']}: {first['message']}{where}\n")
+    log = logs / f"rank{first['rank']}.log" if first["rank"] != 0 else launcher_log
+    where = "" if code == 2 or not first.get("traceback") or not log.exists() else f" (traceback in {log})"
+    who = "" if first.get("plain") else f"rank {first['rank']}: "
+    sys.stderr.write(f"scaletrain: error: {who}{first['message']}{where}\n")
     return code
+
+
+_FAILURE = re.compile(r"host\s*:\s*(?P<host>\S+)\s*\n\s*rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)\s*\n"
+                      r"\s*exitcode\s*:\s*(?P<code>-?\d+)")
+
+
+def signal_deaths(text: str) -> list[dict]:
+    """Workers that torchrun's failure summary reports as killed by a signal (negative exit code), root cause
+    first: [{rank, local_rank, host, exitcode, signal}]."""
+    import signal
+
+    root = text.find("Root Cause")
+    ordered = text[root:] + "\n" + text[:root] if root >= 0 else text
+    out, seen = [], set()
+    for m in _FAILURE.finditer(ordered):
+        code, rank = int(m["code"]), int(m["rank"])
+        if code < 0 and rank not in seen:
+            seen.add(rank)
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            out.append({"rank": rank, "local_rank": int(m["local"]), "host": m["host"], "exitcode": code,
+                        "signal": name})
+    return out
 
 
 class WorkerContext:
@@ -91,6 +136,8 @@ class WorkerContext:
         self.logs = Path(os.environ[LOG_DIR_ENV]) if LOG_DIR_ENV in os.environ else None
 
     def __enter__(self) -> WorkerContext:
+        if self.logs is not None:  # a restarted rank's record of an earlier attempt is stale
+            (self.logs / f"rank{self.rank}.error.json").unlink(missing_ok=True)
         if self.logs is not None and self.rank != 0:
             f = open(self.logs / f"rank{self.rank}.log", "w", buffering=1)
             os.dup2(f.fileno(), 1)
@@ -103,11 +150,18 @@ class WorkerContext:
             return False
         code = exc.exit_code if isinstance(exc, UserError) else 1
         message = str(exc) if isinstance(exc, UserError) else f"{exc.__class__.__name__}: {exc}"
-        record = {"time": time.time(), "rank": self.rank, "exit_code": code, "message": message.splitlines()[0]
-                  if message else exc.__class__.__name__, "traceback": "".join(traceback.format_exception(exc))}
-        tmp = self.logs / f"rank{self.rank}.error.json.part"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.logs / f"rank{self.rank}.error.json")
+        write_error_record(self.logs, self.rank, code, message.splitlines()[0] if message else exc.__class__.__name__,
+                           "".join(traceback.format_exception(exc)), plain=getattr(exc, "names_ranks", False))
         if self.rank != 0 or code != 2:
             traceback.print_exception(exc)  # into this rank's log (rank 0: the launcher log)
         return False
+
+
+def write_error_record(logs: Path, rank: int, code: int, message: str, tb: str = "", plain: bool = False) -> None:
+    """`logs/rankN.error.json`: what the launcher reports when this rank fails (written atomically). `plain`:
+    the message already names the ranks concerned (print it without "rank N:")."""
+    record = {"time": time.time(), "rank": rank, "exit_code": code, "message": message, "traceback": tb,
+              "plain": plain}
+    tmp = logs / f"rank{rank}.error.json.part"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, logs / f"rank{rank}.error.json")

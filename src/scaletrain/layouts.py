@@ -1,24 +1,43 @@
 """The one enumeration of the layout space: every dimension scaletrain composes, its values, which combinations
-`validate()` accepts, an all-pairs covering set of them, and the pairs `validate()` refuses.
+`validate()` accepts, all-pairs covering sets of them, and the pairs no accepted layout contains (docs/verify.md).
 
 A layout is one value per dimension (`DIMENSIONS`). `config(layout)` turns it into the run config of a small
 model, and `reference_config(layout)` into the single-process run of the same model, data and seed it is
-compared with. A layout is in the space when `validate()` accepts its config and every
-dimension's value means something there (`meaningful`: a pipeline schedule needs pp > 1, sequence parallelism
-and partitioned checkpoints need tp > 1, an uneven partition needs pp > 1).
+compared with. A layout is in the space when `validate()` accepts its config and every dimension's value means
+something there (`meaningful`: a pipeline schedule needs pp > 1, sequence parallelism and partitioned checkpoints
+need tp > 1, an uneven partition needs pp > 1). `enumerate_space(world)` lists them all, lazily (the product of
+the other dimensions is 4.2·10^7 combinations per dp × tp × pp shape).
 
-`covering(world)` is a covering array of strength 2 over the space restricted to world sizes up to `world`:
-every pair of values of any two dimensions that appears together in at least one accepted layout appears
-together in at least one layout of the set (all-pairs testing; Cohen et al., "The AETG system", IEEE TSE 1997,
-greedy construction: each new layout covers as many uncovered pairs as it can). Pairs that no accepted layout
-contains are the refusals (`refused_pairs`), each with the message `validate()` gives; the docs' table of
-refusals is generated from them. The CI runs `covering(4)`; `scaletrain verify --matrix` runs any of it on the
-user's machine.
+`covering(world)` is a covering array of strength 2 over the layouts of up to `world` processes: every pair of
+values of two dimensions that appears together in some accepted layout appears together in at least one layout
+of the set (all-pairs testing; Cohen et al., "The AETG system", IEEE TSE 1997, greedy construction: each new
+layout is the best of several candidates that fix the most frequent uncovered pair and give every other
+dimension, in random order, the value covering the most uncovered pairs; a candidate is then repaired by
+hill-climbing on the number of constraints it breaks). Whether a pair occurs in an accepted layout is decided by
+search (`_Search.complete`: the pair with what its values need, `needs`, changed in up to two more dimensions).
+The sets for 1, 2, 4 and 8 processes are stored in configs/covering.json (`python -m scaletrain.layouts`
+regenerates them: 2.5 minutes of CPU, spread over `--procs` processes): tests/test_matrix.py runs the
+4-process one and checks every stored set still covers every accepted pair; `scaletrain verify --matrix --world
+N` runs the N-process one. The pairs no
+accepted layout contains are the refusals (`refused_pairs`, `refusal_table`), each with `validate()`'s message.
+
+Adding a dimension (e.g. `tp_mode`, `reversible`, `sync`):
+1. add it to `DIMENSIONS` (its default first) and to `MEANING`, and set it in `config` (and reset it in
+   `reference_config` when it is a parallel setting the single-process run does not have);
+2. if a value needs another dimension's value to mean something, add the rule to `meaningless`, and the
+   completion to `needs` (what to set so that the pair becomes possible: it makes the search fast);
+3. if its layouts need a different reference (like 2BW's stale-weight rule), say so in `matrix.run_reference`;
+4. run `python -m scaletrain.layouts` (covering.json; until then the stored layouts take the new default) and
+   `python -m scaletrain.layouts --docs docs/verify.md` (the tables), then `pytest tests/test_matrix.py`: every
+   new pair is run and compared in CI, and a pair the stored sets miss fails
+   `test_stored_covering_sets_are_accepted_and_miss_no_accepted_pair`.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +52,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "pp": (1, 2, 4),
     "ep": (1, 2),
     "zero": (0, 1, 2, 3),
-    "offload": ("none", "optimizer", "params"),
+    "offload": ("none", "optimizer", "params", "nvme"),
     "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw"),
     "sequence_parallel": (False, True),
     "recompute": ("none", "full", "selective", "every:2"),
@@ -86,17 +105,23 @@ class Layout:
         return " ".join(parts) or "single"
 
 
+def meaningless(layout: Layout) -> list[str]:
+    """The values that mean nothing in this layout (`validate()` accepts them, the run ignores them)."""
+    out = []
+    if layout["schedule"] != "1f1b" and layout["pp"] == 1:
+        out.append(f"schedule={layout['schedule']} needs pp > 1")
+    if layout["sequence_parallel"] and layout["tp"] == 1:
+        out.append("sequence_parallel needs tp > 1")
+    if layout["partition_checkpoints"] and layout["tp"] == 1:
+        out.append("partition_checkpoints needs tp > 1")
+    if layout["partition"] == "uneven" and layout["pp"] == 1:
+        out.append("an uneven partition needs pp > 1")
+    return out
+
+
 def meaningful(layout: Layout) -> str | None:
     """Why a value means nothing in this layout (None when every value does)."""
-    if layout["schedule"] != "1f1b" and layout["pp"] == 1:
-        return f"schedule={layout['schedule']} needs pp > 1"
-    if layout["sequence_parallel"] and layout["tp"] == 1:
-        return "sequence_parallel needs tp > 1"
-    if layout["partition_checkpoints"] and layout["tp"] == 1:
-        return "partition_checkpoints needs tp > 1"
-    if layout["partition"] == "uneven" and layout["pp"] == 1:
-        return "an uneven partition needs pp > 1"
-    return None
+    return "; ".join(meaningless(layout)) or None
 
 
 def config(layout: Layout) -> Config:
@@ -113,10 +138,11 @@ def config(layout: Layout) -> Config:
     schedule, _, v = str(layout["schedule"]).partition(":")
     p.schedule, p.virtual_stages = schedule, int(v or 1)
     chunks = p.pp * p.virtual_stages
-    m.n_layers = max(2, chunks)
-    if layout["partition"] == "uneven":  # one block more on the first chunk
-        m.n_layers = chunks + 1
-        p.partition = ",".join(["2"] + ["1"] * (chunks - 1))
+    per = 2 if layout["recompute"] == "every:2" else 1  # chunks hold whole every:2 segments (config.py)
+    m.n_layers = max(2, chunks * per)
+    if layout["partition"] == "uneven":  # one segment more on the first chunk
+        m.n_layers = (chunks + 1) * per
+        p.partition = ",".join([str(2 * per)] + [str(per)] * (chunks - 1))
     moe = layout["moe"]
     if moe != "dense":
         m.moe.experts, m.moe.group_tokens = 4, 8
@@ -197,7 +223,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     """The layout with the other values its values need, where those dimensions are not `fixed` (a search
     heuristic: `validate()` still decides). Expert parallelism needs an MoE model and dp >= ep; a pipeline
     schedule or an uneven partition needs pp > 1; sequence parallelism and partitioned checkpoints need tp > 1,
-    the latter a block recomputation; parameter offload needs ZeRO-3 and optimizer offload ZeRO >= 1."""
+    the latter a block recomputation; parameter and nvme offload need ZeRO-3 (nvme also tp = pp = ep = 1 and
+    AdamW) and optimizer offload ZeRO >= 1."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -205,6 +232,10 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             v[dim] = value
 
     for _ in range(3):
+        if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
+            for dim in ("tp", "pp", "ep"):  # first: a fixed value that needs tp or pp > 1 wins (validate() says why)
+                want(dim, 1)
+            want("optimizer", "adamw")
         if v["ep"] > 1:
             if v["moe"] == "dense":
                 want("moe", "topk")
@@ -216,13 +247,13 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("tp", 2)
         if v["partition_checkpoints"] and v["recompute"] not in ("full", "every:2"):
             want("recompute", "full")
-        if v["offload"] == "params" and v["zero"] != 3:
+        if v["offload"] in ("params", "nvme") and v["zero"] != 3:
             want("zero", 3)
         if v["offload"] == "optimizer" and v["zero"] == 0:
             want("zero", 1)
-        for dim in ("dp", "tp", "pp"):  # over the world limit: shrink what nobody asked for
-            if v["dp"] * v["tp"] * v["pp"] > max_world and v[dim] > 2:
-                want(dim, 2)
+        for dim in ("dp", "tp", "pp"):  # over the world limit: halve what nobody asked for
+            while v["dp"] * v["tp"] * v["pp"] > max_world and v[dim] > 1 and dim not in fixed:
+                v[dim] //= 2
     return Layout.of(**v)
 
 
@@ -232,16 +263,29 @@ class _Search:
 
     def __init__(self, max_world: int, seed: int):
         self.max_world, self.rng = max_world, random.Random(seed)
-        self.cache: dict[Layout, bool] = {}
+        self.cache: dict[Layout, int] = {}  # layout -> violations (0: accepted)
 
     def ok(self, layout: Layout) -> bool:
+        return self.violations(layout) == 0
+
+    def violations(self, layout: Layout) -> int:
+        """How far a layout is from accepted: the values that mean nothing, the constraints `validate()` names
+        (it joins its messages with "; ") and one per doubling over the world limit; 0 when accepted."""
         if layout not in self.cache:
-            self.cache[layout] = layout.world <= self.max_world and accepted(layout)
+            over = (layout.world // self.max_world).bit_length() - 1 if layout.world > self.max_world else 0
+            try:
+                validate(config(layout), layout.world)
+                broken = 0
+            except ConfigError as e:
+                broken = str(e).count("; ") + 1
+            self.cache[layout] = over + len(meaningless(layout)) + broken
         return self.cache[layout]
 
     def complete(self, fixed: dict[str, Any]) -> Layout | None:
         """An accepted layout with the `fixed` values: the defaults with what the fixed values need (`needs`),
         repaired by changing up to two other dimensions (None if there is none: the pair is refused)."""
+        if math.prod(fixed.get(d, 1) for d in ("dp", "tp", "pp")) > self.max_world:
+            return None  # the fixed values alone need more processes
         base = needs(Layout.of(**fixed), set(fixed), self.max_world)
         if self.ok(base):
             return base
@@ -268,16 +312,14 @@ class _Search:
                 return sum(((e, values[e]), (d, v)) in uncovered or ((d, v), (e, values[e])) in uncovered
                            for e in values)
             values[d] = max(DIMENSIONS[d], key=lambda v: (gain(v), self.rng.random()))
-        lay = Layout.of(**values)
-        for _ in range(6):
+        fixed = set(dict(seed_pair))
+        lay = needs(Layout.of(**values), fixed, self.max_world)  # what the chosen values need
+        for _ in range(8):  # hill-climb: one dimension at a time, fewest broken constraints, then most coverage
             if self.ok(lay):
                 return lay
-            fixes = [Layout.of(**{**lay.as_dict(), d: v}) for d in DIMENSIONS if d not in dict(seed_pair)
+            fixes = [Layout.of(**{**lay.as_dict(), d: v}) for d in DIMENSIONS if d not in fixed
                      for v in DIMENSIONS[d] if v != lay[d]]
-            good = [f for f in fixes if self.ok(f)]
-            if good:
-                return max(good, key=lambda f: len(pairs_of(f) & uncovered))
-            lay = self.rng.choice(fixes)  # no single change is accepted: take a random one and try again
+            lay = min(fixes, key=lambda f: (self.violations(f), -len(pairs_of(f) & uncovered), self.rng.random()))
         return None
 
 
@@ -300,70 +342,192 @@ def covering(max_world: int = 4, seed: int = 0, candidates: int = 30) -> list[La
         best_n = len(pairs_of(best) & uncovered)
         for _ in range(candidates):
             lay = search.candidate(seed_pair, uncovered)
-            if lay is not None and (n := len(pairs_of(lay) & uncovered)) > best_n:
+            # the most new pairs; among equals the fewest processes (what the set costs to run)
+            if lay is not None and ((n := len(pairs_of(lay) & uncovered)), -lay.world) > (best_n, -best.world):
                 best, best_n = lay, n
         chosen.append(best)
         uncovered -= pairs_of(best)
     return chosen
 
 
-def refused_pairs(max_world: int = 8) -> list[tuple[Pair, str]]:
-    """Every pair of values no accepted layout of up to `max_world` processes contains, with the reason
-    `validate()` (or `meaningful`) gives for the pair on otherwise default values."""
+def refused_pairs(max_world: int = 8, layouts: list[Layout] | None = None) -> list[tuple[Pair, str]]:
+    """Every pair of values no accepted layout of up to `max_world` processes contains, with the reason `validate()`
+    (or `meaningful`) gives for the pair with what its values need. With `layouts` (a covering set of that world),
+    only the pairs it misses are searched — the others are accepted by construction."""
     search = _Search(max_world, 0)
+    covered = set().union(*map(pairs_of, layouts)) if layouts else set()
     out = []
     for pair in _all_pairs():
-        if search.complete(dict(pair)) is None:
+        if pair not in covered and search.complete(dict(pair)) is None:
             closest = needs(Layout.of(**dict(pair)), set(dict(pair)), max_world)  # what it needs, then why not
-            why = refusal(closest) if closest.world <= max_world else None
+            why = None
+            if closest.world <= max_world:
+                ignored = meaningful(closest)
+                why = f"no effect (validate() accepts it): {ignored}" if ignored else refusal(closest)
             out.append((pair, why or f"needs more than {max_world} processes"))
     return out
 
 
+def uncovered_accepted(layouts: list[Layout], max_world: int) -> list[Pair]:
+    """The pairs some accepted layout of up to `max_world` processes contains (an accepted completion exists) that
+    `layouts` misses — empty for a covering set. Cheap: only the pairs the set misses are searched."""
+    search = _Search(max_world, 0)
+    covered = set().union(*map(pairs_of, layouts))
+    return [pair for pair in _all_pairs() if pair not in covered and search.complete(dict(pair)) is not None]
+
+
 def refusal_table(max_world: int = 8) -> str:
-    """The docs' table of refused pairs (markdown), generated from `validate()` and `meaningful`."""
-    rows = ["| value | with | why not (what `validate()` says) |", "|---|---|---|"]
-    for (a, b), why in refused_pairs(max_world):
+    """The docs' table of refused pairs (markdown), generated from `validate()` and `meaningful` over the pairs the
+    stored covering set of `max_world` misses (tests/test_matrix.py checks it misses no accepted pair)."""
+    rows = ["| value | with | why no layout has both (what `validate()` says) |", "|---|---|---|"]
+    for (a, b), why in refused_pairs(max_world, stored_covering(max_world)):
         if why.startswith("needs more than"):
             continue  # a world-size limit, not a refusal
-        rows.append(f"| {a[0]}={_show(a[1])} | {b[0]}={_show(b[1])} | {why} |")
+        rows.append(f"| {a[0]}={text(a[1])} | {b[0]}={text(b[1])} | {why} |")
     return "\n".join(rows) + "\n"
 
 
-def _show(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+# What each dimension sets in the run config (`config`), for docs/verify.md's table.
+MEANING = {
+    "dp": "`parallel.dp`", "tp": "`parallel.tp`", "pp": "`parallel.pp`", "ep": "`parallel.ep`",
+    "zero": "`parallel.zero`",
+    "offload": "`parallel.offload` (`nvme`: shard files in the system's temporary folder, `parallel.offload_dir`)",
+    "schedule": "`parallel.schedule` (`interleaved:v`: `parallel.virtual_stages=v`)",
+    "sequence_parallel": "`parallel.sequence_parallel`", "recompute": "`memory.recompute`",
+    "partition_checkpoints": "`memory.partition_checkpoints`", "offload_activations": "`memory.offload_activations`",
+    "compress": "`memory.compress`", "dtype": "`train.dtype`", "optimizer": "`optim.name`",
+    "moe": "`model.moe.router` with 4 experts (`dense`: no experts)",
+    "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation)",
+    "partition": "`parallel.partition` (`uneven`: the first chunk holds one block or segment more)",
+    "tie_embeddings": "`model.tie_embeddings`", "position": "`model.position`", "mlp": "`model.mlp`",
+    "dropout": "`model.dropout`",
+}
 
 
-COVERING_FILE = "configs/covering.json"
+def dimension_table() -> str:
+    """docs/verify.md's table of dimensions (markdown), from `DIMENSIONS` and `MEANING`."""
+    rows = ["| dimension | values (first: default) | sets |", "|---|---|---|"]
+    for dim, values in DIMENSIONS.items():
+        rows.append(f"| `{dim}` | {', '.join(text(v) for v in values)} | {MEANING.get(dim, '')} |")
+    return "\n".join(rows) + "\n"
 
 
-def stored_covering() -> list[Layout]:
-    """The covering set of up to 4 processes the CI runs, as generated by `python -m scaletrain.layouts` (kept
-    in the package so every run tests the same layouts; tests/test_matrix.py checks it still covers every
-    accepted pair)."""
-    import json
-    from importlib import resources
-
-    data = json.loads(resources.files("scaletrain").joinpath(COVERING_FILE).read_text())
-    return [Layout.of(**d) for d in data["layouts"]]
-
-
-def main() -> None:
-    """Regenerate the stored covering set: the smallest of several seeds (fewest 4-process layouts first)."""
-    import json
+def update_docs(path: str) -> list[str]:
+    """Rewrite the generated sections of a markdown file (between `<!-- NAME:begin -->` and `<!-- NAME:end -->`):
+    `dimensions`, `refusals` and `tolerances`. Returns the names of the sections it rewrote."""
     from pathlib import Path
 
-    best = None
-    for seed in range(4):
-        cov = covering(4, seed=seed, candidates=100)
-        key = (sum(lay.world == 4 for lay in cov), len(cov))
-        print(f"seed {seed}: {len(cov)} layouts ({key[0]} on 4 processes)", flush=True)
-        if best is None or key < best[0]:
-            best = (key, seed, cov)
+    from scaletrain.matrix import tolerance_table
+
+    doc = Path(path)
+    text_ = doc.read_text()
+    done = []
+    for name, make in (("dimensions", dimension_table), ("refusals", lambda: refusal_table(8)),
+                       ("tolerances", tolerance_table)):
+        begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+        if begin in text_ and end in text_:
+            head, rest = text_.split(begin, 1)
+            text_ = head + begin + make() + end + rest.split(end, 1)[1]
+            done.append(name)
+    doc.write_text(text_)
+    return done
+
+
+def text(value: Any) -> str:
+    """A value as the command line writes it (`true`, `every:2`, `4`)."""
+    return str(value).lower()
+
+
+# --------------------------------------------------------------------------- the stored covering sets
+
+COVERING_FILE = "configs/covering.json"
+STORED_WORLDS = (1, 2, 4, 8)
+
+
+def stored_covering(max_world: int = 4) -> list[Layout]:
+    """The stored covering set of up to `max_world` processes (4: the one the CI runs), as `python -m
+    scaletrain.layouts` generated it: kept in the package so that every run tests the same layouts;
+    tests/test_matrix.py checks that it is still accepted and still covers every accepted pair."""
+    from importlib import resources
+
+    from scaletrain.errors import UserError
+
+    data = json.loads(resources.files("scaletrain").joinpath(COVERING_FILE).read_text())
+    sets = data["sets"]
+    if str(max_world) not in sets:
+        raise UserError(f"no stored covering set for {max_world} processes (stored: {', '.join(sets)})")
+    return [Layout.of(**{**dict(zip(data["dimensions"], row))}) for row in sets[str(max_world)]["layouts"]]
+
+
+def cost(layouts: list[Layout]) -> tuple[int, int]:
+    """What running a covering set costs, to compare candidate sets: process-steps (each layout's world; on a
+    machine with fewer cores than processes time grows with it), then the number of layouts."""
+    return sum(lay.world for lay in layouts), len(layouts)
+
+
+def _construct(task: tuple[int, int, int]) -> tuple[int, int, list[Layout]]:
+    """One greedy construction (a worker of `generate`): (max_world, seed, layouts)."""
+    world, seed, candidates = task
+    return world, seed, covering(world, seed=seed, candidates=candidates)
+
+
+def generate(worlds: tuple[int, ...] = STORED_WORLDS, seeds: int = 3, candidates: int = 30,
+             procs: int = 1) -> dict[int, tuple[int, list[Layout]]]:
+    """For each world size, the cheapest (`cost`) covering set of `seeds` greedy constructions: {world: (seed,
+    layouts)}. The constructions are independent; `procs` > 1 runs them in that many processes."""
+    tasks = [(w, s, candidates) for w in worlds for s in range(seeds)]
+    if procs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(procs) as pool:
+            done = list(pool.map(_construct, tasks))
+    else:
+        done = [_construct(t) for t in tasks]
+    best: dict[int, tuple[int, list[Layout]]] = {}
+    for world, seed, cov in done:  # in task order: ties keep the lower seed
+        if world not in best or cost(cov) < cost(best[world][1]):
+            best[world] = (seed, cov)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m scaletrain.layouts [--seeds S] [--candidates C] [--procs P]`: regenerate configs/covering.json
+    (every stored world size) and print what each set costs; `--docs FILE` rewrites the generated tables."""
+    import argparse
+    import os
+    import time
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m scaletrain.layouts", description=main.__doc__)
+    ap.add_argument("--seeds", type=int, default=3, help="greedy constructions per world size (the cheapest is kept)")
+    ap.add_argument("--candidates", type=int, default=30, help="AETG candidates per chosen layout")
+    ap.add_argument("--procs", type=int, default=os.cpu_count() or 1,
+                    help="processes running the constructions (default: one per CPU core)")
+    ap.add_argument("--docs", metavar="FILE", help="only rewrite the generated tables of FILE (docs/verify.md)")
+    args = ap.parse_args(argv)
+    if args.docs:
+        print(f"rewrote {', '.join(update_docs(args.docs)) or 'nothing'} in {args.docs}")
+        return
+    t0 = time.time()
+    best = generate(STORED_WORLDS, args.seeds, args.candidates, args.procs)
+    sets = {}
+    for world in STORED_WORLDS:
+        seed, cov = best[world]
+        sets[str(world)] = {"seed": seed, "layouts": [[lay[d] for d in DIMENSIONS] for lay in cov]}
+        ws = [w for w in WORLD_SIZES if w <= world]
+        sizes = " / ".join(str(sum(lay.world == w for lay in cov)) for w in ws)
+        print(f"world <= {world}: {len(cov)} layouts ({sizes} on {' / '.join(map(str, ws))} processes), "
+              f"{cost(cov)[0]} process-steps, seed {seed}", flush=True)
     path = Path(__file__).parent / COVERING_FILE
-    path.write_text(json.dumps({"seed": best[1], "max_world": 4, "layouts": [lay.as_dict() for lay in best[2]]},
-                               indent=0) + "\n")
-    print(f"wrote {len(best[2])} layouts to {path}")
+    lines = ['{"generated_by": "python -m scaletrain.layouts",', f' "dimensions": {json.dumps(list(DIMENSIONS))},',
+             ' "sets": {']
+    for i, (world, entry) in enumerate(sets.items()):
+        rows = ",\n".join(f"   {json.dumps(row)}" for row in entry["layouts"])
+        end = "," if i < len(sets) - 1 else ""
+        lines.append(f'  "{world}": {{"seed": {entry["seed"]}, "layouts": [\n{rows}]}}{end}')
+    lines.append(" }}")
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path} ({time.time() - t0:.0f} s, {args.procs} process(es))")
 
 
 if __name__ == "__main__":

@@ -1,75 +1,127 @@
-"""`scaletrain verify --matrix`: run many layouts of the enumerated space (`scaletrain.layouts`) and compare each
-with the single-process run of the same model, data, seed and dtype.
+"""`scaletrain verify --matrix`: run layouts of the enumerated space (`scaletrain.layouts`) and compare each with
+the single-process run of the same model, data, seed and dtype (docs/verify.md).
 
-Each layout trains `layouts.STEPS` steps; the comparison covers the loss and the gradient norm of every step and
-every final parameter (gathered from its shards):
+Each layout trains `layouts.STEPS` steps. Compared: the loss and the gradient norm of every step and every final
+parameter (gathered from its shards):
 
-- fp64: losses and parameters element-wise within rtol 1e-9, atol 1e-11 (verify's defaults; the layouts differ
-  from one process only in summation order, ~1e-15);
-- fp32, bf16, fp16: the relative loss and gradient-norm differences per step and the relative L2 distance of all
-  parameters within `TOLERANCE`, derived from measured rounding noise (docs/verify.md): 3x the largest difference
-  seen over the covering set's layouts of that dtype and over single-process runs with another micro-batch split.
+- fp64: losses and parameters element-wise within rtol 1e-9, atol 1e-11 (verify's defaults), gradient norms
+  within rtol 1e-9; the layouts differ from one process only in summation order (~1e-15);
+- fp32, bf16, fp16: the largest relative loss and gradient-norm differences over the steps and the relative L2
+  distance of all parameters within `TOLERANCE[dtype]`: 3x the largest difference measured over covering-set
+  layouts run in that dtype (docs/verify.md records the measurement; `benchmarks/bench_matrix_noise.py` repeats
+  it over every layout in every dtype).
 
-Layouts of one world size run in one job (`torchrun`, or a set of local processes in tests), one after the
-other; `--jobs J` runs J such jobs at once. Results print as a table and are written as JSON.
+PipeDream-2BW (`schedule=2bw`) is compared with one process running 2BW's own update rule (`stale_weights`), and
+its steps overlap as in `scaletrain train` (the pipeline drains only after the last step).
+
+Layouts of one world size run in one job, one after the other in the same processes (`torchrun`, or a set of
+local processes in tests), so process start-up is paid once per job; `--jobs J` runs J jobs at once. A job that
+dies marks the layout it was running as ERROR and the rest of its layouts run in a new job. Results print as a
+table and are written as JSON.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.layouts import STEPS, Layout, config, reference_config
+
+if TYPE_CHECKING:
+    import torch
 
 RTOL_FP64, ATOL_FP64 = 1e-9, 1e-11
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    loss: float  # max over steps of |loss - ref| / ref
-    grad_norm: float  # max over steps of |norm - ref| / ref
-    params: float  # ||params - ref||_2 / ||ref||_2 over all parameters
+    loss: float
+    """Largest |loss - ref| / |ref| over the steps."""
+    grad_norm: float
+    """Largest |grad_norm - ref| / ref over the steps."""
+    params: float
+    """||params - ref||_2 / ||ref||_2 over all parameters at the end."""
 
 
-TOLERANCE = {  # docs/verify.md: 3x the measured rounding noise
-    "fp32": Tolerance(3e-6, 3e-5, 3e-5),
-    "bf16": Tolerance(3.3e-4, 4.5e-3, 1.2e-2),
-    "fp16": Tolerance(1.0e-4, 5.0e-4, 1.8e-3),
+# 3x the largest difference measured over covering-set layouts run in each dtype (docs/verify.md, "Tolerances":
+# 52 layouts of the 2- and 4-process sets in their own dtypes, 19 fp32, 19 bf16, 14 fp16;
+# `benchmarks/bench_matrix_noise.py` measures every layout in every dtype); tests/test_matrix.py checks the docs.
+TOLERANCE = {
+    "fp32": Tolerance(loss=5.5e-5, grad_norm=1.2e-3, params=1.9e-3),
+    "bf16": Tolerance(loss=8.3e-4, grad_norm=4.7e-2, params=6.9e-2),
+    "fp16": Tolerance(loss=2.9e-3, grad_norm=0.16, params=1.3e-2),
 }
+
+
+def tolerance_table() -> str:
+    """docs/verify.md's table of tolerances (markdown), from `TOLERANCE` and the fp64 rtol/atol."""
+    rows = ["| dtype | loss (relative, every step) | gradient norm (relative, every step) | parameters |",
+            "|---|---|---|---|",
+            f"| fp64 | rtol {RTOL_FP64:g}, atol {ATOL_FP64:g} | rtol {RTOL_FP64:g} | "
+            f"element-wise rtol {RTOL_FP64:g}, atol {ATOL_FP64:g} |"]
+    for dtype, t in TOLERANCE.items():
+        rows.append(f"| {dtype} | {t.loss:.2g} | {t.grad_norm:.2g} | relative L2 {t.params:.2g} |")
+    return "\n".join(rows) + "\n"
+
+
+@dataclass
+class Run:
+    """What one run computed: per-step losses and gradient norms, and the full final parameters (rank 0)."""
+
+    losses: dict[int, float]
+    grad_norms: dict[int, float]
+    state: dict[str, torch.Tensor] | None
 
 
 @dataclass
 class Outcome:
+    """One layout's comparison with its single-process run."""
+
     layout: str
     world: int
     dtype: str
     ok: bool
-    loss: float  # the largest relative loss difference over the steps
+    loss: float
+    """Largest relative loss difference over the steps."""
     grad_norm: float
-    params: float  # relative L2 distance of all parameters (fp64: the largest element-wise excess over rtol)
-    worst: str  # the parameter with the largest element-wise difference
+    """Largest relative gradient-norm difference over the steps."""
+    params: float
+    """fp64: the largest element-wise excess over rtol (0 when within); else the relative L2 distance."""
+    worst: str
+    """The parameter with the largest element-wise difference."""
     error: str = ""
 
+    @property
+    def result(self) -> str:
+        return "PASS" if self.ok else ("ERROR " + self.error if self.error else "FAIL")
 
-def train(cfg, env=None, stale: bool = False) -> tuple[dict, dict, dict[str, torch.Tensor] | None]:
-    """(losses, gradient norms) of every step and the full final parameters (on rank 0) of one run; `stale`
-    trains one process by PipeDream-2BW's rule (`stale_weights`)."""
+
+# --------------------------------------------------------------------------- running
+
+
+def train(cfg, env=None, stale: bool = False, prepare: Callable | None = None) -> Run:
+    """Train `cfg` for `cfg.train.steps` steps as `scaletrain train` does (2BW overlaps steps until the last);
+    `stale` trains one process by PipeDream-2BW's rule (`stale_weights`); `prepare(trainer)` may patch the
+    trainer first (tests inject faults with it)."""
+    import torch
+
     from scaletrain.train.trainer import Trainer
 
     t = Trainer(cfg, None, env)
+    if prepare is not None:
+        prepare(t)
     step = stale_weights(t) if stale else t.train_step
     losses, norms = {}, {}
     while t.step < cfg.train.steps:
         t.step += 1
-        row = step(t.step)
+        row = step(t.step) if stale else step(t.step, drain=t.step == cfg.train.steps)
         losses[t.step], norms[t.step] = row["loss"], row["grad_norm"]
     state = t.full_state()
-    return losses, norms, ({k: v.double() for k, v in state.items()} if env is None or env.rank == 0 else None)
+    keep = env is None or env.rank == 0
+    return Run(losses, norms, {k: v.to(torch.float64) for k, v in state.items()} if keep else None)
 
 
 def stale_weights(trainer):
@@ -80,9 +132,11 @@ def stale_weights(trainer):
     older = [p.detach().clone() for p in params]
     opt = trainer.engine.optimizer
     update = opt.step
-    current: list[torch.Tensor] = []
+    current: list = []
 
     def step_at_current(lr=None):
+        import torch
+
         with torch.no_grad():
             for p, w in zip(params, current):
                 p.copy_(w)  # the update applies to W(t)
@@ -91,6 +145,8 @@ def stale_weights(trainer):
     opt.step = step_at_current
 
     def train_step(step: int):
+        import torch
+
         nonlocal older
         current[:] = [p.detach().clone() for p in params]
         with torch.no_grad():
@@ -102,55 +158,85 @@ def stale_weights(trainer):
     return train_step
 
 
-def run_layout(layout: Layout, env=None):
+def layout_config(layout: Layout, dtype: str | None = None):
+    """The validated run config of `layout` (in `dtype` instead of its own when given)."""
     from scaletrain.config import validate
 
-    return train(validate(config(layout), layout.world), env)
+    cfg = config(layout)
+    if dtype:
+        cfg.train.dtype = dtype
+    return validate(cfg, layout.world)
 
 
-def run_reference(layout: Layout):
+def run_layout(layout: Layout, env=None, dtype: str | None = None, prepare: Callable | None = None) -> Run:
+    """One rank's part of the layout's run (all ranks of the layout call it together)."""
+    return train(layout_config(layout, dtype), env, prepare=prepare)
+
+
+def run_reference(layout: Layout, dtype: str | None = None) -> Run:
     """The single-process run the layout is compared with; for PipeDream-2BW the single-process run of its
     update rule (`stale_weights`)."""
     from scaletrain.config import validate
 
-    return train(validate(reference_config(layout), 1), stale=layout["schedule"] == "2bw")
+    cfg = reference_config(layout)
+    if dtype:
+        cfg.train.dtype = dtype
+    return train(validate(cfg, 1), stale=layout["schedule"] == "2bw")
 
 
-def compare(layout: Layout, ref, got) -> Outcome:
-    dtype = layout["dtype"]
-    rl, rn, rs = ref
-    gl, gn, gs = got
+def reference_key(layout: Layout, dtype: str | None = None) -> str:
+    """Layouts with equal keys share one reference run."""
+    return reference_config(layout).to_yaml() + f"{dtype}{layout['schedule'] == '2bw'}"
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Outcome:
+    """The layout's run against its reference, with the tolerance of its dtype."""
+    import torch
+
+    dtype = dtype or layout["dtype"]
+    rl, rn, rs = ref.losses, ref.grad_norms, ref.state
+    gl, gn, gs = got.losses, got.grad_norms, got.state
+    if rl.keys() != gl.keys() or rs.keys() != gs.keys():
+        return Outcome(layout.name, layout.world, dtype, False, math.nan, math.nan, math.nan, "",
+                       "steps or parameter names differ from the single-process run")
     loss = max(abs(gl[s] - rl[s]) / abs(rl[s]) for s in rl)
     norm = max(abs(gn[s] - rn[s]) / max(abs(rn[s]), 1e-300) for s in rn)
-    num = sum(float((gs[k] - rs[k]).square().sum()) for k in rs)
-    den = sum(float(rs[k].square().sum()) for k in rs)
     worst_name, worst = "", -math.inf
     for k, r in rs.items():
         excess = float(((gs[k] - r).abs() - RTOL_FP64 * r.abs()).max())
         if excess > worst:
             worst_name, worst = k, excess
+    finite = all(math.isfinite(x) for x in (*gl.values(), *gn.values()))
     if dtype == "fp64":
-        ok = all(abs(gl[s] - rl[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rl[s]) for s in rl) and \
+        ok = finite and all(abs(gl[s] - rl[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rl[s]) for s in rl) and \
+            all(abs(gn[s] - rn[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rn[s]) for s in rn) and \
             all(torch.allclose(gs[k], rs[k], rtol=RTOL_FP64, atol=ATOL_FP64) for k in rs)
         return Outcome(layout.name, layout.world, dtype, ok, loss, norm, max(worst, 0.0), worst_name)
     tol = TOLERANCE[dtype]
+    num = sum(float((gs[k] - rs[k]).square().sum()) for k in rs)
+    den = sum(float(rs[k].square().sum()) for k in rs)
     rel = math.sqrt(num / den)
-    ok = loss <= tol.loss and norm <= tol.grad_norm and rel <= tol.params
+    ok = finite and loss <= tol.loss and norm <= tol.grad_norm and rel <= tol.params
     return Outcome(layout.name, layout.world, dtype, ok, loss, norm, rel, worst_name)
 
 
-def table(outcomes: list[Outcome]) -> str:
-    lines = [f"{'layout':<72} {'world':>5} {'loss':>9} {'gnorm':>9} {'params':>9}  result"]
+def table(outcomes: list[Outcome], width: int = 72) -> str:
+    lines = [f"{'layout':<{width}} {'world':>5} {'dtype':>5} {'loss':>9} {'gnorm':>9} {'params':>9}  result"]
     for o in outcomes:
-        result = "PASS" if o.ok else ("ERROR " + o.error if o.error else "FAIL")
-        lines.append(f"{o.layout[:72]:<72} {o.world:>5} {o.loss:>9.2e} {o.grad_norm:>9.2e} {o.params:>9.2e}  {result}")
-    passed = sum(o.ok for o in outcomes)
-    lines.append(f"{passed} of {len(outcomes)} layouts PASS")
+        name = o.layout if len(o.layout) <= width else o.layout[:width - 3] + "..."
+        lines.append(f"{name:<{width}} {o.world:>5} {o.dtype:>5} {o.loss:>9.2e} {o.grad_norm:>9.2e} "
+                     f"{o.params:>9.2e}  {o.result}")
+    lines.append(f"{sum(o.ok for o in outcomes)} of {len(outcomes)} layouts PASS")
     return "\n".join(lines)
 
 
-def to_json(outcomes: list[Outcome], meta: dict[str, Any]) -> str:
-    return json.dumps({**meta, "layouts": [asdict(o) for o in outcomes],
+def to_json(outcomes: list[Outcome], layouts: list[Layout], meta: dict[str, Any]) -> str:
+    rows = [{**asdict(o), "values": lay.as_dict()} for o, lay in zip(outcomes, layouts)]
+    return json.dumps({**meta, "tolerance": {k: asdict(v) for k, v in TOLERANCE.items()},
+                       "fp64": {"rtol": RTOL_FP64, "atol": ATOL_FP64}, "layouts": rows,
                        "passed": sum(o.ok for o in outcomes), "total": len(outcomes)}, indent=1)
 
 
@@ -158,9 +244,9 @@ def to_json(outcomes: list[Outcome], meta: dict[str, Any]) -> str:
 
 
 def parse_filter(expr: str | None) -> dict[str, tuple[bool, set[str]]]:
-    """`dim=a|b,dim!=c` -> {dim: (wanted, values as strings)}; unknown dimensions and values are user errors."""
+    """`dim=a|b,dim!=c` -> {dim: (wanted, values as text)}; unknown dimensions and values are user errors."""
     from scaletrain.errors import UserError
-    from scaletrain.layouts import DIMENSIONS
+    from scaletrain.layouts import DIMENSIONS, text
 
     out: dict[str, tuple[bool, set[str]]] = {}
     for term in [t.strip() for t in (expr or "").split(",") if t.strip()]:
@@ -171,7 +257,9 @@ def parse_filter(expr: str | None) -> dict[str, tuple[bool, set[str]]]:
             raise UserError(f"--filter term {term!r} is not dim=value or dim!=value (values separated by |)")
         if key not in DIMENSIONS:
             raise UserError(f"--filter: unknown dimension {key!r} (known: {', '.join(DIMENSIONS)})")
-        allowed = {_text(v) for v in DIMENSIONS[key]}
+        if key in out:
+            raise UserError(f"--filter: dimension {key!r} appears twice")
+        allowed = {text(v) for v in DIMENSIONS[key]}
         values = {v.strip().lower() for v in raw.split("|")}
         bad = sorted(values - allowed)
         if bad:
@@ -180,23 +268,22 @@ def parse_filter(expr: str | None) -> dict[str, tuple[bool, set[str]]]:
     return out
 
 
-def _text(value: Any) -> str:
-    return str(value).lower()
-
-
 def matches(layout: Layout, flt: dict[str, tuple[bool, set[str]]]) -> bool:
-    return all((_text(layout[d]) in values) == wanted for d, (wanted, values) in flt.items())
+    from scaletrain.layouts import text
+
+    return all((text(layout[d]) in values) == wanted for d, (wanted, values) in flt.items())
 
 
 def select(world: int, flt: dict, exhaustive: bool, limit: int) -> list[Layout]:
-    """The layouts to run: the covering set of up to `world` processes, or every accepted layout, filtered."""
+    """The layouts to run: the stored covering set of up to `world` processes, or every accepted layout, filtered."""
+    import itertools
+
     from scaletrain.errors import UserError
-    from scaletrain.layouts import DIMENSIONS, WORLD_SIZES, accepted, covering, stored_covering
+    from scaletrain.layouts import DIMENSIONS, WORLD_SIZES, accepted, stored_covering, text
 
     if not exhaustive:
-        layouts = stored_covering() if world == 4 else covering(world)
-        return [lay for lay in layouts if lay.world <= world and matches(lay, flt)]
-    space = {d: [v for v in vals if d not in flt or (_text(v) in flt[d][1]) == flt[d][0]]
+        return [lay for lay in stored_covering(world) if matches(lay, flt)]
+    space = {d: [v for v in vals if d not in flt or (text(v) in flt[d][1]) == flt[d][0]]
              for d, vals in DIMENSIONS.items()}
     upper = math.prod(len(v) for v in space.values())
     if upper > 10**6:
@@ -217,6 +304,7 @@ def select(world: int, flt: dict, exhaustive: bool, limit: int) -> list[Layout]:
 
 def check_args(args) -> None:
     """Bad input before anything runs: one line, exit 2."""
+    from scaletrain.config import DTYPES
     from scaletrain.errors import UserError
     from scaletrain.layouts import WORLD_SIZES
 
@@ -226,29 +314,37 @@ def check_args(args) -> None:
         raise UserError(f"--jobs must be >= 1, got {args.jobs}")
     if args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.set or args.config or args.small:
+        raise UserError("--matrix runs the layouts of scaletrain.layouts on its own small model; "
+                        "--config, --set and --small apply to a single verify")
 
 
 def run_batch(args) -> int:
-    """One rank of a matrix job: run the layouts of `args.matrix_batch` in order; rank 0 saves the results."""
+    """One rank of a matrix job: run the layouts of `args.matrix_batch` in order. Rank 0 saves the results after
+    each layout (so a job that dies still reports what it finished)."""
+    import os
+
+    import torch
+
     from scaletrain import distributed
     from scaletrain.distributed import detect_env
 
     env = detect_env()
-    layouts = [Layout.of(**d) for d in json.loads(open(args.matrix_batch).read())]
+    with open(args.matrix_batch) as f:
+        batch = json.load(f)
+    layouts, dtype = [Layout.of(**d) for d in batch["layouts"]], batch["dtype"]
     device = distributed.pick_device("auto", env.local_rank if env else 0)
     if env is not None:
         distributed.init(env, 300.0, device)
     try:
         results = []
         for lay in layouts:
-            try:
-                results.append(run_layout(lay, env))
-            except Exception as e:  # noqa: BLE001 - a layout that crashes is a FAIL of that layout, not of the job
-                if env is not None and env.world_size > 1:
-                    raise  # the other ranks are inside collectives: the whole job has to stop
-                results.append(("error", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-        if env is None or env.rank == 0:
-            torch.save(results, args.result)
+            results.append(asdict(run_layout(lay, env, dtype)))
+            if env is None or env.rank == 0:
+                torch.save(results, args.result + ".part")
+                os.replace(args.result + ".part", args.result)  # a job killed while saving keeps the last file
     except BaseException:
         distributed.shutdown(clean=False)
         raise
@@ -256,8 +352,9 @@ def run_batch(args) -> int:
     return 0
 
 
-def _launch(layouts: list[Layout], tmp: str, index: int):
-    """Start one job (a subprocess) running `layouts` (all of one world size); returns (process, result path)."""
+def _launch(layouts: list[Layout], dtype: str | None, tmp: str, index: int, devices: str | None):
+    """Start one job (a subprocess) running `layouts` (all of one world size)."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -265,18 +362,87 @@ def _launch(layouts: list[Layout], tmp: str, index: int):
     from scaletrain.launch import torchrun_command
 
     batch = Path(tmp) / f"batch{index}.json"
-    batch.write_text(json.dumps([lay.as_dict() for lay in layouts]))
+    batch.write_text(json.dumps({"layouts": [lay.as_dict() for lay in layouts], "dtype": dtype}))
     result = Path(tmp) / f"result{index}.pt"
     argv = ["verify", "--matrix-batch", str(batch), "--result", str(result)]
     world = layouts[0].world
     cmd = [sys.executable, "-m", "scaletrain", *argv] if world == 1 else torchrun_command(world, argv)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
     log = open(Path(tmp) / f"job{index}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), result, log
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, result, log
+
+
+def _device_slices(jobs: int, world: int) -> list[str | None]:
+    """CUDA devices of each of `jobs` concurrent jobs of `world` ranks (None on CPU)."""
+    import torch
+
+    from scaletrain.errors import UserError
+
+    if not torch.cuda.is_available():
+        return [None] * jobs
+    n = torch.cuda.device_count()
+    if jobs * world > n:
+        raise UserError(f"--jobs {jobs} x {world} processes needs {jobs * world} GPUs, this machine has {n}")
+    return [",".join(str(i * world + r) for r in range(world)) for i in range(jobs)]
+
+
+def run_all(layouts: list[Layout], jobs: int, dtype: str | None = None, tmp: str | None = None,
+            echo: Callable[[str], None] = print) -> dict[Layout, Any]:
+    """Run every layout (jobs of one world size each, `jobs` at a time); returns {layout: Run or error text}."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+
+    queue: list[list[Layout]] = []
+    for world in sorted({lay.world for lay in layouts}):
+        group = [lay for lay in layouts if lay.world == world]
+        n = max(1, min(jobs, len(group)))
+        queue += [group[i::n] for i in range(n)]
+    got: dict[Layout, Any] = {}
+    total = len(layouts)
+    with tempfile.TemporaryDirectory(dir=tmp) as tmpdir:
+        running: list = []
+        free = {w: _device_slices(min(jobs, sum(lay.world == w for lay in layouts)), w)
+                for w in {lay.world for lay in layouts}}
+        index = 0
+        while queue or running:
+            # one world size at a time (its jobs share the devices), `jobs` jobs at once
+            while queue and len(running) < jobs and free[queue[0][0].world] and \
+                    all(item[0][0].world == queue[0][0].world for item in running):
+                chunk = queue.pop(0)
+                devices = free[chunk[0].world].pop()
+                running.append((chunk, devices, *_launch(chunk, dtype, tmpdir, index, devices)))
+                index += 1
+            time.sleep(0.2)
+            for item in list(running):
+                chunk, devices, proc, result, log = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                log.close()
+                free[chunk[0].world].append(devices)
+                done = torch.load(result, weights_only=True) if Path(result).exists() else []
+                for lay, res in zip(chunk, done):
+                    got[lay] = Run(**res)
+                    echo(f"[{len(got)}/{total}] {lay.name} (world {lay.world}): ran")
+                if len(done) < len(chunk):  # the job died in chunk[len(done)]; the rest run in a new job
+                    tail = Path(log.name).read_text().strip().splitlines()[-1:] or ["(no output)"]
+                    bad = chunk[len(done)]
+                    got[bad] = f"job exited {proc.returncode} in this layout: {tail[0][:200]}"
+                    echo(f"[{len(got)}/{total}] {bad.name} (world {bad.world}): ERROR")
+                    if chunk[len(done) + 1:]:
+                        queue.insert(0, chunk[len(done) + 1:])
+    return got
 
 
 def cmd_matrix(args) -> int:
     import sys
-    import tempfile
     import time
     from pathlib import Path
 
@@ -287,48 +453,27 @@ def cmd_matrix(args) -> int:
         print("no layout matches the filter")
         return 0
     what = "every accepted layout" if args.exhaustive else "the all-pairs covering set"
-    print(f"verify --matrix: {len(layouts)} layouts ({what}, world <= {args.world}), {args.jobs} job(s) at a time;"
-          f" each trains {STEPS} steps and is compared with one process of the same dtype", flush=True)
+    dtype = f" in {args.dtype}" if args.dtype else ""
+    print(f"verify --matrix: {len(layouts)} layouts ({what}, world <= {args.world}){dtype}, {args.jobs} job(s) at a "
+          f"time; each trains {STEPS} steps and is compared with one process of the same dtype", flush=True)
     t0 = time.time()
-    chunks: list[list[Layout]] = []
-    for world in sorted({lay.world for lay in layouts}):
-        group = [lay for lay in layouts if lay.world == world]
-        n = max(1, min(args.jobs, len(group)))
-        chunks += [group[i::n] for i in range(n)]
-    got: dict[Layout, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        pending = list(enumerate(chunks))
-        running: list = []
-        while pending or running:
-            while pending and len(running) < args.jobs:
-                i, chunk = pending.pop(0)
-                running.append((chunk, *_launch(chunk, tmp, i)))
-            time.sleep(0.2)
-            for item in list(running):
-                chunk, proc, result, log = item
-                if proc.poll() is None:
-                    continue
-                running.remove(item)
-                log.close()
-                if proc.returncode == 0 and Path(result).exists():
-                    got.update(zip(chunk, torch.load(result, weights_only=False)))
-                else:
-                    tail = Path(log.name).read_text().strip().splitlines()[-1:] or ["(no output)"]
-                    got.update({lay: ("error", f"job exited {proc.returncode}: {tail[0][:200]}") for lay in chunk})
-    refs: dict[str, Any] = {}
+    got = run_all(layouts, args.jobs, args.dtype, echo=lambda line: print(line, flush=True))
+    refs: dict[str, Run] = {}
     outcomes = []
     for lay in layouts:
-        res = got[lay]
-        if isinstance(res, tuple) and res and res[0] == "error":
-            outcomes.append(Outcome(lay.name, lay.world, lay["dtype"], False, math.nan, math.nan, math.nan, "", res[1]))
+        res, dt = got[lay], args.dtype or lay["dtype"]
+        if isinstance(res, str):
+            outcomes.append(Outcome(lay.name, lay.world, dt, False, math.nan, math.nan, math.nan, "", res))
             continue
-        key = reference_config(lay).to_yaml()
+        key = reference_key(lay, args.dtype)
         if key not in refs:
-            refs[key] = run_reference(lay)
-        outcomes.append(compare(lay, refs[key], res))
+            refs[key] = run_reference(lay, args.dtype)
+        outcomes.append(compare(lay, refs[key], res, args.dtype))
+    seconds = time.time() - t0
     print(table(outcomes))
-    Path(args.json).write_text(to_json(outcomes, {"world": args.world, "filter": args.filter or "",
-                                                  "exhaustive": args.exhaustive, "seconds": time.time() - t0}))
-    print(f"results written to {args.json} ({time.time() - t0:.0f} s)")
+    Path(args.json).write_text(to_json(outcomes, layouts, {
+        "world": args.world, "filter": args.filter or "", "exhaustive": args.exhaustive, "dtype": args.dtype,
+        "steps": STEPS, "seconds": seconds}) + "\n")
+    print(f"results written to {args.json} ({seconds:.0f} s)")
     sys.stdout.flush()
     return 0 if all(o.ok for o in outcomes) else 1

@@ -3,7 +3,8 @@
 Runs the given config twice on the same model, data and seed — once as one process, once on the layout's
 N local processes — in fp64 by default, and compares the loss of every step and every final parameter
 (gathered from its shards). Prints the largest differences and PASS/FAIL against the tolerance; exit 1
-on FAIL. The parallel run is started through the same launcher as `scaletrain train`.
+on FAIL. The parallel run is started through the same launcher as `scaletrain train`; run under torchrun
+(or srun) the parallel side is the whole job, on every node (`multinode/spanning.py`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.errors import UserError
 from scaletrain.guards import nonneg_float
+
+if TYPE_CHECKING:  # torch is imported where it is used: `scaletrain --help` must not pay for it
+    import torch
 
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=64", "train.steps=4",
          "train.eval_every=0", "train.warmup_steps=2", "train.checkpoint_every=0"]
@@ -27,14 +30,17 @@ def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="check a parallel layout against the single-process run (fp64)")
     p.add_argument("--config", default=None, help="YAML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--dtype", default="fp64", help="dtype of both runs (default fp64, for tight tolerances)")
+    p.add_argument("--dtype", default=None,
+                   help="dtype of both runs (default fp64, for tight tolerances); with --matrix every layout runs in "
+                        "this dtype instead of its own")
     p.add_argument("--rtol", type=nonneg_float, default=1e-9, help="relative tolerance (>= 0, default 1e-9)")
     p.add_argument("--atol", type=nonneg_float, default=1e-11, help="absolute tolerance (>= 0, default 1e-11)")
     p.add_argument("--small", action="store_true", help="use a small model (2 layers, d_model 64) and 4 steps")
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # internal: worker output file
     m = p.add_argument_group("layout matrix (scaletrain.layouts; docs/verify.md)")
     m.add_argument("--matrix", action="store_true",
-                   help="run many layouts of the enumerated space, each against one process, and print a table")
+                   help="run the all-pairs covering set of the layout space (or --exhaustive: every accepted layout), "
+                        "each against one process, and print a PASS/FAIL table with the worst differences")
     m.add_argument("--world", type=int, default=4, help="largest number of processes of a layout (1, 2, 4 or 8)")
     m.add_argument("--filter", default=None, metavar="EXPR",
                    help="keep layouts matching every term, e.g. 'pp=2,dtype=bf16|fp16,optimizer!=sm3'")
@@ -48,7 +54,7 @@ def add_parser(sub) -> None:
 
 
 def _config(args) -> Config:
-    sets = (SMALL if args.small else []) + list(args.set) + [f"train.dtype={args.dtype}"]
+    sets = (SMALL if args.small else []) + list(args.set) + [f"train.dtype={args.dtype or 'fp64'}"]
     return load_config(args.config, sets)
 
 
@@ -60,6 +66,8 @@ def run(cfg: Config, env=None) -> tuple[dict[int, float], dict[str, torch.Tensor
 
 
 def cmd_verify(args) -> int:
+    import torch
+
     from scaletrain.distributed import detect_env
 
     if args.matrix_batch is not None or args.matrix:
@@ -71,40 +79,36 @@ def cmd_verify(args) -> int:
     env = detect_env()
     if args.result is not None:  # one rank of the parallel run
         from scaletrain import distributed
+        from scaletrain.multinode.job import supervise
 
         validate(cfg, env.world_size if env else 1)
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
-        if env is not None:
-            distributed.init(env, cfg.parallel.timeout_s, device)
         try:
-            losses, state = run(cfg, env)
-            if env is None or env.rank == 0:
-                torch.save({"losses": losses, "state": state}, args.result)
+            with supervise(cfg, None, env, device):
+                losses, state = run(cfg, env)
+                if env is None or env.rank == 0:
+                    torch.save({"losses": losses, "state": state}, args.result)
         except BaseException:
             distributed.shutdown(clean=False)
             raise
         distributed.shutdown()
         return 0
+    if env is not None and env.world_size > 1:  # inside a torchrun/SLURM job: the parallel side is the whole job
+        from scaletrain.multinode.spanning import verify_in_job
+
+        return verify_in_job(cfg, args, env)
     validate(cfg, cfg.world_size)
-    m = cfg.model
-    if cfg.world_size > 1 and m.dropout_impl == "torch" and (m.dropout > 0 or m.moe.expert_dropout > 0):
-        raise UserError("model.dropout_impl=torch draws dropout masks from per-rank random streams, so a parallel "
-                        "layout drops other elements than one process and cannot match it; use "
-                        "model.dropout_impl=global (the default) to verify a layout with dropout")
-    ref_cfg = load_config(None, [])
-    ref_cfg.model, ref_cfg.train, ref_cfg.optim, ref_cfg.data, ref_cfg.memory = (
-        cfg.model, cfg.train, cfg.optim, cfg.data, cfg.memory)
-    validate(ref_cfg, 1)
+    ref_cfg = reference_config(cfg)
     layout = f"dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}"
     if cfg.parallel.tp_mode != "1d":  # 2d / 2.5d / 3d tensor parallelism (docs/tensor_parallel.md)
         layout += f" tp_mode={cfg.parallel.tp_mode}" + (f" tp_depth={cfg.parallel.tp_depth}"
                                                         if cfg.parallel.tp_mode == "2.5d" else "")
     procs = f"{cfg.world_size} process{'es' if cfg.world_size > 1 else ''}"
-    print(f"verify: {layout} ({procs}) against 1 process, {cfg.train.steps} steps, {args.dtype}")
+    print(f"verify: {layout} ({procs}) against 1 process, {cfg.train.steps} steps, {cfg.train.dtype}")
     ref_losses, ref_state = run(ref_cfg)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "parallel.pt"
-        argv = ["verify", "--result", str(result), "--dtype", args.dtype]
+        argv = ["verify", "--result", str(result), "--dtype", cfg.train.dtype]
         if args.config:
             argv += ["--config", args.config]
         for item in (SMALL if args.small else []) + list(args.set):
@@ -121,6 +125,19 @@ def cmd_verify(args) -> int:
     return report(ref_losses, ref_state, par["losses"], par["state"], args.rtol, args.atol)
 
 
+def reference_config(cfg: Config) -> Config:
+    """The single-process run of `cfg`'s model, data, recipe and seed (refusing what cannot match it)."""
+    m = cfg.model
+    if cfg.world_size > 1 and m.dropout_impl == "torch" and (m.dropout > 0 or m.moe.expert_dropout > 0):
+        raise UserError("model.dropout_impl=torch draws dropout masks from per-rank random streams, so a parallel "
+                        "layout drops other elements than one process and cannot match it; use "
+                        "model.dropout_impl=global (the default) to verify a layout with dropout")
+    ref_cfg = load_config(None, [])
+    ref_cfg.model, ref_cfg.train, ref_cfg.optim, ref_cfg.data, ref_cfg.memory = (
+        cfg.model, cfg.train, cfg.optim, cfg.data, cfg.memory)
+    return validate(ref_cfg, 1)
+
+
 def build_args(argv: list[str]) -> argparse.Namespace:
     from scaletrain.cli import build_parser
 
@@ -128,6 +145,8 @@ def build_args(argv: list[str]) -> argparse.Namespace:
 
 
 def report(ref_losses, ref_state, losses, state, rtol: float, atol: float) -> int:
+    import torch
+
     ok = True
     print(f"{'step':>5} {'single-process':>18} {'parallel':>18} {'|diff|':>10}")
     for step in sorted(ref_losses):

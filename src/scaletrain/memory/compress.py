@@ -10,13 +10,25 @@ encoded, and it is decoded when backward needs it. Two Gist encodings:
   Detection is by module type, not by guessing inside a global hook: a tensor's producer says
   nothing about what its *consumers* need. Functional calls (`F.relu`) are not seen; use the modules.
 - `bf16` / `int8` (Gist's "delayed precision reduction"): every other float tensor autograd saves is
-  stored in bfloat16, or in int8 with one absmax scale per tensor (q = round(x·127/max|x|)), and
-  restored to its original dtype for backward. Installed with `torch.autograd.graph.saved_tensors_hooks`.
+  stored in bfloat16, or in int8 with absmax scales (q = round(x·127/max|x|)): one per tensor, or, with
+  `block=b`, one per block of b consecutive entries along the last dimension (block-wise quantization,
+  Dettmers et al., arXiv 2110.02861), and restored to its original dtype for backward. Installed with
+  `torch.autograd.graph.saved_tensors_hooks`.
 
-Skipped by the hooks (kept as they are): parameters and views of them (held anyway), leaf inputs,
-non-float tensors, tensors with fewer than `min_numel` entries (norm statistics and the like), and
-tensors already no wider than the target format. A tensor saved by several ops (or through several
-views of one base) is encoded once.
+Skipped by the hooks (kept as they are): parameters and views of them (held anyway), leaf tensors (inputs,
+constant tables; with `leaves=True` only those that do not require grad, and the attached model's buffers),
+non-float tensors, tensors whose last dimension is 1 (per-row statistics such as a norm's mean and 1/std),
+tensors with fewer than `min_numel` entries, and tensors already no wider than the target format. A tensor
+saved by several ops (or through several views of one base) is encoded once.
+
+Layout independence (the engine pass, `apply_compress_pass`): what is encoded, and how, must not depend on
+how the run is split, or a parallel layout would round other values than one process does. So the engine
+encodes every float activation whatever its size (`min_numel=0`: a tensor split over tp ranks has fewer
+entries than the whole), also a pipeline stage's input (`leaves=True`: a leaf that requires grad, where one
+process has the previous block's output), and int8 takes one scale per block of `int8_block(model)` entries
+along the last dimension, a size that divides every width tensor parallelism splits (the head size,
+d_model/tp, d_ff/tp): a block never straddles two tp ranks, and rows are tokens, whichever rank, micro-batch
+or expert holds them.
 
 The compression ratio is measured as the ops run (`CompressionStats`): `bytes_before` is the bytes
 of distinct storages autograd would have kept (parameters excluded, as in `memory.accounting`),
@@ -33,6 +45,7 @@ activation-checkpoint region the checkpoint's hooks apply, not these. Double bac
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -237,7 +250,7 @@ class _Encoded:
     """One base tensor as stored for backward."""
 
     data: torch.Tensor  # bf16 or int8 values, laid out like the base
-    scale: torch.Tensor | None  # int8: max|x| / 127, a 0-d tensor of the original dtype
+    scale: torch.Tensor | None  # int8: max|x| / 127 in the original dtype, 0-d or one per block (rows, blocks, 1)
     dtype: torch.dtype
     version: int
 
@@ -248,16 +261,42 @@ class _Encoded:
 
     def decode(self) -> torch.Tensor:
         x = self.data.to(self.dtype)
-        return x.mul_(self.scale) if self.scale is not None else x
+        if self.scale is None:
+            return x
+        if self.scale.dim() == 0:
+            return x.mul_(self.scale)
+        blocks, _ = _blocks(x, self.scale.shape[-2])
+        # contiguous: views of the base are rebuilt from it with the base's strides (_Saved.unpack)
+        return blocks.mul_(self.scale).flatten(-2)[..., : x.shape[-1]].contiguous().view(x.shape)
 
 
-def _encode(x: torch.Tensor, fmt: str) -> _Encoded:
+def _blocks(x: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, int]:
+    """x as (rows, n_blocks, block): rows are all but the last dimension, the last one zero-padded to
+    n_blocks x block entries (zeros change no block's absmax)."""
+    last = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(-1, last)
+    block = -(-last // n_blocks)
+    pad = n_blocks * block - last
+    if pad:
+        rows = F.pad(rows, (0, pad))
+    return rows.reshape(rows.shape[0], n_blocks, block), pad
+
+
+def _encode(x: torch.Tensor, fmt: str, block: int = 0) -> _Encoded:
     if fmt == "bf16":
         return _Encoded(x.to(torch.bfloat16), None, x.dtype, x._version)
-    absmax = x.detach().abs().amax()
-    # An all-zero tensor gets scale 1; non-finite values give a non-finite scale and NaN on decode.
+    x = x.detach()
+    if block:  # one scale per block of `block` entries along the last dimension (the last block may be short)
+        last = x.shape[-1] if x.dim() else 1
+        values, _ = _blocks(x, -(-last // block))
+    else:
+        values = x
+    absmax = values.abs().amax(dim=-1, keepdim=True) if block else values.abs().amax()
+    # An all-zero block gets scale 1; non-finite values give a non-finite scale and NaN on decode.
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    q = torch.round(x.detach() / scale).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(values / scale).clamp_(-127, 127).to(torch.int8)
+    if block:
+        q = q.flatten(-2)[..., : (x.shape[-1] if x.dim() else 1)].contiguous().view(x.shape)
     return _Encoded(q, scale, x.dtype, x._version)
 
 
@@ -292,18 +331,26 @@ class ActivationCompressor:
     or `comp.attach(model)`, which does both: the hooks are active during every `model(...)` call.
     """
 
-    def __init__(self, modes: str | Sequence[str] | None = "none", *, min_numel: int = 1024) -> None:
+    def __init__(self, modes: str | Sequence[str] | None = "none", *, min_numel: int = 1024, block: int = 0,
+                 leaves: bool = False) -> None:
         self.modes = parse_modes(modes)
-        if min_numel < 0:
-            raise ConfigError(f"min_numel ({min_numel}) must be >= 0")
-        self.min_numel = min_numel
+        if min_numel < 0 or block < 0:
+            raise ConfigError(f"min_numel ({min_numel}) and block ({block}) must be >= 0")
+        self.min_numel, self.block = min_numel, block
+        self.leaves = leaves  # also encode leaf tensors that require grad (a pipeline stage's input)
         self.fmt = "int8" if "int8" in self.modes else "bf16" if "bf16" in self.modes else None
         self.stats = CompressionStats()
         # id(base) -> (weak ref to base, encoding); an entry dies with its base (see _pack).
         self._cache: dict[int, tuple[weakref.ref, _Encoded]] = {}
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._held: set[int] = set()  # ids of the attached model's buffers (kept like parameters' views)
 
     # -- wiring
+
+    def hold(self, model: nn.Module) -> None:
+        """Never encode `model`'s buffers (e.g. a pipeline stage's copy of a tied weight, a buffer that
+        requires grad): the model holds them anyway. Called at every forward by `attach` and the engine pass."""
+        self._held = {id(b) for b in model.buffers()}
 
     def swap_activations(self, model: nn.Module) -> int:
         """With `relu-mask`, replace ReLU-family submodules of `model` in place; returns how many."""
@@ -325,6 +372,7 @@ class ActivationCompressor:
         if not self.modes:
             return []
         def enter(_module, _args) -> None:  # must return None: a value would replace the inputs
+            self.hold(model)
             self.__enter__()
 
         def leave(_module, _args, _output) -> None:
@@ -361,7 +409,7 @@ class ActivationCompressor:
                 self.stats.record("kept", nbytes, nbytes)
             return _Saved(tensor=t)
         if not base.is_contiguous():  # unusual layout: encode this view on its own
-            enc = _encode(t.contiguous(), self.fmt)
+            enc = _encode(t.contiguous(), self.fmt, self.block)
             self.stats.record(self.fmt, t.numel() * t.element_size(), enc.nbytes)
             count_kept(("gist", id(enc)), enc.nbytes)
             return _Saved(encoded=enc)
@@ -369,7 +417,7 @@ class ActivationCompressor:
         if hit is not None and hit[0]() is base and hit[1] is not None and hit[1].version == base._version:
             enc = hit[1]
         else:
-            enc = _encode(base, self.fmt)
+            enc = _encode(base, self.fmt, self.block)
             self._cache[id(base)] = (weakref.ref(base, self._forget(id(base))), enc)
             self.stats.record(self.fmt, base.untyped_storage().nbytes(), enc.nbytes)
         count_kept(("gist", id(enc)), enc.nbytes)
@@ -378,10 +426,14 @@ class ActivationCompressor:
         return _Saved(encoded=enc, view=(t.size(), t.stride(), t.storage_offset() - base.storage_offset()))
 
     def _compressible(self, t: torch.Tensor, base: torch.Tensor) -> bool:
-        if self.fmt is None or base.grad_fn is None or base.dtype not in _FLOATS or t.dtype != base.dtype:
-            return False  # leaf inputs, ints / bools, dtype-reinterpreting views
-        if base.numel() < self.min_numel or base.device.type == "meta":
-            return False  # small statistics (norm rstd, ...)
+        if self.fmt is None or base.dtype not in _FLOATS or t.dtype != base.dtype:
+            return False  # ints / bools, dtype-reinterpreting views
+        if not (t.requires_grad or base.requires_grad):
+            return False  # inputs and constants (a custom Function's output: its base has no grad_fn, the view has)
+        if base.grad_fn is None and base.requires_grad and (not self.leaves or id(base) in self._held):
+            return False  # leaves that require grad, held by the caller anyway (with `leaves`: not the model's buffers)
+        if base.numel() < self.min_numel or base.dim() == 0 or base.shape[-1] == 1 or base.device.type == "meta":
+            return False  # small tensors, per-row statistics (norm mean and rstd)
         return base.element_size() > (1 if self.fmt == "int8" else 2)
 
     def _forget(self, key: int):
@@ -395,12 +447,23 @@ class ActivationCompressor:
 
 
 def apply_compress(
-    model: nn.Module, modes: str | Sequence[str] | None, *, min_numel: int = 1024
+    model: nn.Module, modes: str | Sequence[str] | None, *, min_numel: int = 1024, block: int = 0
 ) -> ActivationCompressor:
     """Pass for the parallelize pipeline: a compressor for `modes`, attached to `model` (see `attach`)."""
-    comp = ActivationCompressor(modes, min_numel=min_numel)
+    comp = ActivationCompressor(modes, min_numel=min_numel, block=block)
     comp.attach(model)
     return comp
+
+
+def int8_block(model_cfg: Any, cap: int = 64) -> int:
+    """The int8 block of a GPT (`ModelConfig`): the largest divisor, up to `cap`, of g = gcd(head size,
+    d_ff / gcd(n_heads, d_ff)). Every legal tp divides n_heads and d_ff, so g divides every width tp splits —
+    the head size (q, k and v of one head stay on one rank), d_model/tp (whole heads) and d_ff/tp."""
+    from scaletrain.model.gpt import ffn_size
+
+    ff = ffn_size(model_cfg)
+    g = math.gcd(model_cfg.d_model // model_cfg.n_heads, ff // math.gcd(model_cfg.n_heads, ff))
+    return max(b for b in range(1, min(g, cap) + 1) if g % b == 0)
 
 
 def apply_compress_pass(engine: Any, cfg: Any) -> ActivationCompressor:
@@ -414,11 +477,13 @@ def apply_compress_pass(engine: Any, cfg: Any) -> ActivationCompressor:
     activation counter, so `mem_activations` is the compressed size.
     """
     module = engine.module
-    comp = ActivationCompressor(cfg.memory.compress)
+    # min_numel 0 and per-block int8 scales: what is encoded does not depend on the layout (module docstring)
+    comp = ActivationCompressor(cfg.memory.compress, min_numel=0, block=int8_block(cfg.model), leaves=True)
     comp.swap_activations(module)
     first: dict[str, float] = {}
 
     def enter() -> None:
+        comp.hold(module)
         if torch.is_grad_enabled():
             comp.reset_stats()
         comp.__enter__()

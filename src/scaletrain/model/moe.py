@@ -95,7 +95,10 @@ def place_in_slots(expert: torch.Tensor, gate: torch.Tensor, keep: torch.Tensor,
     tokens = torch.arange(S, device=expert.device).view(1, S, 1).expand(G, S, k)
     slot_token = torch.full((G, E * K + 1), S, dtype=torch.long, device=expert.device)
     slot_token = slot_token.scatter(1, flat.reshape(G, -1), tokens.reshape(G, -1))[:, : E * K]
-    slot_weight = gate.new_zeros(G, E * K + 1).scatter(1, flat.reshape(G, -1), gate.reshape(G, -1))[:, : E * K]
+    # Dropped assignments write 0 to the dump slot: which of several writes to one index lands is unspecified,
+    # and the dump slot stays in the storage of slot_weight (e.g. what activation compression reads).
+    dropped_zero = torch.where(kept, gate, torch.zeros((), dtype=gate.dtype, device=gate.device))
+    slot_weight = gate.new_zeros(G, E * K + 1).scatter(1, flat.reshape(G, -1), dropped_zero.reshape(G, -1))[:, : E * K]
     return slot_token.view(G, E, K), slot_weight.view(G, E, K), kept
 
 
@@ -133,7 +136,14 @@ def route_expert_choice(logits: torch.Tensor, K: int) -> Routing:
     """Expert choice: S = softmax over experts; each expert takes its top-K tokens of the group by score."""
     G, S, E = logits.shape
     scores = logits.softmax(-1)  # (G, S, E)
-    weight, token = scores.transpose(1, 2).topk(K, dim=-1)  # (G, E, K)
+    # Each expert's K best tokens of the group. Tokens that are mathematically equal (a run of one token at the
+    # start of a sequence under rope) get scores equal up to the last bits, and those bits depend on summation
+    # order, which differs between layouts. So the ranking key of an fp64 run is the score rounded to fp32, and
+    # equal keys go to the earlier token (a stable sort; topk's order among ties depends on the other values of
+    # the row): every layout then picks the same tokens. The weights stay exact.
+    key = scores.float() if scores.dtype == torch.float64 else scores
+    token = key.transpose(1, 2).sort(dim=-1, descending=True, stable=True).indices[..., :K].contiguous()  # (G,E,K)
+    weight = scores.transpose(1, 2).gather(-1, token)
     taken = torch.zeros(G, S + 1, dtype=torch.long, device=logits.device).scatter_add_(
         1, token.reshape(G, -1), torch.ones_like(token.reshape(G, -1)))[:, :S]
     load = torch.full((E,), G * K, dtype=torch.long, device=logits.device)

@@ -130,6 +130,11 @@ class ShardedFactored:
             return 0.0
         return (p["idx"] >= 0).to(p["dtype"]) if "idx" in p and bool((p["idx"] < 0).any()) else 1.0
 
+    @staticmethod
+    def _valid(p: dict) -> torch.Tensor | float:
+        """1 for this rank's real elements, 0 for padding (a replica's elements are real: it updates them too)."""
+        return (p["idx"] >= 0).to(p["dtype"]) if "idx" in p and bool((p["idx"] < 0).any()) else 1.0
+
     def _decay(self, p: dict) -> float:
         return self.weight_decay if len(p["shape"]) >= 2 else 0.0
 
@@ -186,7 +191,8 @@ class ShardedFactored:
                 v = st["v"]
                 v.lerp_(g.square().add_(h["eps1"]), one_minus_beta2)
                 u = g * v.rsqrt()
-            u = u * self._weight(p) if "idx" in p else u  # padding elements get no update
+            # padding elements get no update; a tensor-parallel replica updates its copy like the owner does
+            u = u * self._valid(p) if "idx" in p else u
             updates.append((u, x2))
             u2.append((u.square() * self._weight(p)).sum().reshape(1))
         usum = self._reduce(torch.cat(u2)) if u2 else torch.zeros(0)

@@ -38,10 +38,19 @@ def add_parser(subparsers) -> None:
                     ("--kv-heads", "key/value heads (GQA)"), ("--experts", "MoE experts per layer"),
                     ("--top-k", "experts per token")):
         dims.add_argument(flag, type=int, help=h)
-    dims.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu")
+    dims.add_argument("--mlp", choices=("gelu", "swiglu"), help="MLP kind (default gelu)")
     dims.add_argument("--capacity-factor", type=positive_float,
                       help="MoE expert slots per routed token-choice (default 1.25; 1.0 for catalog models)")
     dims.add_argument("--moe-every", type=int, help="every k-th block is MoE (default 1)")
+    dims.add_argument("--position", choices=("learned", "rope"), help="position encoding (default learned)")
+    dims.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                      help="output layer shares the embedding (default yes)")
+    dims.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                      help="biases in linear layers and norms (default yes)")
+    dims.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                      help="dropout masks kept for backward, as Korthikanti's 34sbh counts them (default no; yes "
+                           "for the GPT-2/GPT-3/Megatron catalog entries). With --model these flags override the "
+                           "entry; the plan prints every one of them")
     dims.add_argument("--reversible", action="store_true",
                       help="reversible blocks (RevNet/Reformer; our model.reversible): attention and MLP of width "
                            "hidden/2 on the two halves of the stream, nothing stored per layer")
@@ -88,29 +97,55 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+# ModelSpec fields a flag sets (field, flag, argparse dest): every modelling assumption of a catalog entry
+MODEL_FLAGS = (("seq_len", "--seq-len", "seq_len"), ("d_ff", "--ffn", "ffn"), ("mlp", "--mlp", "mlp"),
+               ("n_kv_heads", "--kv-heads", "kv_heads"), ("position", "--position", "position"),
+               ("tie_embeddings", "--tie-embeddings", "tie_embeddings"), ("bias", "--bias", "bias"),
+               ("dropout", "--dropout", "dropout"), ("n_experts", "--experts", "experts"),
+               ("top_k", "--top-k", "top_k"), ("capacity_factor", "--capacity-factor", "capacity_factor"),
+               ("moe_every", "--moe-every", "moe_every"))
+
+
 def _model(args) -> catalog.ModelSpec:
     custom = [args.layers, args.hidden, args.heads, args.vocab]
     if args.model and any(x is not None for x in custom):
         raise UserError("give either --model or custom dimensions (--layers --hidden --heads --vocab)")
+    given = {f: getattr(args, dest) for f, _, dest in MODEL_FLAGS if getattr(args, dest, None) is not None}
     if args.model:
-        m = catalog.with_seq_len(catalog.get_model(args.model), args.seq_len)
-        if m.n_experts and (args.capacity_factor is not None or args.moe_every is not None):
-            m = dataclasses.replace(m, capacity_factor=args.capacity_factor or m.capacity_factor,
-                                    moe_every=args.moe_every or m.moe_every)
-        return catalog.check_model(dataclasses.replace(m, reversible=args.reversible))
+        base = catalog.get_model(args.model)
+        if given.get("seq_len") is not None:
+            catalog.with_seq_len(base, given["seq_len"])  # checks the value
+        if "n_experts" in given and "top_k" not in given and not base.n_experts:
+            given["top_k"] = 2 if given["n_experts"] else 1
+        return catalog.check_model(dataclasses.replace(base, **given, reversible=args.reversible))
     if all(x is not None for x in custom):
         if args.seq_len is None:
             raise UserError("custom dimensions need --seq-len")
+        experts = given.get("n_experts", 0)
+        defaults = {"top_k": 2, "capacity_factor": 1.25} if experts else {}  # our engine's MoE defaults
         return catalog.check_model(catalog.ModelSpec(
-            "custom", args.layers, args.hidden, args.heads, args.vocab, args.seq_len, d_ff=args.ffn or 0,
-            mlp=args.mlp, n_kv_heads=args.kv_heads or 0, n_experts=args.experts or 0,
-            top_k=args.top_k or (2 if args.experts else 1),
-            capacity_factor=1.25 if args.capacity_factor is None else args.capacity_factor,
-            moe_every=args.moe_every or 1, reversible=args.reversible))
+            "custom", args.layers, args.hidden, args.heads, args.vocab, **{**defaults, **given},
+            reversible=args.reversible))
     if any(x is not None for x in custom):
         missing = [f for f, x in zip(("--layers", "--hidden", "--heads", "--vocab"), custom) if x is None]
         raise UserError(f"custom dimensions are missing {', '.join(missing)}")
     raise UserError("give a model: --model NAME, custom dimensions, --config FILE or --params N")
+
+
+def model_flags(m: catalog.ModelSpec) -> str:
+    """The model as the command-line flags that rebuild it from dimensions: every assumption the plan makes."""
+    parts = [f"--layers {m.n_layers} --hidden {m.d_model} --heads {m.n_heads} --vocab {m.vocab_size}"]
+    for field, flag, _ in MODEL_FLAGS:
+        value = {"d_ff": m.ffn, "n_kv_heads": m.kv_heads}.get(field, getattr(m, field))
+        if field in ("top_k", "capacity_factor", "moe_every") and not m.n_experts:
+            continue
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + flag[2:])
+        else:
+            parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    if m.reversible:
+        parts.append("--reversible")
+    return " ".join(parts)
 
 
 def _gpu(args, dtype: str) -> hardware.GPU:
@@ -202,6 +237,7 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
              f"{cluster.gpu.name}, global batch {train.global_batch} x {model.seq_len} tokens "
              f"({evaluated} layouts evaluated)")
     con.print(report.table(top, cluster, title))
+    con.print(f"model assumptions: {model_flags(model)}", soft_wrap=True)
     if offload_needed:
         con.print("Nothing fits without offload; these layouts offload optimizer state or parameters.")
     if len(top) > 1:
@@ -290,6 +326,49 @@ def _run_config(args) -> int:
     return _emit(args, model, hardware.Cluster(gpu, cfg.world_size), train, [est], 1, extra=extra)
 
 
+PARAMS_LAYOUT_KEYS = ("dp", "tp", "pp", "zero")
+
+
+def params_rows(psi: float, gpus: int, fixed: dict, dtype: str, optimizer: str = "adamw",
+                first_moment: bool = False, memory_bytes: float = float("inf")) -> list[dict]:
+    """Model-state memory of each ZeRO stage `fixed` allows (arXiv 1910.02054 Sec. 5.1), best first.
+
+    tp and pp split the parameters evenly (Ψ / (tp·pp) per rank), dp = gpus / (tp·pp) shards them by ZeRO. With no
+    time model, "best" is: layouts that fit first; among them the least data-parallel traffic per step and GPU
+    (ring volumes: 2Ψ' gradient bytes for ZeRO 0-2, plus Ψ' parameter bytes for ZeRO-3's extra all-gather; the
+    ZeRO paper's 2Ψ and 3Ψ), then the least memory; then the layouts that do not fit, closest first."""
+    bad = sorted(set(fixed) - set(PARAMS_LAYOUT_KEYS))
+    if bad:
+        raise UserError(f"--params models model states only: --layout {', '.join(bad)} needs a model (--model NAME "
+                        "or --layers/--hidden/--heads/--vocab)")
+    tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
+    if gpus % (tp * pp):
+        raise UserError(f"--layout tp ({tp}) x pp ({pp}) = {tp * pp} does not divide --gpus ({gpus})")
+    dp = fixed.get("dp", gpus // (tp * pp))
+    if dp * tp * pp != gpus:
+        raise UserError(f"--layout dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} does not match --gpus ({gpus})")
+    if fixed.get("zero", 0) not in (0, 1, 2, 3):
+        raise UserError(f"--layout: zero must be 0, 1, 2 or 3, got {fixed['zero']}")
+    pb, gb, _, k = costs.DTYPES[dtype]
+    if optimizer != "adamw":  # master + optional first moment; factored statistics need the dims
+        k = (4 if pb == 2 else 0) + (4 if pb == 2 else pb) * first_moment
+    share = psi / (tp * pp)
+    rows = []
+    for zero in ([fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]):
+        p, g, o = costs.memory_model_states(share, dp, zero, pb, gb, k)
+        total = p + g + o
+        ring = (dp - 1) / dp
+        comm = ring * share * (2 * gb + (pb if zero == 3 else 0))
+        rows.append({"layout": {"dp": dp, "tp": tp, "pp": pp, "ep": 1, "zero": zero},
+                     "fits": total <= memory_bytes,
+                     "memory_bytes": {"params": int(p), "grads": int(g), "optimizer": int(o),
+                                      "activations": 0, "buffers": 0, "total": int(total)},
+                     "comm_bytes_per_step": {"dp": int(comm)}})
+    rows.sort(key=lambda r: (not r["fits"], r["comm_bytes_per_step"]["dp"] if r["fits"] else 0,
+                             r["memory_bytes"]["total"]))
+    return rows
+
+
 def _sync_comm(args, model, gpu, train, lay, outer: str = "avg") -> dict | None:
     """The synchronisation comparison (`plan/async_costs.py`) when --servers or --local-steps is given."""
     servers, h = getattr(args, "servers", None), getattr(args, "local_steps", None)
@@ -317,25 +396,21 @@ def _run_params(args) -> int:
     else:
         gpu = hardware.get_gpu(args.gpu or "a100-80gb")
     psi = args.params
-    pb, gb, _, k = costs.DTYPES[args.dtype]
-    if args.optimizer != "adamw":  # master + optional first moment; factored statistics need the dims
+    fixed = parse_layout(args.layout)
+    rows = params_rows(psi, args.gpus, fixed, args.dtype, args.optimizer, args.first_moment, gpu.memory_bytes)
+    pb, _, _, k = costs.DTYPES[args.dtype]
+    if args.optimizer != "adamw":
         k = (4 if pb == 2 else 0) + (4 if pb == 2 else pb) * args.first_moment
-    rows = []
-    for zero in (0, 1, 2, 3):
-        p, g, o = costs.memory_model_states(psi, args.gpus, zero, pb, gb, k)
-        total = p + g + o
-        rows.append({"layout": {"dp": args.gpus, "tp": 1, "pp": 1, "ep": 1, "zero": zero},
-                     "fits": total <= gpu.memory_bytes,
-                     "memory_bytes": {"params": int(p), "grads": int(g), "optimizer": int(o),
-                                      "activations": 0, "buffers": 0, "total": int(total)}})
     doc = {"model": {"params": int(psi)},
            "cluster": hardware.Cluster(gpu, args.gpus).to_dict(), "candidates": rows}
     if args.html:
         from scaletrain.report.plan_page import write_plan_page
 
+        lay = rows[0]["layout"]
+        stages = f"ZeRO-{fixed['zero']}" if "zero" in fixed else "each ZeRO stage"
         write_plan_page({**doc, "model": {"name": f"{psi:.4g} parameters", "params": int(psi)}}, args.html,
-                        f"Model states of {psi:.4g} parameters over dp={args.gpus} for each ZeRO "
-                        f"stage ({args.dtype}, K={k} optimizer bytes per parameter).")
+                        f"Model states of {psi:.4g} parameters over dp={lay['dp']}, tp={lay['tp']}, pp={lay['pp']} "
+                        f"for {stages} ({args.dtype}, K={k} optimizer bytes per parameter).")
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -343,15 +418,19 @@ def _run_params(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    lay = rows[0]["layout"]
+    split = f" / (tp={lay['tp']} x pp={lay['pp']})" if lay["tp"] * lay["pp"] > 1 else ""
     keys = ("params", "grads", "optimizer", "total")
     unit, size = report.memory_unit([r["memory_bytes"][k_] for r in rows for k_ in keys])
-    tab = Table(title=f"model states of {report.count(psi)} params over dp={args.gpus} ({args.dtype}, K={k})",
+    tab = Table(title=f"model states of {report.count(psi)} params{split} over dp={lay['dp']} ({args.dtype}, "
+                      f"{args.optimizer}, K={k}), best first",
                 caption=f"{unit} per GPU (1 {unit} = {size:,.0f} bytes)")
-    for col in ("ZeRO", f"params {unit}", f"grads {unit}", f"optimizer {unit}", f"total {unit}", f"fits {gpu.name}"):
+    for col in ("#", "ZeRO", f"params {unit}", f"grads {unit}", f"optimizer {unit}", f"total {unit}",
+                f"dp traffic {unit}/step", f"fits {gpu.name}"):
         tab.add_column(col, justify="right")
-    for r in rows:
+    for i, r in enumerate(rows, 1):
         mb = r["memory_bytes"]
-        tab.add_row(str(r["layout"]["zero"]), *(report.in_unit(mb[k_], size) for k_ in keys),
-                    "yes" if r["fits"] else "no")
+        tab.add_row(str(i), str(r["layout"]["zero"]), *(report.in_unit(mb[k_], size) for k_ in keys),
+                    report.in_unit(r["comm_bytes_per_step"]["dp"], size), "yes" if r["fits"] else "no")
     Console(width=None if sys.stdout.isatty() else 160).print(tab)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from importlib import resources
@@ -11,17 +12,20 @@ from pathlib import Path
 from scaletrain.config import Config, load_config, validate
 from scaletrain.errors import UserError
 from scaletrain.guards import MAX_SAMPLE_TOKENS, bounded_int, check_out_dir, mark_run, nonneg_float
+from scaletrain.multinode import launcher as multinode_launcher
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)")
     _config_args(p)
-    p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: parallel sizes)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to start on this machine (default: the layout's size / --nnodes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
     p.add_argument("--reshard", action="store_true",
                    help="resume the run in --out under a different layout or number of processes")
     p.add_argument("--init-from", default=None, metavar="HF_DIR",
                    help="start a new run from a Hugging Face GPT-2 / Llama directory (config.json + safetensors)")
+    multinode_launcher.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="the main job: train a small GPT on the embedded corpus (~2-3 min on CPU)")
@@ -86,10 +90,14 @@ def cmd_train(args) -> int:
     from scaletrain.report.runinfo import set_user_command
 
     set_user_command(args)  # the command as the user gave it, for the run report
-    nproc = args.nproc if args.nproc is not None else cfg.world_size
+    multinode_launcher.check_arguments(args)
+    if cfg.parallel.sync != "bsp" and (args.rdzv_endpoint or args.restarts):
+        raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
+                        f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
+    nproc = args.nproc if args.nproc is not None else max(1, cfg.world_size // args.nnodes)
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
-    validate(cfg, nproc)
+    validate(cfg, nproc * args.nnodes)
     out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
     from scaletrain.data import load_tokens
     from scaletrain.train.announce import first_line, status
@@ -99,7 +107,7 @@ def cmd_train(args) -> int:
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
     from scaletrain.train.resume import check_run
 
-    check_run(out, cfg, nproc, args.reshard, args.init_from)  # so does a checkpoint of another run or layout
+    check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
     if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
         from scaletrain.interop.hf import check_hf_config, read_hf_config
 
@@ -108,7 +116,7 @@ def cmd_train(args) -> int:
     warn_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
-    if nproc == 1:
+    if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
         return run_single(cfg, out, **resume_args)
     from scaletrain.launch import launch_local
 
@@ -122,7 +130,9 @@ def cmd_train(args) -> int:
         from scaletrain.parallel.async_dp.launch import launch_ps
 
         return launch_ps(nproc, argv, out, cfg)
-    return launch_local(nproc, argv, out)
+    if args.rdzv_endpoint:
+        return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
+    return launch_local(nproc, argv, out, args.restarts)
 
 
 def warn_if_too_big(cfg: Config, nproc: int) -> None:
@@ -162,22 +172,28 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
+    from scaletrain.multinode.job import supervise
     from scaletrain.parallel.async_dp import make_trainer
 
     rank = env.rank if env else 0
+    supervised = cfg.parallel.sync == "bsp"
     with WorkerContext(rank):
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
-        if env is not None:
+        if env is not None and not supervised:
             distributed.init(env, cfg.parallel.timeout_s, device)
         try:
-            start = time.time()
-            trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard,
-                                   init_from=init_from)  # bsp: the Trainer (train/resume.py)
-            if trainer.step >= cfg.train.steps and rank == 0:
-                print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
-            result = trainer.run()
-            if rank == 0:
-                summary(out, trainer.n_params, result, time.time() - start)
+            # the asynchronous modes supervise their own ranks (docs/async.md); bsp runs get docs/multinode.md's
+            with supervise(cfg, out, env, device) if supervised else contextlib.nullcontext() as job:
+                start = time.time()
+                trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard,
+                                       init_from=init_from)  # bsp: the Trainer (train/resume.py)
+                if job is not None:
+                    job.attach(trainer)
+                if trainer.step >= cfg.train.steps and rank == 0:
+                    print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
+                result = trainer.run()
+                if rank == 0:
+                    summary(out, trainer.n_params, result, time.time() - start)
         except BaseException:
             distributed.shutdown(clean=False)
             raise

@@ -1,5 +1,6 @@
-"""`scaletrain replay --out RUN`: replay a finished ps or locked-Hogwild run from its version log in one process
-and check that it reproduces the run's final parameters bit for bit (docs/async.md)."""
+"""`scaletrain replay --out RUN` (parsed in `scaletrain.replay_cli`): replay a finished ps or locked-Hogwild run
+from its version log in one process and check that it reproduces the run's final parameters bit for bit
+(docs/async.md)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,6 @@ from pathlib import Path
 import torch
 
 from scaletrain.errors import CheckpointError, UserError
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("replay", help="replay an asynchronous run (ps, locked hogwild) from its version log and "
-                                      "compare with its final parameters")
-    p.add_argument("--out", required=True, help="the run's output directory")
-    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
-    p.set_defaults(func=cmd_replay)
 
 
 def final_params(out: Path, cfg) -> tuple[dict[str, torch.Tensor], int]:

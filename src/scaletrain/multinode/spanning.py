@@ -1,0 +1,44 @@
+"""`scaletrain verify` inside a torchrun / SLURM job: the parallel side spans every node of the job.
+
+Every rank trains the layout under supervision (pre-flight, heartbeat, flight recorder, as `train` does);
+rank 0 gathers the final parameters, the process group is closed, and rank 0 alone runs the
+single-process reference of the same model, data and seed and prints the comparison. The other ranks exit
+as soon as the parallel part is done.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from scaletrain.config import Config, validate
+from scaletrain.distributed import DistEnv
+
+
+def verify_in_job(cfg: Config, args, env: DistEnv) -> int:
+    from scaletrain import distributed
+    from scaletrain.launch import WorkerContext
+    from scaletrain.multinode.job import supervise
+    from scaletrain.verify import reference_config, report, run
+
+    validate(cfg, env.world_size)
+    ref_cfg = reference_config(cfg)
+    with WorkerContext(env.rank):
+        device = distributed.pick_device(cfg.train.device, env.local_rank)
+        try:
+            with supervise(cfg, None, env, device) as job:
+                hosts = sorted(set(job.hosts), key=job.hosts.index)
+                if env.rank == 0:
+                    p = cfg.parallel
+                    print(f"verify: dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero} ({env.world_size} processes on "
+                          f"{len(hosts)} host{'s' if len(hosts) > 1 else ''}: {', '.join(hosts)}) against 1 process, "
+                          f"{cfg.train.steps} steps, {args.dtype}")
+                    sys.stdout.flush()
+                losses, state = run(cfg, env)
+        except BaseException:
+            distributed.shutdown(clean=False)
+            raise
+        distributed.shutdown()
+    if env.rank != 0:
+        return 0
+    ref_losses, ref_state = run(ref_cfg)
+    return report(ref_losses, ref_state, losses, state, args.rtol, args.atol)

@@ -1,0 +1,19 @@
+"""The `scaletrain replay` command line, torch-free so that `scaletrain --help`, `plan` and `scaling` start
+without importing torch; the command itself is `parallel/async_dp/command.py` (Hogwild, arXiv 1106.5730;
+parameter servers, Li et al. OSDI 2014)."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("replay", help="replay an asynchronous run (ps, locked hogwild) from its version log and "
+                                      "compare with its final parameters")
+    p.add_argument("--out", required=True, help="the run's output directory")
+    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from scaletrain.parallel.async_dp.command import cmd_replay
+
+    return cmd_replay(args)

@@ -1,0 +1,38 @@
+"""Commands that need no torch start without importing it (lazy imports): `scaletrain --help`, `plan --help`,
+`plan` from a catalog model, from dimensions or from a parameter count, and `scaling` (start-up times are in
+benchmarks/RESULTS.md, `benchmarks/bench_startup.py`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import sys, io, contextlib
+from scaletrain.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code
+print(code, sorted(m for m in ("torch", "matplotlib") if m in sys.modules))
+"""
+
+COMMANDS = {
+    "help": ["--help"],
+    "plan help": ["plan", "--help"],
+    "plan catalog": ["plan", "--model", "megatron-1.7b", "--gpus", "64", "--global-batch", "512", "--top", "2"],
+    "plan dims json": ["plan", "--layers", "24", "--hidden", "2304", "--heads", "24", "--vocab", "51200",
+                       "--seq-len", "2048", "--gpus", "64", "--global-batch", "512", "--json"],
+    "plan params": ["plan", "--params", "7.5e9", "--gpus", "64"],
+    "scaling optimal": ["scaling", "optimal", "--flops", "5.76e23", "--law", "chinchilla-1"],
+}
+
+
+@pytest.mark.parametrize("argv", COMMANDS.values(), ids=COMMANDS.keys())
+def test_command_runs_without_importing_torch(argv):
+    p = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[-2] == "0 []", p.stdout[-300:]

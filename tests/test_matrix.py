@@ -1,0 +1,220 @@
+"""The layout matrix in CI (scaletrain.layouts, scaletrain.matrix; docs/verify.md).
+
+- The stored all-pairs covering set of up to 4 processes: every layout, run in persistent ranks per world size (one
+  process start-up per world), equals the single-process run of the same model, data, seed and dtype: losses and
+  gradient norms of every step and every final parameter; fp64 at rtol 1e-9, fp32/bf16/fp16 within
+  `matrix.TOLERANCE` (3x the differences measured over covering-set layouts in those dtypes, docs/verify.md).
+- The comparison can fail: one layout of each dtype with a dropped micro-batch gradient (tests/faults.py), and in
+  fp64 and fp32 with a clip threshold ten times too small, FAILs.
+- The stored sets (2, 4 and 8 processes) are accepted by `validate()` and miss no pair of values that an accepted
+  layout contains; the check fails when the set loses a layout or `validate()` starts accepting a new pair.
+- docs/verify.md's refusal and tolerance tables are the generated ones.
+- `verify --matrix` runs end to end; bad input is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from faults import inject
+from harness import run_ranks
+
+from scaletrain.cli import main
+from scaletrain.layouts import (
+    DIMENSIONS,
+    Layout,
+    accepted,
+    pairs_of,
+    refusal_table,
+    stored_covering,
+    uncovered_accepted,
+)
+from scaletrain.matrix import TOLERANCE, compare, run_layout, run_reference, table
+
+DOCS = Path(__file__).parent.parent / "docs" / "verify.md"
+COVERING = stored_covering(4)
+# grad_clip / 10 in fp64 and fp32 only: in bf16 and fp16 its effect (relative parameter distance ~5e-3 measured)
+# is inside the tolerances measured from rounding noise (docs/verify.md, "The matrix can fail")
+FAULTS = {"fp64": ("drop a micro-batch", "grad_clip / 10"), "fp32": ("drop a micro-batch", "grad_clip / 10"),
+          "bf16": ("drop a micro-batch",), "fp16": ("drop a micro-batch",)}
+
+
+def _mutants() -> list[tuple[Layout, str]]:
+    """For each dtype, the smallest layout of the set without pipeline parallelism (its loss goes through
+    engine.loss_fn, where the fault is injected), with each fault; the clip fault in an AdamW layout (SM3 is
+    invariant to scaling every step's gradient by the same factor, which is what a clipped run's wrong clip does)."""
+    out = []
+    for dtype in DIMENSIONS["dtype"]:
+        for fault in FAULTS[dtype]:
+            lay = min((x for x in COVERING if x["dtype"] == dtype and x["pp"] == 1 and x.world > 1
+                       and (fault != "grad_clip / 10" or x["optimizer"] == "adamw")), key=lambda x: x.world)
+            out.append((lay, fault))
+    return out
+
+
+MUTANTS = _mutants()
+
+
+def _faulty_run(lay: Layout, name: str, env):
+    """The layout's run with a fault: a clip threshold ten times too small in its config (a wrong world-size factor;
+    x10 changes nothing while the gradient norms stay below the clip), or a fault of tests/faults.py."""
+    from scaletrain.matrix import layout_config, train
+
+    if name == "grad_clip / 10":
+        cfg = layout_config(lay)
+        cfg.train.grad_clip /= 10
+        return train(cfg, env)
+    return run_layout(lay, env, prepare=lambda trainer: inject(trainer, name))
+
+
+def _world(rank, world, layouts, mutants):
+    """Every layout of one world size, then its faulty runs, in one set of processes."""
+    from scaletrain.distributed import DistEnv
+
+    torch.set_num_threads(1)
+    env = DistEnv(rank, world, 0, "test")
+    runs = [run_layout(lay, env) for lay in layouts]
+    bad = [_faulty_run(lay, fault, env) for lay, fault in mutants]
+    return runs, bad
+
+
+@pytest.fixture(scope="module")
+def matrix_runs():
+    runs, bad = {}, {}
+    for world in sorted({lay.world for lay in COVERING}):
+        layouts = [lay for lay in COVERING if lay.world == world]
+        mutants = [m for m in MUTANTS if m[0].world == world]
+        if world == 1:
+            before = torch.get_num_threads()
+            torch.set_num_threads(1)
+            got = [run_layout(lay) for lay in layouts], []
+            torch.set_num_threads(before)
+        else:
+            got = run_ranks(_world, world, layouts, mutants, timeout=1500)[0]
+        runs.update(zip(layouts, got[0]))
+        bad.update(zip(mutants, got[1]))
+    return runs, bad
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache: dict = {}
+
+    def get(lay: Layout):
+        from scaletrain.matrix import reference_key
+
+        key = reference_key(lay)
+        if key not in cache:
+            cache[key] = run_reference(lay)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", COVERING, ids=[lay.name.replace(" ", ",") for lay in COVERING])
+def test_covering_layout_matches_single_process(matrix_runs, references, layout):
+    outcome = compare(layout, references(layout), matrix_runs[0][layout])
+    assert outcome.ok, "\n" + table([outcome], width=200)
+    print(table([outcome], width=160))  # the measured differences, shown with pytest -rP
+
+
+@pytest.mark.parametrize("mutant", MUTANTS,
+                         ids=[f"{lay['dtype']}-{f.replace(' ', '').replace('/', 'div')}" for lay, f in MUTANTS])
+def test_an_injected_fault_makes_the_matrix_fail(matrix_runs, references, mutant):
+    layout, _ = mutant
+    outcome = compare(layout, references(layout), matrix_runs[1][mutant])
+    assert not outcome.ok, "\n" + table([outcome], width=200)
+    print(f"{mutant[1]}:\n{table([outcome], width=120)}")  # shown with pytest -rP (docs/verify.md)
+
+
+# --------------------------------------------------------------------------- the covering sets
+
+
+def test_stored_covering_sets_are_accepted_and_miss_no_accepted_pair():
+    for world in (2, 4, 8):
+        cov = stored_covering(world)
+        assert all(lay.world <= world and accepted(lay) for lay in cov), world
+        assert uncovered_accepted(cov, world) == [], world
+
+
+def test_coverage_check_fails_when_a_layout_goes_or_validate_accepts_a_new_pair(monkeypatch):
+    import copy
+
+    import scaletrain.layouts as layouts
+
+    for i in (0, len(COVERING) - 1):  # without layout i, exactly the pairs only it covers are reported missing
+        rest = COVERING[:i] + COVERING[i + 1:]
+        only_here = pairs_of(COVERING[i]) - set().union(*map(pairs_of, rest))
+        assert set(uncovered_accepted(rest, 4)) == only_here
+        assert only_here or i == 0  # the last layout the greedy construction chose covers pairs nobody else does
+    real = layouts.validate
+
+    def lenient(cfg, world=None):  # validate() as if ZeRO-3 with PipeDream-2BW were implemented
+        if cfg.parallel.schedule == "2bw" and cfg.parallel.zero == 3:
+            other = copy.deepcopy(cfg)
+            other.parallel.zero, other.parallel.offload = 2, "none"
+            real(other, world)
+            return cfg
+        return real(cfg, world)
+
+    monkeypatch.setattr(layouts, "validate", lenient)
+    assert (("zero", 3), ("schedule", "2bw")) in uncovered_accepted(COVERING, 4)
+
+
+def _section(name: str) -> str:
+    text = DOCS.read_text()
+    begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+    assert begin in text and end in text, f"docs/verify.md has no {name} section"
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def test_docs_tables_are_the_generated_ones():
+    """Regenerate with `python -m scaletrain.layouts --docs docs/verify.md`."""
+    from scaletrain.layouts import dimension_table
+    from scaletrain.matrix import tolerance_table
+
+    assert _section("refusals") == refusal_table(8)
+    assert _section("tolerances") == tolerance_table()
+    assert _section("dimensions") == dimension_table()
+    assert set(TOLERANCE) == {"fp32", "bf16", "fp16"}
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--filter", "colour=red"], "--filter: unknown dimension 'colour'"),
+    (["--filter", "pp=3"], "--filter: pp has no value 3"),
+    (["--filter", "pp"], "is not dim=value"),
+    (["--world", "3"], "--world must be one of 1, 2, 4, 8, got 3"),
+    (["--world", "16"], "--world must be one of 1, 2, 4, 8, got 16"),
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["--limit", "0"], "--limit must be >= 1, got 0"),
+    (["--dtype", "fp8"], "--dtype must be one of"),
+    (["--set", "parallel.dp=2"], "--config, --set and --small apply to a single verify"),
+    (["--exhaustive", "--filter", "dtype=fp64"], "--exhaustive with this --filter leaves up to"),
+])
+def test_matrix_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
+    out = tmp_path / "m.json"
+    code = main(["verify", "--matrix", "--json", str(out), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_matrix_command_runs_a_filtered_set_and_writes_json(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "m.json"
+    p = subprocess.run([sys.executable, "-m", "scaletrain", "verify", "--matrix", "--world", "2", "--filter",
+                        "dtype=fp64,tp=1,pp=1", "--json", str(out)], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["total"] == doc["passed"] >= 1 and f"{doc['total']} of {doc['total']} layouts PASS" in p.stdout
+    assert all(r["values"]["dtype"] == "fp64" and r["values"]["pp"] == 1 for r in doc["layouts"])
