@@ -81,19 +81,19 @@ def test_empty_data(tmp_path, capsys):
 
 
 def test_corrupted_checkpoint_is_exit_2_and_kept(capsys, existing_run):
-    ck = sorted((existing_run / "checkpoints").glob("step_*"))[-1] / "rank00000.pt"
+    ck = sorted((existing_run / "checkpoints").glob("step_*"))[-1] / "__0_0.distcp"
     data = bytearray(ck.read_bytes())
     data[len(data) // 2] ^= 0xFF
     ck.write_bytes(bytes(data))
     before = snapshot(existing_run)
     code, err = run_cli(capsys, ["train", "--out", str(existing_run), *TINY, "--set", "train.steps=4"])
-    assert_one_line_error(code, err, "corrupted", "rank00000.pt")
+    assert_one_line_error(code, err, "corrupted", "__0_0.distcp")
     assert snapshot(existing_run) == before
 
 
 def test_mismatched_checkpoint_is_exit_2(capsys, existing_run):
     code, err = run_cli(capsys, ["train", "--out", str(existing_run), *TINY, "--set", "model.d_model=32"])
-    assert_one_line_error(code, err, "does not match this run", "model")
+    assert_one_line_error(code, err, "belongs to another run", "model.d_model 16 vs 32")
 
 
 def test_real_process_no_traceback(tmp_path):

@@ -82,16 +82,22 @@ def test_launcher_runs_two_ranks(tmp_path):
     assert "parameters" in p.stdout and (tmp_path / "o/metrics.jsonl").read_text().count("\n") == 3
     assert (tmp_path / "o/logs/rank1.log").exists()
     ck = sorted((tmp_path / "o/checkpoints").glob("step_*"))[-1]
-    assert (ck / "rank00000.pt").exists() and (ck / "rank00001.pt").exists()
+    assert (ck / "__0_0.distcp").exists() and (ck / "__1_0.distcp").exists()  # each rank wrote its share
 
 
 def test_launcher_stops_all_and_names_the_failing_rank(tmp_path):
-    """Corrupt rank 1's checkpoint: rank 1 fails at resume, rank 0 is stopped, exit 2 with rank 1 named."""
+    """Corrupt what only rank 1 reads (its random stream): rank 1 fails at resume, rank 0 is stopped, exit 2 with
+    rank 1 named."""
+    import json
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "o"
     subprocess.run(_launcher_argv(out), capture_output=True, env=env, timeout=180, check=True)
-    ck = sorted((out / "checkpoints").glob("step_*"))[-1] / "rank00001.pt"
-    ck.write_bytes(ck.read_bytes()[:-10] + b"0123456789")
+    ck = sorted((out / "checkpoints").glob("step_*"))[-1]
+    chunk = json.loads((ck / "index.json").read_text())["tensors"]["rng/dropout/dp1/pp0/torch"]["chunks"][0]
+    data = bytearray((ck / chunk["file"]).read_bytes())
+    data[chunk["offset"] + chunk["length"] - 20] ^= 0xFF
+    (ck / chunk["file"]).write_bytes(bytes(data))
     t0 = time.time()
     p = subprocess.run(_launcher_argv(out, ["--set", "train.steps=6"]), capture_output=True, text=True, env=env,
                        timeout=180)

@@ -528,10 +528,12 @@ def test_restart_resumes_from_the_newest_checkpoint_and_a_sigkill_without_restar
         wait_for_step(out, before[-1]["step"] + 3, [p])
         kill_rank_1(p)
         err = p.communicate(timeout=120)[1]
-    finally:
-        for q in (p, ref):
-            if q.poll() is None:
-                q.kill()
+    except BaseException:
+        ref.kill()
+        raise
+    finally:  # the reference may still be running here (checkpoints every 2 steps): it is waited for below
+        if p.poll() is None:
+            p.kill()
     after = rows(out)
     assert p.returncode == 1 and after[-1]["step"] < cfg["train.steps"], err[-3000:]
     kept = next((i for i, (x, y) in enumerate(zip(before, after)) if x != y), len(before))

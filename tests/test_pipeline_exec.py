@@ -552,7 +552,7 @@ def test_cli_trains_with_two_pipeline_stages_and_reports_its_timeline(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"]
     assert (out / "pipeline_trace.json").exists() and (out / "pipeline_timeline.png").exists()
     ck = sorted((out / "checkpoints").glob("step_*"))[-1]
-    assert (ck / "rank00000.pt").exists() and (ck / "rank00001.pt").exists()
+    assert (ck / "__0_0.distcp").exists() and (ck / "__1_0.distcp").exists()  # each stage wrote its tensors
     r = subprocess.run([sys.executable, "-m", "scaletrain", "report", "timeline", "--run", str(out),
                         "--out", str(tmp_path / "m.png")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -111,11 +111,11 @@ def _launch(out, steps, zero):
     return argv
 
 
-def _final_shards(out):
+def _final_state(out):
+    """Every tensor of the newest checkpoint (parameters, ZeRO's optimizer state, random streams), by name."""
     from scaletrain.train import checkpoint as ckpt
 
-    last = ckpt.latest(out / "checkpoints")
-    return [ckpt.load_rank(last, r) for r in range(2)]
+    return ckpt.read_tensors(ckpt.latest(out / "checkpoints"), "")
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -135,16 +135,10 @@ def test_kill_and_resume_is_exact_under_zero(tmp_path, zero):
     subprocess.run(_launch(run, 8, zero), check=True, env=env, capture_output=True, timeout=240)
     rows = lambda d: [__import__("json").loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert rows(run) == rows(ref) and len(rows(ref)) == 8
-    for a, b in zip(_final_shards(ref), _final_shards(run)):
-        for key in ("model",):
-            for name in a[key]:
-                assert torch.equal(a[key][name], b[key][name]), name
-        sa, sb = a["optimizer"], b["optimizer"]
-        for x, y in zip(sa.get("param_shards", []), sb.get("param_shards", [])):
-            assert torch.equal(x, y)
-        for k in sa["adam"]["state"]:
-            for name, v in sa["adam"]["state"][k].items():
-                assert torch.equal(v, sb["adam"]["state"][k][name]), (k, name)
+    a, b = _final_state(ref), _final_state(run)
+    assert a.keys() == b.keys() and any(k.startswith("optim/") for k in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
 
 
 # ------------------------------------------------------------------------- the public API on a user's model

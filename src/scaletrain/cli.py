@@ -18,6 +18,7 @@ from scaletrain.errors import UserError
 # (module that owns the subcommand). Modules are imported only if they exist in this install.
 COMMAND_MODULES = (
     "scaletrain.train.command",
+    "scaletrain.train.ckpt_command",
     "scaletrain.plan.command",
     "scaletrain.scaling.command",
     "scaletrain.report.command",

@@ -84,6 +84,9 @@ class ModelConfig:
     """Biases in linear layers and layer norms."""
     norm_eps: float = 1e-5
     """Layer-norm epsilon."""
+    norm: str = "layernorm"
+    """Normalisation layers: `layernorm` (GPT-2) or `rmsnorm` (LLaMA, arXiv 1910.07467; with model.bias a bias
+    is added after the gain)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (model.moe.experts > 0)."""
     reversible: bool = False
@@ -215,6 +218,9 @@ class TrainConfig:
     """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
     """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background from a host copy of the state while training goes on; the next save
+    waits for the previous one (docs/checkpoints.md)."""
     device: str = "auto"
     """`auto` (cuda when present, else cpu), `cpu` or `cuda`."""
     on_nan: str = "stop"
@@ -604,6 +610,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                       f"parallel.tp ({p.tp})")
     errors += _validate_moe(cfg)
     errors += _validate_noise_scale(cfg)
+    errors += _validate_norm(cfg)
     errors += _validate_tp_nd(cfg)
     errors += _validate_reversible(cfg)
     errors += _validate_contiguous(cfg)
@@ -739,6 +746,13 @@ def _validate_noise_scale(cfg: Config) -> list[str]:
         errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
                       f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
     return errors
+
+
+def _validate_norm(cfg: Config) -> list[str]:
+    """model.norm names a layer of model/norm.py."""
+    if cfg.model.norm not in ("layernorm", "rmsnorm"):
+        return [f"model.norm must be layernorm or rmsnorm, got {cfg.model.norm!r}"]
+    return []
 
 
 def _validate_multinode(cfg: Config) -> list[str]:

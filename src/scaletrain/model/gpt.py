@@ -1,9 +1,9 @@
 """A plain decoder-only GPT (Radford et al. 2019, GPT-2; Vaswani et al., arXiv 1706.03762).
 
-Token + learned position embeddings (RoPE, arXiv 2104.09864, as an option), pre-norm blocks, causal
-self-attention through `scaled_dot_product_attention`, GELU MLP (SwiGLU, arXiv 2002.05202, as an option),
-optional weight tying. There is no distributed code here: parallelism is applied by passes in
-`scaletrain.parallel` that swap or wrap these modules by name.
+Token + learned position embeddings (RoPE, arXiv 2104.09864, as an option), pre-norm blocks (LayerNorm, or
+RMSNorm as an option: model/norm.py), causal self-attention through `scaled_dot_product_attention`, GELU MLP
+(SwiGLU, arXiv 2002.05202, as an option), optional weight tying. There is no distributed code here: parallelism
+is applied by passes in `scaletrain.parallel` that swap or wrap these modules by name.
 
 Shapes: B batch, T sequence, C = d_model, nh heads, hs = C / nh head size, V vocabulary.
 """
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from scaletrain.config import ModelConfig
 from scaletrain.model.dropout import DropoutContext, GlobalDropout, name_sites
 from scaletrain.model.moe import MoE, is_moe_layer
+from scaletrain.model.norm import make_norm
 
 
 def make_dropout(cfg: ModelConfig, context: DropoutContext, roles: tuple[str, ...], p: float | None = None):
@@ -126,9 +127,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0, context: DropoutContext | None = None):
         super().__init__()
         context = context or DropoutContext()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg, context)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln2 = make_norm(cfg)
         if is_moe_layer(cfg, layer):
             self.mlp = MoE(cfg.d_model, ffn_size(cfg), cfg.mlp, cfg.moe, cfg.dropout, layer,
                            make_dropout=lambda p, roles: make_dropout(cfg, context, roles, p))
@@ -169,7 +170,7 @@ class GPT(nn.Module):
         context = DropoutContext()  # shared by all dropout sites: the engine sets (step, row) per micro-batch
         self.drop = make_dropout(cfg, context, ("seq", "feature"))
         self.blocks = nn.ModuleList(make_block(cfg, i, context) for i in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight

@@ -104,8 +104,10 @@ def load_run(out: str | Path) -> RunData:
     cfg_path = out / "config.yaml"
     if not cfg_path.is_file():
         raise UserError(f"{out} is not a scaletrain run (no config.yaml)")
-    try:
-        cfg = validate(config_from_dict(yaml.safe_load(cfg_path.read_text()) or {}))
+    from scaletrain.train.resume import current_config
+
+    try:  # config.yaml is the config the run started with; resumes.jsonl has what later invocations changed
+        cfg = validate(config_from_dict(current_config(out)))
     except yaml.YAMLError as e:
         raise UserError(f"{cfg_path} is not valid YAML ({str(e).splitlines()[0]})") from None
     except ConfigError as e:

@@ -1,14 +1,23 @@
-"""Atomic, verifiable, per-rank checkpoints with exact resume.
+"""Layout-independent checkpoints: atomic, verified, written synchronously or in the background.
 
-Layout: `OUT/checkpoints/step_00000100/` holding `rank00000.pt` (one file per rank: its model state,
-optimizer state, RNG states), `rank00000.sha256`, `meta.json` (step, layout, model config) and
-`COMPLETE`. A save writes everything into `step_00000100.tmp/` (each file written to a temporary name,
-fsynced and renamed), waits for all ranks, writes `COMPLETE` last and renames the directory into place.
-A kill at any moment therefore leaves either the new complete checkpoint or only the previous ones;
-unfinished `.tmp` directories are ignored. Old checkpoints are pruned only after a newer one is complete.
+On disk, `OUT/checkpoints/step_00000100/` holds
+- `__<rank>_0.distcp`: the tensors (torch.distributed.checkpoint's file format, one file per writing rank);
+- `index.json`: every tensor by name (`train/state.py`) with its global shape, dtype and chunks (offsets, sizes,
+  file, byte range, SHA-256);
+- `meta.json`: format, step, the writing run's layout and world size, its resolved config, and the trainer's
+  scalars (loss scaler, skipped steps, noise-scale averages);
+- `COMPLETE`: written last, with the SHA-256 of `index.json` and `meta.json`.
 
-Loading uses `torch.load(weights_only=True)` after checking each file's SHA-256; a corrupted or
-mismatched checkpoint raises `CheckpointError` (exit 2) and nothing is deleted.
+A save writes everything into `step_00000100.tmp/` (files fsynced), waits for all ranks, and rank 0 writes
+`COMPLETE` and renames the directory into place; only then are checkpoints beyond `train.keep_checkpoints`
+pruned. A kill at any moment leaves either the new complete checkpoint or only the previous ones; unfinished
+`.tmp` directories are never read. `Saver(async_=True)` copies this rank's blocks to host memory (the staged
+copy) and does the write and the publish in a background thread on a process group of its own, so training
+goes on; the next save (and the end of the run) first waits for the previous one.
+
+Loading reads only `index.json`/`meta.json` (JSON) and the chunks it needs, each checked against its SHA-256
+and read with `torch.load(weights_only=True)`; anything corrupted, truncated or mismatched raises
+`CheckpointError` (exit 2) and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -18,15 +27,24 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from scaletrain.errors import CheckpointError
+from scaletrain.train import dcp_io
+from scaletrain.train.shards import Block
+from scaletrain.train.state import Entry
 
+FORMAT = "scaletrain-dcp/1"
 COMPLETE = "COMPLETE"
+META = "meta.json"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -37,24 +55,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def rank_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank{rank:05d}.pt"
-
-
-# ---------------------------------------------------------------------------- RNG state
+# --------------------------------------------------------------------------- random states
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
-    """Python, NumPy and torch RNG states in types `torch.load(weights_only=True)` accepts."""
+    """Python, NumPy and torch RNG states (the trainer swaps them in while it computes). Checkpoints keep the
+    torch (and CUDA) states: training draws from nothing else."""
     np_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
@@ -80,44 +94,11 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-# ---------------------------------------------------------------------------- save
+# --------------------------------------------------------------------------- directories
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
-
-
-def save(root: Path, step: int, rank: int, world_size: int, payload: dict[str, Any], meta: dict[str, Any],
-         barrier, keep: int) -> Path:
-    """Collective save of this rank's `payload`; rank 0 finalises. `barrier()` synchronises all ranks."""
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # leftover of a save that was killed; never a complete checkpoint
-        tmp.mkdir(parents=True)
-    barrier()
-    import io
-
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
-    path = rank_file(tmp, rank)
-    _write_atomic(path, data)
-    _write_atomic(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
-    barrier()
-    if rank == 0:
-        _write_atomic(tmp / "meta.json", json.dumps({**meta, "step": step, "world_size": world_size},
-                                                    indent=1).encode())
-        _write_atomic(tmp / COMPLETE, b"ok\n")
-        _fsync_dir(tmp)
-        if final.exists():  # same step saved again (e.g. a rerun): replace only now that the new one is complete
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        prune(root, keep)
-    barrier()
-    return final
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -127,39 +108,209 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted((d for d in dirs if (d / COMPLETE).exists()), key=lambda d: d.name)
 
 
-def prune(root: Path, keep: int) -> None:
-    for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------- load
-
-
 def latest(root: Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None
 
 
+def prune(root: Path, keep: int) -> None:
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def is_checkpoint(directory: Path) -> bool:
+    return (directory / COMPLETE).is_file() and (directory / META).is_file()
+
+
 def read_meta(directory: Path) -> dict[str, Any]:
+    """meta.json of a complete checkpoint, after checking COMPLETE's checksums of meta.json and index.json."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory")
+    if any(directory.glob("rank*.pt")) and not (directory / dcp_io.INDEX).exists():
+        from scaletrain.parallel.async_dp.rank_checkpoint import FORMAT as ASYNC_FORMAT
+        from scaletrain.parallel.async_dp.rank_checkpoint import is_async_checkpoint
+
+        if is_async_checkpoint(directory):
+            raise CheckpointError(f"{directory} is a per-rank checkpoint of an asynchronous run ({ASYNC_FORMAT}, "
+                                  "parallel.sync=ps/hogwild/local): resume it with that run's parallel.sync, which "
+                                  "cannot change, and without --reshard")
+        raise CheckpointError(f"{directory} is a checkpoint in the old per-rank format (rankNNNNN.pt), which this "
+                              "version does not read; train into a new --out")
+    if not (directory / COMPLETE).is_file():
+        raise CheckpointError(f"{directory} is not a complete scaletrain checkpoint (no {COMPLETE} marker)")
     try:
-        return json.loads((directory / "meta.json").read_text())
+        marker = json.loads((directory / COMPLETE).read_text())
+        want = {name: str(marker["sha256"][name]) for name in (META, dcp_io.INDEX)}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {directory} has an unreadable {COMPLETE} marker") from None
+    for name, digest in want.items():
+        try:
+            got = _sha256_file(directory / name)
+        except OSError:
+            raise CheckpointError(f"checkpoint {directory} is missing {name}") from None
+        if got != digest:
+            raise CheckpointError(f"checkpoint {directory}: {name} fails its SHA-256 check (corrupted)")
+    try:
+        meta = json.loads((directory / META).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {directory} has an unreadable meta.json ({e.__class__.__name__})") from None
+        raise CheckpointError(f"checkpoint {directory} has an unreadable {META} ({e.__class__.__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else "?"
+        raise CheckpointError(f"checkpoint {directory} has format {found}, this version reads {FORMAT}")
+    for key in ("step", "config", "layout", "world_size"):
+        if key not in meta:
+            raise CheckpointError(f"checkpoint {directory}: {META} has no {key}")
+    return meta
 
 
-def load_rank(directory: Path, rank: int) -> dict[str, Any]:
-    """This rank's payload, verified against its SHA-256 and loaded with weights_only=True."""
-    path = rank_file(directory, rank)
-    try:
-        data = path.read_bytes()
-        expected = path.with_suffix(".sha256").read_text().strip()
-    except OSError:
-        raise CheckpointError(f"checkpoint {directory} is missing {path.name} or its checksum") from None
-    if hashlib.sha256(data).hexdigest() != expected:
-        raise CheckpointError(f"checkpoint file {path} is corrupted (SHA-256 mismatch)")
-    import io
+def read_tensors(directory: Path, prefix: str = "model/", index: dict | None = None,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Whole tensors whose names start with `prefix`, by name without it (no process group needed)."""
+    index = index if index is not None else dcp_io.read_index(directory)
+    out: dict[str, torch.Tensor] = {}
+    entries: dict[str, Entry] = {}
+    for key, t in index["tensors"].items():
+        if key.startswith(prefix):
+            shape = tuple(t["shape"])
+            buf = torch.empty(shape, dtype=dcp_io.DTYPES_BY_NAME[t["dtype"]])
+            entries[key] = Entry(shape, buf.dtype, [Block((0,) * len(shape), shape, [buf])])
+            out[key[len(prefix):]] = buf
+    dcp_io.load_entries(directory, entries, index)
+    return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
 
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
-        raise CheckpointError(f"checkpoint file {path} cannot be loaded: {str(e).splitlines()[0][:200]}") from None
+
+@dataclass
+class VerifyReport:
+    tensors: int
+    chunks: int
+    bytes: int
+    bad: list[str]
+
+
+def verify(directory: Path, index: dict | None = None) -> VerifyReport:
+    """Read every chunk of the checkpoint and check its SHA-256 (what `checkpoint inspect` reports)."""
+    index = index if index is not None else dcp_io.read_index(directory)
+    bad: list[str] = []
+    chunks = nbytes = 0
+    for name, t in index["tensors"].items():
+        for c in t["chunks"]:
+            chunks += 1
+            nbytes += int(c["length"])
+            path = Path(directory) / c["file"]
+            try:
+                with open(path, "rb") as f:
+                    dcp_io.read_chunk(f, path, name, dcp_io._Stored(c["file"], int(c["offset"]), int(c["length"]),
+                                                                    c["sha256"]))
+            except (CheckpointError, OSError) as e:
+                bad.append(str(e))
+    return VerifyReport(len(index["tensors"]), chunks, nbytes, bad)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def stage(entries: dict[str, Entry]) -> dict[str, Entry]:
+    """A host copy of this rank's blocks (what an asynchronous save writes while training goes on)."""
+    out: dict[str, Entry] = {}
+    for key, e in entries.items():
+        blocks = [Block(b.offsets, b.sizes, [b.views[0].detach().to("cpu", e.dtype, copy=True).contiguous()])
+                  for b in e.blocks]
+        out[key] = Entry(e.shape, e.dtype, blocks)
+    return out
+
+
+def staged_bytes(entries: dict[str, Entry]) -> int:
+    return sum(b.views[0].numel() * b.views[0].element_size() for e in entries.values() for b in e.blocks)
+
+
+class Saver:
+    """Collective checkpoint writer of one run (every rank makes one, with the same arguments).
+
+    `save(step, entries, meta)` writes `entries` (this rank's blocks) and rank 0's `meta` as the checkpoint of
+    `step` under `root`. Synchronous by default, over the default process group; with `async_` the blocks are
+    staged to host memory and written by a background thread over a gloo group of its own (created here,
+    collectively), so its collectives never interleave with training's; `wait()` (called by the next save and at
+    the end of a run) finishes it."""
+
+    def __init__(self, root: Path, rank: int, keep: int, async_: bool = False, timeout_s: float = 300.0):
+        self.root, self.rank, self.keep, self.async_ = Path(root), rank, keep, async_
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.group = None  # the default group
+        if async_ and self.distributed:
+            from datetime import timedelta
+
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_stall_s = 0.0  # how long the last save held the training loop
+        self.last_staged_bytes = 0
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def save(self, step: int, entries: dict[str, Entry], meta: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        if not self.async_:
+            self._write(step, entries, meta)
+            self.last_stall_s = time.perf_counter() - t0
+            return
+        staged = stage(entries)
+        self.last_staged_bytes = staged_bytes(staged)
+        self._error = None
+        self._thread = threading.Thread(target=self._background, args=(step, staged, meta), daemon=True,
+                                        name=f"scaletrain-checkpoint-{step}")
+        self._thread.start()
+        self.last_stall_s = time.perf_counter() - t0
+
+    def _background(self, step: int, entries: dict[str, Entry], meta: dict[str, Any]) -> None:
+        try:
+            self._write(step, entries, meta)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Finish the save in flight (if any); re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _write(self, step: int, entries: dict[str, Entry], meta: dict[str, Any]) -> Path:
+        final = step_dir(self.root, step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # leftover of a save that was killed; never a complete checkpoint
+            tmp.mkdir(parents=True)
+        self._barrier()
+        dcp_io.save_entries(tmp, entries, self.group)  # collective; rank 0 writes index.json before it returns
+        if self.rank == 0:
+            publish(tmp, final, {**meta, "format": FORMAT, "step": step})
+            prune(self.root, self.keep)
+        self._barrier()
+        return final
+
+
+def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Write meta.json and COMPLETE into `tmp` and rename it to `final` (replacing an older one of that step)."""
+    dcp_io.write_json(tmp / META, meta)
+    digests = {name: _sha256_file(tmp / name) for name in (META, dcp_io.INDEX)}
+    dcp_io.write_json(tmp / COMPLETE, {"sha256": digests})
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (a rerun): replace it only now that the new one is complete
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+

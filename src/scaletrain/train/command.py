@@ -11,7 +11,7 @@ from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.errors import UserError
-from scaletrain.guards import MAX_SAMPLE_TOKENS, bounded_int, check_out_dir, mark_run, positive_float
+from scaletrain.guards import MAX_SAMPLE_TOKENS, bounded_int, check_out_dir, mark_run, nonneg_float
 from scaletrain.multinode import launcher as multinode_launcher
 
 
@@ -21,6 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to start on this machine (default: the layout's size / --nnodes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
+    p.add_argument("--reshard", action="store_true",
+                   help="resume the run in --out under a different layout or number of processes")
+    p.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="start a new run from a Hugging Face GPT-2 / Llama directory (config.json + safetensors)")
     multinode_launcher.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
@@ -30,12 +34,13 @@ def add_parser(sub) -> None:
     d.add_argument("--no-prove", action="store_true", help="skip the layout-equivalence checks after training")
     d.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
-    s.add_argument("--out", required=True, help="the run's output directory")
+    s = sub.add_parser("sample", help="generate text from a run's newest checkpoint (any layout)")
+    s.add_argument("--out", required=True, help="the run's output directory (or a folder of runs: the newest)")
     s.add_argument("--prompt", default="def ", help="text to continue")
     s.add_argument("--tokens", type=bounded_int(1, MAX_SAMPLE_TOKENS), default=200,
                    help=f"tokens to generate (1 to {MAX_SAMPLE_TOKENS:,})")
-    s.add_argument("--temperature", type=positive_float, default=0.8, help="softmax temperature (> 0)")
+    s.add_argument("--temperature", type=nonneg_float, default=0.8,
+                   help="softmax temperature (>= 0; 0 = greedy: the most likely token)")
     s.add_argument("--top-k", type=bounded_int(1), default=50, help="sample among the k likeliest tokens (>= 1)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_sample)
@@ -74,13 +79,14 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.set)
     env = detect_env()
+    resume_args = {"reshard": args.reshard, "init_from": args.init_from}
     if env is not None:
         validate(cfg, env.world_size)
         if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
             check_before_launch(cfg, Path(args.out), local_world_size(env.world_size))
         if env.rank == 0:
             mark_run(Path(args.out))  # under torchrun too, so a later `train --out` knows the folder is a run
-        return run_worker(cfg, Path(args.out), env)
+        return run_worker(cfg, Path(args.out), env, **resume_args)
     from scaletrain.report.runinfo import set_user_command
 
     set_user_command(args)  # the command as the user gave it, for the run report
@@ -99,15 +105,23 @@ def cmd_train(args) -> int:
     first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
     status(f"loading data ({cfg.data.source})")
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
+    from scaletrain.train.resume import check_run
+
+    check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
+    if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
+        from scaletrain.interop.hf import check_hf_config, read_hf_config
+
+        check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (memory/budget.py)
     warn_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
     if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
-        return run_single(cfg, out)
+        return run_single(cfg, out, **resume_args)
     from scaletrain.launch import launch_local
 
-    argv = ["train", "--out", str(out)]
+    argv = ["train", "--out", str(out)] + (["--reshard"] if args.reshard else [])
+    argv += ["--init-from", str(args.init_from)] if args.init_from is not None else []
     if args.config:
         argv += ["--config", args.config]
     for item in args.set:
@@ -143,18 +157,18 @@ def warn_if_too_big(cfg: Config, nproc: int) -> None:
                          f"{where} is {have / 2**30:.2f} GiB; `scaletrain plan --config` shows layouts that fit\n")
 
 
-def run_single(cfg: Config, out: Path) -> int:
+def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None) -> int:
     """The single-process run; a diverged loss is one line on stderr (exit 1), as on N processes."""
     from scaletrain.train.trainer import TrainingDiverged
 
     try:
-        return run_worker(cfg, out, None)
+        return run_worker(cfg, out, None, reshard, init_from)
     except TrainingDiverged as e:
         sys.stderr.write(f"scaletrain: error: training diverged: {e}\n")
         return 1
 
 
-def run_worker(cfg: Config, out: Path, env) -> int:
+def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None) -> int:
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
@@ -171,7 +185,8 @@ def run_worker(cfg: Config, out: Path, env) -> int:
             # the asynchronous modes supervise their own ranks (docs/async.md); bsp runs get docs/multinode.md's
             with supervise(cfg, out, env, device) if supervised else contextlib.nullcontext() as job:
                 start = time.time()
-                trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty())  # bsp: the Trainer
+                trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard,
+                                       init_from=init_from)  # bsp: the Trainer (train/resume.py)
                 if job is not None:
                     job.attach(trainer)
                 if trainer.step >= cfg.train.steps and rank == 0:
@@ -254,40 +269,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    import torch
+    from scaletrain.train.sample import cmd_sample as sample
 
-    from scaletrain.config import config_from_dict
-    from scaletrain.data.tokenizer import decode, encode
-    from scaletrain.errors import CheckpointError
-    from scaletrain.model import build_gpt
-    from scaletrain.train import checkpoint as ckpt
-
-    out = Path(args.out)
-    cfg_path = out / "config.yaml"
-    if not cfg_path.exists():
-        raise UserError(f"{out} is not a scaletrain run (no config.yaml)")
-    import yaml
-
-    cfg = validate(config_from_dict(yaml.safe_load(cfg_path.read_text())))
-    found = ckpt.latest(out / "checkpoints")
-    if found is None:
-        raise CheckpointError(f"no complete checkpoint in {out / 'checkpoints'}")
-    if cfg.parallel.tp * cfg.parallel.pp != 1:
-        raise UserError("sampling from tensor- or pipeline-parallel checkpoints is not supported yet")
-    model = build_gpt(cfg.model, cfg.train.seed, "cpu", torch.float32)
-    state = ckpt.load_rank(found, 0)["model"]
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    model.eval()
-    g = torch.Generator().manual_seed(args.seed)
-    idx = torch.from_numpy(encode(args.prompt).astype("int64"))[None]
-    if idx.numel() == 0:
-        raise UserError("--prompt must not be empty")
-    with torch.no_grad():
-        for _ in range(args.tokens):
-            logits = model(idx[:, -cfg.model.seq_len:])[:, -1] / args.temperature
-            top = torch.topk(logits, min(args.top_k, logits.shape[-1]))
-            probs = torch.softmax(top.values, -1)
-            nxt = top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))
-            idx = torch.cat([idx, nxt], dim=1)
-    sys.stdout.write(decode(idx[0].tolist()) + "\n")
-    return 0
+    return sample(args)

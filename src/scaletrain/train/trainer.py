@@ -27,7 +27,6 @@ from scaletrain.device.attention import probe_run
 from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
 from scaletrain.device.timing import StepTimer
 from scaletrain.distributed import DistEnv, pick_device
-from scaletrain.errors import CheckpointError
 from scaletrain.memory.accounting import memory_reports, peak_bytes, tensor_bytes
 from scaletrain.memory.precision import DynamicLossScaler
 from scaletrain.mesh import Mesh, ParallelDims
@@ -39,6 +38,7 @@ from scaletrain.parallel.experts import moe_metrics
 from scaletrain.parallel.parallelize import build_engine
 from scaletrain.report.observers import RunObservers
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train import resume
 from scaletrain.train.pending import first_bad_loss, resolve_rows
 from scaletrain.train.schedule import lr_at
 
@@ -60,21 +60,11 @@ class TrainResult:
     last_row: dict = field(default_factory=dict)  # the metrics of the last step
 
 
-def run_signature(cfg: Config) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed by this config."""
-    p, t = cfg.parallel, cfg.train
-    return {
-        "model": cfg.to_dict()["model"],
-        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero,
-                   **({"tp_mode": p.tp_mode, "tp_depth": p.tp_depth} if p.tp_mode != "1d" else {})},
-        "seed": t.seed, "global_batch": t.global_batch, "micro_batch": t.micro_batch, "dtype": t.dtype,
-        "data_source": cfg.data.source, "optim": cfg.to_dict()["optim"],
-    }
-
-
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | os.PathLike | None = None, env: DistEnv | None = None,
-                 progress: bool = False):
+                 progress: bool = False, reshard: bool = False, init_from: str | os.PathLike | None = None):
+        """`out_dir`: where checkpoints and metrics go; an existing run there is resumed (`reshard` lets it continue
+        under another layout, `init_from` a Hugging Face directory to start a new run from; see train/resume.py)."""
         from scaletrain.memory.budget import resident_meter
         from scaletrain.memory.offload_nvme import resolve_offload_dir
 
@@ -110,8 +100,8 @@ class Trainer:
         # global generator only while the trainer computes, so two trainers in one process do not interact.
         # Tensor-parallel ranks share this stream (replicated regions must drop the same elements); split
         # regions draw from a per-tp-rank stream of their own (see parallel/tensor_parallel.py).
-        stream = f"dropout/dp{self.dp_rank}/pp{self.mesh.local_rank('pp')}"
-        self.rng = _seeded_rng_state(name_seed(t.seed, stream), self.device)
+        self.rng_stream = f"dropout/dp{self.dp_rank}/pp{self.mesh.local_rank('pp')}"
+        self.rng = _seeded_rng_state(name_seed(t.seed, self.rng_stream), self.device)
         self.lr_scale = lr_multiplier(cfg.optim)  # optim.lr_scale, or the optimizer's default
         self.step = 0
         self.skipped = 0
@@ -124,7 +114,8 @@ class Trainer:
 
             self.noise_probe, self.noise = GradSqProbe(list(self.model.parameters())), NoiseScaleEMA()
         if self.out is not None:
-            self._resume_or_start()
+            self.saver = ckpt.Saver(self.ckpt_root, self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
+            resume.resume(self, reshard, init_from)
         self.observers = RunObservers(self)  # run_info, TensorBoard, profiler, HTML report (report/observers.py)
 
     # ------------------------------------------------------------------ setup / resume
@@ -133,35 +124,6 @@ class Trainer:
     def ckpt_root(self) -> Path:
         assert self.out is not None
         return self.out / "checkpoints"
-
-    def _resume_or_start(self) -> None:
-        found = ckpt.latest(self.ckpt_root)
-        if found is not None:
-            meta = ckpt.read_meta(found)
-            want = run_signature(self.cfg)
-            diff = [k for k in want if meta.get(k) != want[k]]
-            if diff:
-                raise CheckpointError(
-                    f"checkpoint {found} does not match this run: {', '.join(diff)} differ "
-                    f"(use another --out, or the run's own config {self.out / 'config.yaml'})"
-                )
-            state = ckpt.load_rank(found, self.rank)
-            try:
-                self.engine.load_state_dict(state)
-            except (KeyError, RuntimeError, ValueError) as e:
-                raise CheckpointError(f"checkpoint {found} does not fit the model: {str(e).splitlines()[0]}") from None
-            self.rng = state["rng"]
-            self.skipped = int(state.get("skipped", 0))
-            if self.noise is not None and "noise_scale" in state:
-                self.noise.load_state_dict(state["noise_scale"])
-            if self.scaler is not None:
-                self.scaler.load_state_dict(state["scaler"])
-            self.step = int(meta["step"])
-        self._barrier()
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            _write_text(self.out / "config.yaml", self.cfg.to_yaml())
-            self._trim_metrics(self.step)
 
     def _trim_metrics(self, step: int) -> None:
         """Keep the metrics lines of steps <= `step` (those a resumed run will not redo)."""
@@ -359,15 +321,14 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def save(self) -> None:
-        if self.out is None:
-            return
-        payload = {**self.engine.state_dict(), "rng": self.rng, "step": self.step, "skipped": self.skipped}
-        if self.noise is not None:
-            payload["noise_scale"] = self.noise.state_dict()
-        if self.scaler is not None:
-            payload["scaler"] = self.scaler.state_dict()
-        ckpt.save(self.ckpt_root, self.step, self.rank, self.mesh.world_size, payload,
-                  run_signature(self.cfg), self._barrier, self.cfg.train.keep_checkpoints)
+        """Checkpoint the current step (collective; in the background with train.checkpoint_async)."""
+        if self.out is not None:
+            resume.save(self)
+
+    def wait_for_checkpoint(self) -> None:
+        """Finish an asynchronous save in flight (collective)."""
+        if self.out is not None:
+            self.saver.wait()
 
     def run(self, stop_after: int | None = None) -> TrainResult:
         """Train to `train.steps` (or `stop_after` steps, for tests); returns this invocation's results."""
@@ -419,6 +380,7 @@ class Trainer:
                 bar.close()
             if metrics is not None:
                 metrics.close()
+        self.wait_for_checkpoint()
         if self.out is not None and self.engine.write_trace is not None:
             self.engine.write_trace(self.out)  # pipeline timeline of a measured step (rank 0 writes)
         self.observers.finish()

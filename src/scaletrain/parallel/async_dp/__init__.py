@@ -19,10 +19,16 @@ from scaletrain.config import Config
 from scaletrain.distributed import DistEnv
 
 
-def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: bool = False):
+def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: bool = False, reshard: bool = False,
+                 init_from: str | Path | None = None):
     """The object that trains this run on this rank: the synchronous `Trainer`, or an asynchronous mode's runner
-    with the same interface (`step`, `n_params`, `run() -> TrainResult`, `full_state()`)."""
+    with the same interface (`step`, `n_params`, `run() -> TrainResult`, `full_state()`). `reshard` and
+    `init_from` are the Trainer's (train/resume.py); the asynchronous runners refuse them (UserError)."""
     sync = cfg.parallel.sync
+    if sync != "bsp":
+        from scaletrain.parallel.async_dp.common import refuse_reshard
+
+        refuse_reshard(cfg, reshard, init_from)
     if sync == "ps":
         from scaletrain.parallel.async_dp.ps import PSRunner
 
@@ -37,4 +43,4 @@ def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: b
         return HogwildRunner(cfg, out, env, progress)
     from scaletrain.train.trainer import Trainer
 
-    return Trainer(cfg, out, env, progress=progress)
+    return Trainer(cfg, out, env, progress=progress, reshard=reshard, init_from=init_from)

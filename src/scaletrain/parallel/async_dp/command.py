@@ -16,10 +16,10 @@ from scaletrain.errors import CheckpointError, UserError
 
 def final_params(out: Path, cfg) -> tuple[dict[str, torch.Tensor], int]:
     """The run's parameters at its newest checkpoint (gathered from the servers' shards for ps), and its step."""
+    from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
     from scaletrain.parallel.async_dp.common import find_resume
     from scaletrain.parallel.async_dp.model import WorkerModel
     from scaletrain.parallel.async_dp.server import ShardLayout
-    from scaletrain.train import checkpoint as ckpt
 
     found, meta = find_resume(out, cfg)
     if found is None:
@@ -45,12 +45,13 @@ def cmd_replay(args) -> int:
     from scaletrain.config import config_from_dict, validate
     from scaletrain.parallel.async_dp.replay import replay
     from scaletrain.parallel.async_dp.versions import VersionLog
+    from scaletrain.train.resume import current_config
 
     out = Path(args.out)
     if not (out / "config.yaml").is_file():
         raise UserError(f"{out} is not a scaletrain run (no config.yaml)")
     try:
-        cfg = validate(config_from_dict(yaml.safe_load((out / "config.yaml").read_text())))
+        cfg = validate(config_from_dict(current_config(out)))  # config.yaml with the changes resumes recorded
     except yaml.YAMLError:
         raise UserError(f"{out / 'config.yaml'} is not valid YAML") from None
     if cfg.parallel.sync not in ("ps", "hogwild"):

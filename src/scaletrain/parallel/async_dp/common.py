@@ -14,15 +14,26 @@ from typing import Any
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.errors import CheckpointError
-from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.trainer import run_signature
+from scaletrain.errors import CheckpointError, UserError
+from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
 
 SYNC_KEYS = ("sync", "servers", "staleness", "hogwild_lock", "local_steps", "outer", "outer_lr", "outer_momentum")
 
 
+def run_signature(cfg: Config) -> dict[str, Any]:
+    """What an asynchronous runner's checkpoint must agree with to be resumed by this config (the layout is fixed:
+    these checkpoints are per rank and are not resharded; rank_checkpoint.py)."""
+    p, t = cfg.parallel, cfg.train
+    return {
+        "model": cfg.to_dict()["model"],
+        "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero},
+        "seed": t.seed, "global_batch": t.global_batch, "micro_batch": t.micro_batch, "dtype": t.dtype,
+        "data_source": cfg.data.source, "optim": cfg.to_dict()["optim"],
+    }
+
+
 def async_signature(cfg: Config) -> dict[str, Any]:
-    """The synchronous run signature plus the synchronisation settings that change the state being saved."""
+    """The run signature plus the synchronisation settings that change the state being saved."""
     sig = run_signature(cfg)
     sig["sync"] = {k: getattr(cfg.parallel, k) for k in SYNC_KEYS}
     return sig
@@ -37,12 +48,58 @@ def find_resume(out: Path | None, cfg: Config) -> tuple[Path | None, dict[str, A
     if found is None:
         return None, {}
     meta = ckpt.read_meta(found)
-    want = async_signature(cfg)
-    diff = [k for k in want if meta.get(k) != want[k]]
+    diff = differences(meta, async_signature(cfg))
     if diff:
-        raise CheckpointError(f"checkpoint {found} does not match this run: {', '.join(diff)} differ "
-                              f"(use another --out, or the run's own config {out / 'config.yaml'})")
+        listed = "; ".join(f"{k}: checkpoint {a}, this run {b}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"checkpoint {found} does not match this run ({listed}); an asynchronous run's "
+                              f"checkpoints are per rank and cannot be resharded: use another --out, or the run's "
+                              f"own config {out / 'config.yaml'}")
     return found, meta
+
+
+def refuse_reshard(cfg: Config, reshard: bool, init_from: str | Path | None = None) -> None:
+    """UserError for what the per-rank checkpoints of the asynchronous runners cannot do."""
+    if reshard:
+        raise UserError(f"--reshard needs parallel.sync=bsp, got parallel.sync={cfg.parallel.sync}: an asynchronous "
+                        "run's checkpoints are per rank (servers' shards, workers' replicas) and keep their layout")
+    if init_from is not None:
+        raise UserError(f"--init-from needs parallel.sync=bsp, got parallel.sync={cfg.parallel.sync}")
+
+
+def check_async_run(out: Path, cfg: Config, reshard: bool, init_from: str | Path | None = None) -> None:
+    """Before launching an asynchronous run: refuse --reshard / --init-from, and a checkpoint in `out` that this
+    config cannot resume (another run, another layout or sync mode, or a parallel.sync=bsp checkpoint)."""
+    refuse_reshard(cfg, reshard, init_from)
+    find_resume(out, cfg)
+
+
+def differences(meta: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Signature keys (dotted, e.g. `layout.dp`) whose values differ: {key: (checkpoint's, this run's)}."""
+    from scaletrain.train.resume import flatten
+
+    saved = flatten({k: meta.get(k) for k in want})
+    current = flatten(want)
+    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)}
+
+
+def record_config(out: Path, cfg: Config, resume_step: int) -> None:
+    """As the synchronous trainer does (train/resume.py): a fresh start writes `config.yaml`; a resume keeps it
+    (the config the run started with) and appends what this invocation changed to `resumes.jsonl`."""
+    import time
+
+    from scaletrain.train.resume import HISTORY, current_config, differences
+
+    path, history = out / "config.yaml", out / HISTORY
+    if not resume_step or not path.exists():
+        write_text(path, cfg.to_yaml())
+        history.unlink(missing_ok=True)  # resumes of checkpoints that are gone: a new run starts here
+        return
+    changed = differences(current_config(out), cfg.to_dict())
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "from_step": resume_step,
+              "changed": {k: [a, b] for k, (a, b) in changed.items()}}
+    with open(history, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:
@@ -77,7 +134,7 @@ class Metrics:
         if out is None:
             return
         out.mkdir(parents=True, exist_ok=True)
-        write_text(out / "config.yaml", cfg.to_yaml())
+        record_config(out, cfg, resume_step)
         path = out / "metrics.jsonl"
         kept: list[str] = []
         if resume_step and path.exists():

@@ -38,11 +38,11 @@ from scaletrain.config import Config
 from scaletrain.distributed import DistEnv
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.optim import lr_multiplier
+from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
 from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.async_dp.versions import LogFile, Member, Update
-from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.schedule import lr_at
 
 RECORD = 4  # per ticket: version read, version written, worker, coordinates lost

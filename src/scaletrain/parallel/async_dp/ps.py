@@ -43,13 +43,13 @@ import torch.distributed as dist
 from scaletrain.config import Config
 from scaletrain.distributed import DistEnv
 from scaletrain.optim import lr_multiplier
+from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
 from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.server import ServerShard, ShardLayout, add_in_order
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.async_dp.versions import LogFile, Member, Update
-from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.schedule import lr_at
 
 # message tags

@@ -148,6 +148,11 @@ def apply_tp_nd(engine, cfg, mesh, comm: CommStats) -> None:
     place_dropout(model, plan, cfg)
     specs = placements(model)  # by plain names, before a pipeline stage replaces the tied head by a copy
     tp_group = mesh.group("tp")
+    coords = grid.shape.coords(mesh.local_rank("tp"))
+    for t in model.parameters():  # where each local element sits in the plain tensor (checkpoints: train/state.py)
+        placed = getattr(t, "_st_nd", None)
+        if placed is not None:
+            t._st_nd_index = placed[0].global_index(tuple(placed[1]), coords)
 
     def gather_state(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return gather_nd_state(local, specs, grid, tp_group)
