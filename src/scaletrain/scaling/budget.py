@@ -251,8 +251,8 @@ def run_budget(args: argparse.Namespace) -> int:
     if args.gpus is None:
         raise UserError("--gpus is required with --flops-budget (or a cluster file with gpus)")
     p = plan_budget(flops, args.gpus, gpu, args.law, args.global_batch, args.vocab or DEFAULT_VOCAB,
-                    args.seq_len or DEFAULT_SEQ_LEN, args.mlp or "gelu", args.dtype, args.attention, not args.no_dp_overlap,
-                    parse_layout(args.layout), assumptions, args.top)
+                    args.seq_len or DEFAULT_SEQ_LEN, args.mlp or "gelu", args.dtype, args.attention,
+                    not args.no_dp_overlap, parse_layout(args.layout), assumptions, args.top)
     if args.png:
         report.memory_png(p.candidates, gpu.memory_bytes, args.png,
                           f"{p.model.name} on {p.cluster.n_gpus} x {gpu.name}: memory per GPU")
