@@ -99,10 +99,7 @@ def cmd_verify(args) -> int:
         return verify_in_job(cfg, args, env)
     validate(cfg, cfg.world_size)
     ref_cfg = reference_config(cfg)
-    layout = f"dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}"
-    if cfg.parallel.tp_mode != "1d":  # 2d / 2.5d / 3d tensor parallelism (docs/tensor_parallel.md)
-        layout += f" tp_mode={cfg.parallel.tp_mode}" + (f" tp_depth={cfg.parallel.tp_depth}"
-                                                        if cfg.parallel.tp_mode == "2.5d" else "")
+    layout = layout_words(cfg)
     procs = f"{cfg.world_size} process{'es' if cfg.world_size > 1 else ''}"
     print(f"verify: {layout} ({procs}) against 1 process, {cfg.train.steps} steps, {cfg.train.dtype}")
     ref_losses, ref_state = run(ref_cfg)
@@ -123,6 +120,15 @@ def cmd_verify(args) -> int:
             return code
         par = torch.load(result, weights_only=True)
     return report(ref_losses, ref_state, par["losses"], par["state"], args.rtol, args.atol)
+
+
+def layout_words(cfg: Config) -> str:
+    """The layout as verify's header names it, e.g. 'dp=2 tp=2 pp=1 zero=1 tp_mode=2.5d tp_depth=2'."""
+    p = cfg.parallel
+    words = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}"
+    if p.tp_mode != "1d":  # 2d / 2.5d / 3d tensor parallelism (docs/tensor_parallel.md)
+        words += f" tp_mode={p.tp_mode}" + (f" tp_depth={p.tp_depth}" if p.tp_mode == "2.5d" else "")
+    return words
 
 
 def reference_config(cfg: Config) -> Config:

@@ -18,7 +18,7 @@ def verify_in_job(cfg: Config, args, env: DistEnv) -> int:
     from scaletrain import distributed
     from scaletrain.launch import WorkerContext
     from scaletrain.multinode.job import supervise
-    from scaletrain.verify import reference_config, report, run
+    from scaletrain.verify import layout_words, reference_config, report, run
 
     validate(cfg, env.world_size)
     ref_cfg = reference_config(cfg)
@@ -28,10 +28,9 @@ def verify_in_job(cfg: Config, args, env: DistEnv) -> int:
             with supervise(cfg, None, env, device) as job:
                 hosts = sorted(set(job.hosts), key=job.hosts.index)
                 if env.rank == 0:
-                    p = cfg.parallel
-                    print(f"verify: dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero} ({env.world_size} processes on "
+                    print(f"verify: {layout_words(cfg)} ({env.world_size} processes on "
                           f"{len(hosts)} host{'s' if len(hosts) > 1 else ''}: {', '.join(hosts)}) against 1 process, "
-                          f"{cfg.train.steps} steps, {args.dtype}")
+                          f"{cfg.train.steps} steps, {cfg.train.dtype}")
                     sys.stdout.flush()
                 losses, state = run(cfg, env)
         except BaseException:
