@@ -46,14 +46,21 @@ FAULTS = {"fp64": ("drop a micro-batch", "grad_clip / 10"), "fp32": ("drop a mic
 
 
 def _mutants() -> list[tuple[Layout, str]]:
-    """For each dtype, the smallest layout of the set without pipeline parallelism (its loss goes through
-    engine.loss_fn, where the fault is injected), with each fault; the clip fault in an AdamW layout (SM3 is
-    invariant to scaling every step's gradient by the same factor, which is what a clipped run's wrong clip does)."""
+    """For each dtype, a layout of the set without pipeline parallelism (its loss goes through engine.loss_fn, where
+    the fault is injected) with more than one process: the fewest micro-batches per step but at least two (a dropped
+    one is then a large part of the step's gradient), then the fewest processes; with each fault. The clip fault
+    in an AdamW layout (SM3 is invariant to scaling every step's gradient by the same factor, which is what a
+    clipped run's wrong clip does)."""
     out = []
+
+    def micro_batches(x: Layout) -> int:
+        return x["dp"] * x["accumulation"]
+
     for dtype in DIMENSIONS["dtype"]:
         for fault in FAULTS[dtype]:
             lay = min((x for x in COVERING if x["dtype"] == dtype and x["pp"] == 1 and x.world > 1
-                       and (fault != "grad_clip / 10" or x["optimizer"] == "adamw")), key=lambda x: x.world)
+                       and (fault != "grad_clip / 10" or x["optimizer"] == "adamw")),
+                      key=lambda x: (micro_batches(x) < 2, micro_batches(x), x.world))
             out.append((lay, fault))
     return out
 

@@ -55,14 +55,7 @@ def launch_local(nproc: int, argv: list[str], out_dir: Path, restarts: int = 0) 
     env = dict(os.environ)
     env[LOG_DIR_ENV] = str(logs.resolve())
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    with open(logs / "launcher.log", "w") as launcher_log:
-        proc = subprocess.Popen(torchrun_command(nproc, argv, restarts=restarts), env=env, stderr=launcher_log)
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait(timeout=30)
-            raise
+    rc = run_torchrun(torchrun_command(nproc, argv, restarts=restarts), env, logs / "launcher.log")
     if rc == 0:
         return 0
     return report_failure(logs, rc)
@@ -126,6 +119,18 @@ def signal_deaths(text: str) -> list[dict]:
             out.append({"rank": rank, "local_rank": int(m["local"]), "host": m["host"], "exitcode": code,
                         "signal": name})
     return out
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str], launcher_log: Path) -> int:
+    """Run a torchrun command with its stderr in `launcher_log`; its exit code. Ctrl-C stops it and re-raises."""
+    with open(launcher_log, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stderr=log)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait(timeout=30)
+            raise
 
 
 class WorkerContext:

@@ -21,7 +21,7 @@ regenerates them: 2.5 minutes of CPU, spread over `--procs` processes): tests/te
 N` runs the N-process one. The pairs no
 accepted layout contains are the refusals (`refused_pairs`, `refusal_table`), each with `validate()`'s message.
 
-Adding a dimension (e.g. `tp_mode`, `reversible`, `sync`):
+Adding a dimension (e.g. `sync`, `precision`):
 1. add it to `DIMENSIONS` (its default first) and to `MEANING`, and set it in `config` (and reset it in
    `reference_config` when it is a parallel setting the single-process run does not have);
 2. if a value needs another dimension's value to mean something, add the rule to `meaningless`, and the
@@ -68,6 +68,9 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "position": ("learned", "rope"),
     "mlp": ("gelu", "swiglu"),
     "dropout": (0.0, 0.1),
+    "tp_mode": ("1d", "2d"),
+    "reversible": (False, True),
+    "contiguous": (False, True),
 }
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCH, SEQ_LEN, STEPS = 2, 32, 3
@@ -134,7 +137,8 @@ def config(layout: Layout) -> Config:
     m.mlp, m.position, m.tie_embeddings, m.dropout = layout["mlp"], layout["position"], layout["tie_embeddings"], \
         layout["dropout"]
     p.dp, p.tp, p.pp, p.ep, p.zero, p.offload = (layout[k] for k in ("dp", "tp", "pp", "ep", "zero", "offload"))
-    p.sequence_parallel = layout["sequence_parallel"]
+    p.sequence_parallel, p.tp_mode = layout["sequence_parallel"], layout["tp_mode"]
+    m.reversible = layout["reversible"]
     schedule, _, v = str(layout["schedule"]).partition(":")
     p.schedule, p.virtual_stages = schedule, int(v or 1)
     chunks = p.pp * p.virtual_stages
@@ -158,6 +162,7 @@ def config(layout: Layout) -> Config:
     mem.partition_checkpoints = layout["partition_checkpoints"]
     mem.offload_activations = layout["offload_activations"]
     mem.compress = layout["compress"]
+    mem.contiguous = layout["contiguous"]
     return c
 
 
@@ -167,9 +172,10 @@ def reference_config(layout: Layout) -> Config:
     c = config(layout)
     p, default = c.parallel, Config().parallel
     for name in ("dp", "tp", "pp", "ep", "zero", "offload", "schedule", "virtual_stages", "sequence_parallel",
-                 "partition"):
+                 "partition", "tp_mode"):
         setattr(p, name, getattr(default, name))
     c.memory.partition_checkpoints = False
+    c.memory.contiguous = False  # bit-identical either way; with zero < 2 and no recompute it has nothing to hold
     return c
 
 
@@ -224,7 +230,9 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     heuristic: `validate()` still decides). Expert parallelism needs an MoE model and dp >= ep; a pipeline
     schedule or an uneven partition needs pp > 1; sequence parallelism and partitioned checkpoints need tp > 1,
     the latter a block recomputation; parameter and nvme offload need ZeRO-3 (nvme also tp = pp = ep = 1 and
-    AdamW) and optimizer offload ZeRO >= 1."""
+    AdamW) and optimizer offload ZeRO >= 1; 2D tensor parallelism needs a 2 x 2 grid (tp = 4) of a dense AdamW
+    model without the 1d memory savers; reversible blocks keep no activations to recompute, offload or compress;
+    contiguous arenas need something to hold (a recomputation; offloaded activations with lossy compression)."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -232,6 +240,28 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             v[dim] = value
 
     for _ in range(3):
+        if v["tp_mode"] == "2d":  # parallel/tensor_nd: what the grid does not compose with (validate() says why)
+            want("tp", 4)
+            for dim, value in (("sequence_parallel", False), ("offload", "none"), ("moe", "dense"), ("ep", 1),
+                               ("optimizer", "adamw"), ("partition_checkpoints", False), ("compress", "none"),
+                               ("offload_activations", False), ("reversible", False), ("contiguous", False)):
+                want(dim, value)
+            if v["zero"] >= 2:
+                want("zero", 1)
+            if v["schedule"] in ("zb-h1", "2bw"):
+                want("schedule", "1f1b")
+        if v["reversible"]:  # model/reversible.py: nothing saved for a checkpoint, an offload or a codec
+            if v["recompute"] in ("full", "every:2"):
+                want("recompute", "selective")
+            for dim, value in (("offload_activations", False), ("compress", "none")):
+                want(dim, value)
+            if v["schedule"] == "zb-h1":
+                want("schedule", "1f1b")
+        if v["contiguous"] and v["compress"] in ("bf16", "int8"):  # arena checkpoints would not be encoded
+            want("recompute", "none")
+            want("offload_activations", True)
+        elif v["contiguous"] and v["recompute"] == "none" and not v["offload_activations"] and v["zero"] < 2:
+            want("recompute", "selective" if v["reversible"] else "full")
         if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
             for dim in ("tp", "pp", "ep"):  # first: a fixed value that needs tp or pp > 1 wins (validate() says why)
                 want(dim, 1)
@@ -251,7 +281,9 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("zero", 3)
         if v["offload"] == "optimizer" and v["zero"] == 0:
             want("zero", 1)
-        for dim in ("dp", "tp", "pp"):  # over the world limit: halve what nobody asked for
+        for dim in ("dp", "tp", "pp"):  # over the world limit: halve what nobody asked for (a 2d grid keeps tp = 4)
+            if dim == "tp" and v["tp_mode"] == "2d":
+                continue
             while v["dp"] * v["tp"] * v["pp"] > max_world and v[dim] > 1 and dim not in fixed:
                 v[dim] //= 2
     return Layout.of(**v)
@@ -401,6 +433,9 @@ MEANING = {
     "partition": "`parallel.partition` (`uneven`: the first chunk holds one block or segment more)",
     "tie_embeddings": "`model.tie_embeddings`", "position": "`model.position`", "mlp": "`model.mlp`",
     "dropout": "`model.dropout`",
+    "tp_mode": "`parallel.tp_mode` (`2d`: SUMMA on a q x q grid, tp = 4)",
+    "reversible": "`model.reversible` (RevNet blocks, half-width F and G)",
+    "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
 }
 
 

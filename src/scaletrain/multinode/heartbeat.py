@@ -117,8 +117,10 @@ class Heartbeat:
     def stop(self, clean: bool = True) -> None:
         """Stop both threads; a clean stop tells the watcher this rank finished."""
         self._stop.set()
+        # A clean stop waits for a store call in flight (the store is up): a daemon thread still inside one when
+        # the interpreter finalizes is ended by pthread_exit inside C++, which aborts the process (SIGABRT).
         for t in self._threads:
-            t.join(timeout=2 * self.interval + 1)
+            t.join(timeout=(self.bound if clean else 0) + 2 * self.interval + 1)
         if clean and self.store is not None and self.verdict is None:
             try:
                 self.store.set(hb_key(self.rank), "done")

@@ -370,19 +370,6 @@ class _Inert:
     hosts: list[str] = []
     facts: list = []
 
-    def _running(self, rank: int) -> bool | None:
-        """Whether `rank` is known to be alive and not stopped: only a rank on this machine can be looked at."""
-        f = self.facts[rank] if rank < len(self.facts) else None
-        if f is None or not f.machine or f.machine != self.facts[self.rank].machine:
-            return None
-        import psutil
-
-        try:
-            return psutil.Process(f.pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE,
-                                                          psutil.STATUS_DEAD, psutil.STATUS_TRACING_STOP)
-        except psutil.Error:
-            return False
-
     def attach(self, trainer: Any) -> None:
         pass
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def torchrun_nodes_command(nnodes: int, nproc: int, endpoint: str, argv: list[st
 
 def launch_nodes(nnodes: int, nproc: int, endpoint: str, argv: list[str], out_dir: Path, restarts: int = 0) -> int:
     """Run this node's part of a multi-node job; returns the exit code for the user."""
-    from scaletrain.launch import LOG_DIR_ENV, report_failure
+    from scaletrain.launch import LOG_DIR_ENV, report_failure, run_torchrun
 
     cmd, choice, here = torchrun_nodes_command(nnodes, nproc, endpoint, argv, restarts)
     logs = out_dir / "logs"
@@ -114,12 +113,5 @@ def launch_nodes(nnodes: int, nproc: int, endpoint: str, argv: list[str], out_di
     role = "rendezvous host" if here else "joins"
     sys.stderr.write(f"scaletrain: host {socket.gethostname()}: {nproc} ranks of {nnodes * nproc}, {role} "
                      f"{endpoint}, reachable at {choice.address} ({choice.interface}: {choice.reason})\n")
-    with open(launcher_log, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stderr=log)
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait(timeout=30)
-            raise
+    rc = run_torchrun(cmd, env, launcher_log)
     return 0 if rc == 0 else report_failure(logs, rc, launcher_log)

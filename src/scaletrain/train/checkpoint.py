@@ -47,7 +47,8 @@ COMPLETE = "COMPLETE"
 META = "meta.json"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -308,9 +309,9 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     dcp_io.write_json(tmp / META, meta)
     digests = {name: _sha256_file(tmp / name) for name in (META, dcp_io.INDEX)}
     dcp_io.write_json(tmp / COMPLETE, {"sha256": digests})
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # the same step saved again (a rerun): replace it only now that the new one is complete
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 

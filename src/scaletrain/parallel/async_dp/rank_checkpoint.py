@@ -31,19 +31,11 @@ from typing import Any
 import torch
 
 from scaletrain.errors import CheckpointError
-from scaletrain.train.checkpoint import COMPLETE, complete_checkpoints, latest, prune, step_dir
+from scaletrain.train.checkpoint import COMPLETE, complete_checkpoints, fsync_dir, latest, prune, step_dir
 
 FORMAT = "scaletrain-async-rank/1"
 
 __all__ = ["FORMAT", "complete_checkpoints", "is_async_checkpoint", "latest", "load_rank", "read_meta", "save"]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -87,11 +79,11 @@ def save(root: Path, step: int, rank: int, world_size: int, payload: dict[str, A
         _write_atomic(tmp / "meta.json", json.dumps({**meta, "format": FORMAT, "step": step,
                                                      "world_size": world_size}, indent=1).encode())
         _write_atomic(tmp / COMPLETE, b"ok\n")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # same step saved again (a rerun): replaced only now that the new one is complete
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         prune(root, keep)
     barrier()
     return final
