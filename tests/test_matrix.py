@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -138,6 +139,26 @@ def test_an_injected_fault_makes_the_matrix_fail(matrix_runs, references, mutant
     outcome = compare(layout, references(layout), matrix_runs[1][mutant])
     assert not outcome.ok, "\n" + table([outcome], width=200)
     print(f"{mutant[1]}:\n{table([outcome], width=120)}")  # shown with pytest -rP (docs/verify.md)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp64"])
+def test_an_overflow_skip_counts_only_when_both_runs_skip(dtype):
+    """A step skipped for fp16 overflow has a non-finite gradient norm; the same skip in the layout and the single
+    process is no difference, a skip on one side only (or a NaN loss) is a FAIL."""
+    from scaletrain.matrix import Run
+
+    state = {"w": torch.ones(3, dtype=torch.float64)}
+    lay = Layout.of(dp=2, dtype=dtype)
+    ref = Run({1: 5.0, 2: 4.0}, {1: math.inf, 2: 1.0}, state)
+    same = compare(lay, ref, Run({1: 5.0, 2: 4.0}, {1: math.inf, 2: 1.0}, state))
+    assert same.ok and same.grad_norm == 0.0
+    both_nan = Run({1: 5.0, 2: 4.0}, {1: math.nan, 2: 1.0}, state)  # what an overflowed fp16 step reports
+    assert compare(lay, both_nan, both_nan).ok
+    assert not compare(lay, both_nan, Run({1: 5.0, 2: 4.0}, {1: 3.0, 2: 1.0}, state)).ok
+    assert not compare(lay, ref, Run({1: 5.0, 2: 4.0}, {1: 3.0, 2: 1.0}, state)).ok
+    assert not compare(lay, Run({1: 5.0, 2: 4.0}, {1: 3.0, 2: 1.0}, state),
+                       Run({1: 5.0, 2: 4.0}, {1: math.inf, 2: 1.0}, state)).ok
+    assert not compare(lay, ref, Run({1: 5.0, 2: math.nan}, {1: math.inf, 2: 1.0}, state)).ok
 
 
 # --------------------------------------------------------------------------- the covering sets

@@ -50,9 +50,9 @@ class Tolerance:
 # 52 layouts of the 2- and 4-process sets in their own dtypes, 19 fp32, 19 bf16, 14 fp16;
 # `benchmarks/bench_matrix_noise.py` measures every layout in every dtype); tests/test_matrix.py checks the docs.
 TOLERANCE = {
-    "fp32": Tolerance(loss=5.5e-5, grad_norm=1.2e-3, params=1.9e-3),
-    "bf16": Tolerance(loss=8.3e-4, grad_norm=4.7e-2, params=6.9e-2),
-    "fp16": Tolerance(loss=2.9e-3, grad_norm=0.16, params=1.3e-2),
+    "fp32": Tolerance(loss=1.4e-4, grad_norm=1.5e-3, params=3.4e-3),
+    "bf16": Tolerance(loss=3.8e-3, grad_norm=4.7e-2, params=0.1),
+    "fp16": Tolerance(loss=2.9e-3, grad_norm=0.16, params=3.8e-2),
 }
 
 
@@ -203,16 +203,20 @@ def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Out
         return Outcome(layout.name, layout.world, dtype, False, math.nan, math.nan, math.nan, "",
                        "steps or parameter names differ from the single-process run")
     loss = max(abs(gl[s] - rl[s]) / abs(rl[s]) for s in rl)
-    norm = max(abs(gn[s] - rn[s]) / max(abs(rn[s]), 1e-300) for s in rn)
+    # an fp16 step skipped for overflow has a non-finite gradient norm (inf or NaN): a skip on both sides is no
+    # difference (the losses and parameters still have to agree)
+    skipped = {s for s in rn if not math.isfinite(rn[s]) and not math.isfinite(gn[s])}
+    norm = max((abs(gn[s] - rn[s]) / max(abs(rn[s]), 1e-300) for s in rn if s not in skipped), default=0.0)
     worst_name, worst = "", -math.inf
     for k, r in rs.items():
         excess = float(((gs[k] - r).abs() - RTOL_FP64 * r.abs()).max())
         if excess > worst:
             worst_name, worst = k, excess
-    finite = all(math.isfinite(x) for x in (*gl.values(), *gn.values()))
+    finite = all(math.isfinite(x) for x in (*gl.values(), *rl.values())) and \
+        all(math.isfinite(gn[s]) and math.isfinite(rn[s]) for s in rn if s not in skipped)
     if dtype == "fp64":
         ok = finite and all(abs(gl[s] - rl[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rl[s]) for s in rl) and \
-            all(abs(gn[s] - rn[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rn[s]) for s in rn) and \
+            all(abs(gn[s] - rn[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rn[s]) for s in rn if s not in skipped) and \
             all(torch.allclose(gs[k], rs[k], rtol=RTOL_FP64, atol=ATOL_FP64) for k in rs)
         return Outcome(layout.name, layout.world, dtype, ok, loss, norm, max(worst, 0.0), worst_name)
     tol = TOLERANCE[dtype]
