@@ -46,9 +46,10 @@ class Tolerance:
     """||params - ref||_2 / ||ref||_2 over all parameters at the end."""
 
 
-# 3x the largest difference measured over covering-set layouts run in each dtype (docs/verify.md, "Tolerances":
-# 52 layouts of the 2- and 4-process sets in their own dtypes, 19 fp32, 19 bf16, 14 fp16;
-# `benchmarks/bench_matrix_noise.py` measures every layout in every dtype); tests/test_matrix.py checks the docs.
+# 3x the largest difference measured over covering-set layouts run in each dtype (docs/verify.md, "Where the
+# tolerances come from": two measurements, 122 layouts of the 2- and 4-process sets in their own dtypes, 41 fp32,
+# 41 bf16, 40 fp16; `benchmarks/bench_matrix_noise.py` measures every layout in every dtype); tests/test_matrix.py
+# checks the docs.
 TOLERANCE = {
     "fp32": Tolerance(loss=1.4e-4, grad_norm=1.5e-3, params=3.4e-3),
     "bf16": Tolerance(loss=3.8e-3, grad_norm=4.7e-2, params=0.1),
