@@ -115,20 +115,26 @@ def _rank(rank: int, store: str, args, out):
     first = {name: step(x, y) for name, step in sides.items()}  # also the warm-up
     for step in sides.values():
         step(x, y)
-    rates: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, step in sides.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(x, y)
-            dt = time.perf_counter() - t0
-            dt = torch.tensor([dt])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            rates[name].append(args.steps * args.batch * args.seq / float(dt))
+    rates = alternate(sides, x, y, args.repeats, args.steps)
     if rank == 0:
         out.put((first, rates))
     dist.destroy_process_group()
+
+
+def alternate(sides: dict, x: torch.Tensor, y: torch.Tensor, repeats: int, steps: int) -> dict[str, list[float]]:
+    """Tokens/s of each side's `step(x, y)`: `repeats` rounds in which the sides take turns at a block of `steps`
+    steps, each block timed by the slowest rank (also used by bench_tp_nd.py)."""
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, step in sides.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(x, y)
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            rates[name].append(steps * x.numel() / float(dt))
+    return rates
 
 
 def main() -> None:

@@ -21,12 +21,12 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_tp import alternate
 
 MODES = {4: [("1d", {"parallel.tp": 4}), ("2d", {"parallel.tp": 4, "parallel.tp_mode": "2d"})],
          8: [("1d", {"parallel.tp": 8}),
@@ -79,16 +79,7 @@ def _rank(rank: int, world: int, store: str, args, out):
         dist.all_reduce(acts, op=dist.ReduceOp.MAX)
         info[name] = (int(acts), param_bytes, sent)
         sides[name] = step
-    rates: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, step in sides.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(x, y)
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            rates[name].append(args.steps * args.batch * args.seq / float(dt))
+    rates = alternate(sides, x, y, args.repeats, args.steps)
     if rank == 0:
         out.put((first, info, rates))
     dist.destroy_process_group()
