@@ -412,6 +412,17 @@ def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
             setattr(node, key, _convert(value, hints[key], dotted))
 
 
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict (`Config.to_dict()`, a checkpoint's config) as dotted keys, e.g. {'model.d_model': 64}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def set_value(cfg: Config, dotted: str, raw: str) -> None:
     """Apply one `--set key=value` override (the value parsed as YAML scalar, then type-converted)."""
     parts = dotted.split(".")

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from scaletrain.config import flatten
 from scaletrain.errors import UserError
 
 
@@ -134,16 +135,6 @@ def _ranks_on_hosts(facts: list[RankFacts]) -> str:
                      for h, rs in by_host.items())
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def verdict(facts: list[RankFacts], out: Path | None) -> str | None:
     """One line naming every problem, or None when the job may start."""
     facts = sorted(facts, key=lambda f: f.rank)
@@ -167,7 +158,7 @@ def verdict(facts: list[RankFacts], out: Path | None) -> str | None:
                                                                    for v, fs in values.items()))
     odd = [f for f in facts if f.config_sha != first.config_sha]
     if odd:
-        mine, theirs = _flatten(first.config), _flatten(odd[0].config)
+        mine, theirs = flatten(first.config), flatten(odd[0].config)
         keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         diff = ", ".join(f"{k} = {theirs.get(k)!r} vs {mine.get(k)!r}" for k in keys[:4])
         problems.append(f"the config differs from rank 0's (host {first.host}) on {_ranks_on_hosts(odd)}: {diff}"

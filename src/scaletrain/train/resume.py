@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import Config
+from scaletrain.config import Config, flatten
 from scaletrain.errors import CheckpointError
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import dcp_io
@@ -36,16 +36,6 @@ IDENTITY = ("model.", "optim.", "train.seed", "train.global_batch", "train.dtype
 LAYOUT = ("parallel.", "train.micro_batch", "memory.")
 NOT_LAYOUT = ("parallel.timeout_s", "parallel.offload_dir", "parallel.nvme_prefetch", "memory.budget_gb")
 HISTORY = "resumes.jsonl"
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def kind(key: str) -> str:

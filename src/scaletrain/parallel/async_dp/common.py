@@ -75,7 +75,7 @@ def check_async_run(out: Path, cfg: Config, reshard: bool, init_from: str | Path
 
 def differences(meta: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Signature keys (dotted, e.g. `layout.dp`) whose values differ: {key: (checkpoint's, this run's)}."""
-    from scaletrain.train.resume import flatten
+    from scaletrain.config import flatten
 
     saved = flatten({k: meta.get(k) for k in want})
     current = flatten(want)
