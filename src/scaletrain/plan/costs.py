@@ -418,11 +418,20 @@ class MeasuredLink:
     """Per kind, the time an asynchronous collective keeps the calling thread before it returns (its
     launch); the compute clock pays it for every collective it issues and does not wait for."""
 
+    overlap: tuple[tuple[str, float], ...] = ()
+    """Per kind, the overlap efficiency: the fraction of an asynchronous collective's time that concurrent
+    compute hides (`run_comm.overlap_efficiency`). 1 (what a GPU's separate communication engine comes
+    close to) when not measured; on CPU ranks that have one core each the transport threads take their
+    time from the compute, and measured values are well below 1."""
+
     def __getitem__(self, i: int) -> float:
         return (self.bw, self.latency)[i]
 
     def launch_time(self, kind: str) -> float:
         return dict(self.launch).get(kind, 0.0)
+
+    def overlap_efficiency(self, kind: str) -> float:
+        return dict(self.overlap).get(kind, 1.0)
 
     def time(self, kind: str, nbytes: float, n: int) -> float:
         ab = allreduce_time if kind == "all_reduce" else gather_time
@@ -439,6 +448,11 @@ class MeasuredLink:
         if kind == "p2p":
             return t_max + (nbytes - b_max) / self.bw
         return t_max + ab(nbytes, n, plain) - ab(b_max, n, plain)
+
+
+def overlap_efficiency(link, kind: str) -> float:
+    """`MeasuredLink.overlap_efficiency` of a link; 1 (perfect overlap) for an alpha-beta link."""
+    return link.overlap_efficiency(kind) if isinstance(link, MeasuredLink) else 1.0
 
 
 def allreduce_time(nbytes: float, n: int, link: tuple[float, float] | MeasuredLink) -> float:
@@ -473,7 +487,9 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     the forward and once before the backward. All collectives share one link and run in issue order
     (a FIFO channel, as one NCCL/gloo stream does); each costs alpha-beta time with the ring latency
     (n-1) alpha, so many small units are latency-bound. Returns the time the compute waits, found by
-    running the two clocks (compute, channel) through the step's issue order.
+    running the two clocks (compute, channel) through the step's issue order, plus the part of the
+    collective time the compute covered that it does not hide: 1 - the link's overlap efficiency of
+    each kind (`MeasuredLink.overlap`; nothing for an alpha-beta link, which assumes perfect overlap).
 
     `style="per-tensor"` (DeepSpeed ZeRO-3 up to v0.4, `Assumptions.zero3_style`): the same forward; in
     the backward a block whose forward is recomputed (`block_r` of its `block_b` seconds) is gathered
@@ -492,10 +508,15 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     L = len(block_bytes)
     ch = 0.0  # when the channel is free
     ready = [0.0] * L
+    unhidden = 0.0  # sum over collectives of duration x (1 - overlap efficiency of its kind)
+    total = 0.0
+    keep_g, keep_rs = 1.0 - overlap_efficiency(link, "all_gather"), 1.0 - overlap_efficiency(link, "reduce_scatter")
 
-    def issue(at: float, dur: float) -> float:
-        nonlocal ch
+    def issue(at: float, dur: float, keep: float = keep_g) -> float:
+        nonlocal ch, unhidden, total
         ch = max(ch, at) + dur
+        unhidden += keep * dur
+        total += dur
         return ch
 
     tc = issue(0.0, g_root)  # forward: the root, then block 0 prefetched behind the embedding
@@ -525,11 +546,15 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
             ready[i - 1] = issue(tc, g[i - 1])
             tc += launch_g
         tc += block_b - (block_r if per_tensor else 0.0)
-        done = issue(tc, rs[i])
+        done = issue(tc, rs[i], keep_rs)
         tc = done if per_tensor else tc + launch_rs
     tc += embed_b
-    tc = max(tc, issue(tc, rs_root))
-    return max(tc - (embed_f + L * block_f + head_f + head_b + L * block_b + embed_b), 0.0)
+    tc = max(tc, issue(tc, rs_root, keep_rs))
+    exposed = max(tc - (embed_f + L * block_f + head_f + head_b + L * block_b + embed_b), 0.0)
+    # what the two clocks let the compute hide, it hides only by the overlap efficiency: the rest of the
+    # covered collective time is paid by the compute (its share of that time, weighted by kind)
+    covered = max(total - exposed, 0.0)
+    return exposed + (unhidden / total if total else 0.0) * covered
 
 
 # --------------------------------------------------------------------------- the estimate

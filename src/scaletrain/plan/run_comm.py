@@ -11,6 +11,12 @@ at its own size, kind and group, each after the run's mean compute between two c
 composition (`run_time.predict_step_time`) looks them up (`costs.MeasuredLink`) instead of using
 alpha-beta.
 
+The model also assumed that compute hides an asynchronous collective it outlasts. On CPU ranks with a
+core each it does not: gloo's transport threads run on the compute's core, and a 470 KiB all-reduce
+issued before 2.3 ms of compute finished after 4.3 ms, later than the two one after the other. So for
+the collectives the composition overlaps (`OVERLAPPED`) the calibration also measures the overlap
+efficiency (`overlap_efficiency`), and the composition pays the part it does not hide.
+
 Which collectives: exactly those `predict_step_time` asks its links for, found by running it once with
 recording links (`queries`): the trainer's small all-reduces (world), the tensor-parallel all-reduces
 (tp), the data-parallel all-reduces / reduce-scatters / all-gathers of the real buckets or ZeRO-3 units
@@ -109,24 +115,65 @@ def _busy(seconds: float, state: list) -> None:
     state[0] = a
 
 
-def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15) -> dict[str, dict[str, list]]:
+def _work(iters: int, state: list) -> None:
+    """A fixed amount of compute (unlike `_busy`, it takes longer when something takes the core from it)."""
+    a = state[0]
+    for _ in range(iters):
+        a = torch.tanh(a @ a)
+    state[0] = a
+
+
+def _iters_for(seconds: float, state: list) -> int:
+    """How many `_work` iterations take `seconds` on this core now."""
+    t0 = time.perf_counter()
+    _work(50, state)
+    return max(1, round(seconds * 50 / max(time.perf_counter() - t0, 1e-9)))
+
+
+OVERLAPPED = {("dp", "all_reduce"), ("dp", "reduce_scatter"), ("dp", "all_gather"), ("pp", "p2p")}
+"""The (dimension, kind)s the composition lets compute hide: data-parallel buckets and ZeRO-3 units
+issued asynchronously during the backward / forward, and pipeline sends."""
+
+
+def overlap_efficiency(alone: float, plain: float, overlapped: float) -> float:
+    """The fraction of the shorter of compute (`alone`) and collective (`plain`) that running them at once
+    (`overlapped`: issue, compute, wait) saves over running them one after the other: 1 when the total is
+    the longer of the two, 0 when it is their sum (clamped to [0, 1])."""
+    shorter = min(alone, plain)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (alone + plain - overlapped) / shorter))
+
+
+def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15,
+                 overlap_s: float | None = None) -> dict[str, dict[str, list]]:
     """Time every collective `queries(cfg)` names on this rank's group of its dimension, each `repeats`
     times after `gap_s` seconds of computation, without a barrier (the ranks arrive from their own work,
     as in the run): the mean per size (a step adds many collectives, so their occasional multi-ms stalls
     on shared cores count, which a median would drop), and per kind the mean launch (the time until
-    the asynchronous call returns). Every rank of the run must call this together. Returns
-    {dimension: {kind: [(bytes, seconds), ...], "launch": {kind: seconds}}} for `RunProfile.comm`."""
+    the asynchronous call returns).
+
+    For the kinds the composition overlaps with compute (`OVERLAPPED`), also the overlap efficiency:
+    per repeat, a fixed amount of compute of `overlap_s` seconds (default `gap_s`) timed alone and again
+    between issuing the collective and waiting for it (`overlap_efficiency` of the means, then the mean
+    over sizes). On CPU ranks with a core each the transport threads share that core with the compute;
+    the measurement shows how much of the collective the compute really hides.
+
+    Every rank of the run must call this together. Returns {dimension: {kind: [(bytes, seconds), ...],
+    "launch": {kind: seconds}, "overlap": {kind: efficiency}}} for `RunProfile.comm`."""
     state = [torch.randn(32, 32)]
+    iters = _iters_for(gap_s if overlap_s is None else overlap_s, state)
     out: dict[str, dict[str, list]] = {}
     for (dim, kind), sizes in sorted(queries(cfg).items()):
         group = _group(mesh, dim)
         if dim != "world" and (mesh is None or len(mesh.members[dim]) < 2):
             continue
+        table = out.setdefault(dim, {})
         for nbytes in sizes:
             op = _op(kind, nbytes, group, mesh, dim)
             for w in op():  # first call: buffers and connections
                 w.wait()
-            times, launches = [], []
+            times, launches, alone, together = [], [], [], []
             for _ in range(repeats):
                 _busy(gap_s, state)
                 t0 = time.perf_counter()
@@ -135,11 +182,26 @@ def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15) -> dict[str
                 for w in works:
                     w.wait()
                 times.append(time.perf_counter() - t0)
-            table = out.setdefault(dim, {})
+                if (dim, kind) in OVERLAPPED:
+                    t0 = time.perf_counter()
+                    _work(iters, state)
+                    alone.append(time.perf_counter() - t0)
+                    _busy(gap_s, state)
+                    t0 = time.perf_counter()
+                    works = op()
+                    _work(iters, state)
+                    for w in works:
+                        w.wait()
+                    together.append(time.perf_counter() - t0)
             table.setdefault(kind, []).append((nbytes, statistics.fmean(times)))
             table.setdefault("launch", {}).setdefault(kind, []).append(statistics.fmean(launches))
-    for table in out.values():  # one launch cost per kind (it hardly depends on the size)
-        table["launch"] = {k: statistics.fmean(v) for k, v in table.get("launch", {}).items()}
+            if together:
+                eff = overlap_efficiency(statistics.fmean(alone), statistics.fmean(times), statistics.fmean(together))
+                table.setdefault("overlap", {}).setdefault(kind, []).append(eff)
+    for table in out.values():  # one launch cost and one efficiency per kind (they hardly depend on the size)
+        for key in ("launch", "overlap"):
+            if key in table:
+                table[key] = {k: statistics.fmean(v) for k, v in table[key].items()}
     return out
 
 
@@ -154,5 +216,14 @@ def sample_with_comm(cfg: Config, probe: run_time.RunProbe, mesh) -> dict:
     """One profile sample of this rank's compute followed by the in-place collective times at the gap
     it implies (every rank of the run calls this together)."""
     sample = probe.sample()
-    sample["comm"] = measure_comm(cfg, mesh, gap_between_collectives(cfg, sample))
+    sample["comm"] = measure_comm(cfg, mesh, gap_between_collectives(cfg, sample),
+                                  overlap_s=overlapped_compute(sample))
     return sample
+
+
+def overlapped_compute(sample: dict) -> float:
+    """The compute an overlapped collective runs beside: one block's pass (forward and backward averaged;
+    a bucket or ZeRO-3 unit is issued at a block and waited for a block later, a pipeline send is followed
+    by a stage's pass)."""
+    f, b = (sample["block_f"], sample["block_b"]) if sample.get("block_f") else (sample["moe_f"], sample["moe_b"])
+    return (f + b) / 2

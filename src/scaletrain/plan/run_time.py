@@ -94,10 +94,11 @@ class RunProfile:
         if self.comm is None:
             return self.link_bw, self.link_latency
         table = self.comm.get(dim, {})
-        launch = table.get("launch", {})
+        launch, overlap = table.get("launch", {}), table.get("overlap", {})
         return MeasuredLink(self.link_bw, self.link_latency,
-                            tuple((k, tuple(sorted(v))) for k, v in sorted(table.items()) if k != "launch"),
-                            tuple(sorted(launch.items())))
+                            tuple((k, tuple(sorted(v))) for k, v in sorted(table.items())
+                                  if k not in ("launch", "overlap")),
+                            tuple(sorted(launch.items())), tuple(sorted(overlap.items())))
 
 
 def _timed(fn) -> float:
@@ -557,16 +558,19 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
     else:
         from scaletrain.parallel.pipeline.schedules import build_schedule
         from scaletrain.parallel.pipeline.simulate import simulate
+        from scaletrain.plan.costs import overlap_efficiency
 
         v = par.virtual_stages
         shards = t if par.sequence_parallel else 1
         p2p = _p2p(act / shards, pp_link)
+        # a send overlaps the sender's next compute, which pays the part the overlap efficiency does not hide
+        send = (1.0 - overlap_efficiency(pp_link, "p2p")) * p2p
         tf, tb = [], []
         for r in range(par.pp):
             row_f, row_b = [], []
             for s in run_memory.stage_ids(cfg, r):
-                row_f.append(blocks_f(*bounds[s]) + (ef if s == 0 else 0.0) + (hf if s == S - 1 else 0.0))
-                row_b.append(blocks_b(*bounds[s]) + (eb if s == 0 else 0.0) + (hb if s == S - 1 else 0.0))
+                row_f.append(blocks_f(*bounds[s]) + (ef if s == 0 else 0.0) + (hf if s == S - 1 else send))
+                row_b.append(blocks_b(*bounds[s]) + (eb if s == 0 else send) + (hb if s == S - 1 else 0.0))
             tf.append(row_f)
             tb.append(row_b)
         actions = build_schedule(par.schedule, par.pp, mb, v)
@@ -639,11 +643,12 @@ def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tu
 
     ZeRO 0 and 1: the buckets are reduced after the last microbatch's backward, each launched when its
     gradients are ready; all but the last bucket (the embeddings, ready at the very end) can overlap the
-    rest of that backward (`last_b`). ZeRO 2: the same every microbatch. ZeRO 1 and 2 then all-gather the
-    updated parameters after the step (not overlapped). ZeRO 3: `costs.zero3_exposed_time` per microbatch.
+    rest of that backward (`last_b`), which hides them by the link's overlap efficiency. ZeRO 2: the same
+    every microbatch. ZeRO 1 and 2 then all-gather the updated parameters after the step (not overlapped).
+    ZeRO 3: `costs.zero3_exposed_time` per microbatch.
     """
     from scaletrain.parallel.zero import group_params
-    from scaletrain.plan.costs import MeasuredLink, zero3_exposed_time
+    from scaletrain.plan.costs import MeasuredLink, overlap_efficiency, zero3_exposed_time
 
     par = cfg.parallel
     dp, zero = par.dp, par.zero
@@ -665,7 +670,9 @@ def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tu
 
     kind = "all_reduce" if zero == 0 else "reduce_scatter"
     launch = link.launch_time(kind) if isinstance(link, MeasuredLink) else 0.0  # one async launch per bucket
-    per_pass = reduce(last) + max(reduce(total - last) - last_b, 0.0) + len(sizes) * launch
+    early = reduce(total - last)  # the buckets launched during the backward: hidden by the overlap efficiency
+    hidden = min(early, last_b) * overlap_efficiency(link, kind)
+    per_pass = reduce(last) + early - hidden + len(sizes) * launch
     t = (mb if zero == 2 else 1) * per_pass
     if zero in (1, 2):
         t += sum(_gather(k * e, dp, link) for k in sizes)
