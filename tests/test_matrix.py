@@ -40,9 +40,10 @@ from scaletrain.matrix import TOLERANCE, compare, run_layout, run_reference, tab
 
 DOCS = Path(__file__).parent.parent / "docs" / "verify.md"
 COVERING = stored_covering(4)
-# grad_clip / 10 in fp64 and fp32 only: in bf16 and fp16 its effect (relative parameter distance ~5e-3 measured)
-# is inside the tolerances measured from rounding noise (docs/verify.md, "The matrix can fail")
-FAULTS = {"fp64": ("drop a micro-batch", "grad_clip / 10"), "fp32": ("drop a micro-batch", "grad_clip / 10"),
+# grad_clip / 10 in fp64 only: in fp32, bf16 and fp16 its effect (relative parameter distance 1.5e-3 to 3.7e-3 over
+# the four fp32 AdamW candidates of the set, ~5e-3 in bf16 / fp16) is not reliably outside the tolerances measured
+# from rounding noise (docs/verify.md, "The matrix can fail")
+FAULTS = {"fp64": ("drop a micro-batch", "grad_clip / 10"), "fp32": ("drop a micro-batch",),
           "bf16": ("drop a micro-batch",), "fp16": ("drop a micro-batch",)}
 
 

@@ -653,10 +653,6 @@ def _validate_matrix_failures(cfg: Config) -> list[str]:
         errors.append(f"memory.partition_checkpoints with memory.compress={mem.compress} is not available: the "
                       "partitioned block inputs are not encoded as one process encodes them (the layout matrix "
                       "measures up to 7e-4 relative gradient-norm differences in fp64)")
-    if p.sequence_parallel and p.ep > 1:
-        errors.append(f"parallel.sequence_parallel with parallel.ep ({p.ep}) > 1 is not available: the routed "
-                      "tokens of a sequence shard differ from one process's (the layout matrix measures 6e-4 "
-                      "relative loss differences in fp64)")
     return errors
 
 

@@ -16,7 +16,9 @@ their backward is the same all-to-all on the gradients.
   dense gradients over the whole dp group, and takes one global gradient norm.
 
 With tensor parallelism the experts are replicated over tp (each tp rank runs the whole MoE layer on the
-replicated block input); ep groups then live inside each tp slice of dp. `moe_metrics` gathers the MoE
+replicated block input); ep groups then live inside each tp slice of dp. With sequence parallelism each tp
+rank routes and runs the tokens of its own sequence shard (over the ep group of its tp slice), and the
+local experts' gradients are summed over tp, as the replicated parameters' are. `moe_metrics` gathers the MoE
 layers' statistics of a step (load per expert, dropped tokens, auxiliary and z losses) over all ranks.
 """
 
@@ -94,7 +96,12 @@ class ExpertParallelExperts(Experts):
 
 def apply_ep(engine, cfg: Config, mesh: Mesh, comm: CommStats) -> None:
     """Shard the experts of the engine's MoE layers over mesh's ep group (see the module docstring)."""
+    from scaletrain.parallel.tensor_parallel import all_reduce_grad_hook
+
     group, n, r = mesh.group("ep"), mesh.size("ep"), mesh.local_rank("ep")
+    # sequence parallelism: each tp rank runs the experts on its own sequence shard's tokens, so an expert's
+    # gradient is summed over tp (the hook `mark_replicated` put on the full parameter; the shard needs its own)
+    sp_sum = cfg.parallel.sequence_parallel and mesh.size("tp") > 1
     sharded: list[str] = []
     for mname, mod in engine.module.named_modules():
         if not isinstance(mod, Experts):
@@ -106,6 +113,8 @@ def apply_ep(engine, cfg: Config, mesh: Mesh, comm: CommStats) -> None:
             local.__dict__.update({k: v for k, v in p.__dict__.items() if k.startswith("_st_")})  # tp marks
             local._st_expert = True
             local._st_ep_shard = (ShardSpec(0), r, n)  # where the local experts sit in the stacked tensor
+            if sp_sum and getattr(p, "_st_tp_replicated", False):
+                local.register_hook(all_reduce_grad_hook(mesh.group("tp"), comm))
             setattr(mod, pname, local)
             sharded.append(f"{mname}.{pname}")
         mod.__class__ = ExpertParallelExperts
