@@ -646,7 +646,7 @@ def _validate_matrix_failures(cfg: Config) -> list[str]:
     """Pairs the layout matrix found to differ from one process in fp64 (docs/verify.md), refused until fixed."""
     from scaletrain.memory.compress import parse_modes
 
-    p, mem = cfg.parallel, cfg.memory
+    mem = cfg.memory
     errors = []
     lossy = parse_modes(mem.compress) & {"bf16", "int8"}
     if mem.partition_checkpoints and lossy:
