@@ -141,10 +141,6 @@ def test_contiguous_is_bit_identical_and_allocates_its_arena_once(mode):
 
 @pytest.mark.parametrize("sets, words", [
     (["memory.contiguous=true"], "memory.contiguous has nothing to hold"),
-    (["memory.contiguous=true", "memory.recompute=full", "memory.compress=int8"],
-     r"memory.contiguous with memory.compress=int8 and memory.recompute=full is not available"),
-    (["memory.contiguous=true", "memory.recompute=selective", "memory.compress=relu-mask,bf16"],
-     r"keeps them bf16-encoded"),
     (["memory.count_allocations=true", "train.profile_steps=1:3"], r"train.profile_steps \(1:3\) also records"),
 ])
 def test_what_contiguous_and_the_count_cannot_do_is_refused(sets, words):

@@ -166,6 +166,11 @@ TWO_RANK_RUNS = {
     "z3-selective": {**Z3, "memory.recompute": "selective"},
     "z3-every:2": {**Z3, "memory.recompute": "every:2"},
     "tp-int8": {**TP, "memory.compress": "int8"},  # compression composes too (tested in test_memory_wiring)
+    "tp-full-int8": {**TP, "memory.recompute": "full", "memory.compress": "int8"},
+    "tp-partition-int8": {**TP, "memory.recompute": "full", "memory.partition_checkpoints": True,
+                          "memory.compress": "int8"},
+    "tp-partition-offload-int8": {**TP, "memory.recompute": "full", "memory.partition_checkpoints": True,
+                                  "memory.offload_activations": True, "memory.compress": "int8"},
     "pp-int8": {**PP, "memory.compress": "int8"},
 }
 
@@ -215,6 +220,35 @@ def test_partitioned_checkpoints_keep_one_tp_slice_and_gather_exactly(two_ranks)
     assert full[2]["mem_activations"] - part[2]["mem_activations"] == half_inputs
     assert part[2]["mem_activations"] - off[2]["mem_activations"] == half_inputs
     assert off[2]["mem_activations_host"] == half_inputs
+
+
+def test_partitioned_and_offloaded_checkpoints_stay_encoded_under_lossy_compression(two_ranks):
+    # the checkpoint hooks are innermost: they encode a block input with the run's compressor, then keep a tp slice
+    # of the int8 payload (and offload it); the values are exactly those of the unpartitioned int8 run
+    full, part, off = (two_ranks[k] for k in ("tp-full-int8", "tp-partition-int8", "tp-partition-offload-int8"))
+    half_payload = 2 * B * T * C // 2  # the int8 payload (one byte per entry) of half the block inputs per tp rank
+    assert_same_run(full[:2], part[:2], rtol=0, atol=0)
+    assert_same_run(full[:2], off[:2], rtol=0, atol=0)
+    assert full[2]["mem_activations"] - part[2]["mem_activations"] == half_payload
+    assert part[2]["mem_activations"] - off[2]["mem_activations"] == half_payload
+    assert off[2]["mem_activations_host"] == half_payload
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_offloaded_and_arena_checkpoints_stay_encoded_under_lossy_compression(recompute):
+    # offload and memory.contiguous move what the blocks keep; with int8 they move the encoding, so the run is the
+    # plain int8 run bit for bit and the host holds one byte per kept entry (L block inputs with recompute=full)
+    mem = {"memory__recompute": recompute, "memory__compress": "int8"}
+    plain = run_engine("fp64", **mem)
+    off = run_engine("fp64", **mem, memory__offload_activations="true")
+    assert_bit_identical(off, plain)
+    host = memory_reports(off[3])["mem_activations_host"]
+    if recompute == "full":
+        assert host == L * B * T * C
+        assert_bit_identical(run_engine("fp64", **mem, memory__contiguous="true"), plain)
+    else:  # everything the blocks save goes to the host, encoded: far less than the fp64 tensors would take
+        assert 0 < host < memory_reports(run_engine("fp64", memory__offload_activations="true")[3])[
+            "mem_activations_host"] / 4
 
 
 def test_recompute_through_the_trainer_is_bit_identical_over_steps():

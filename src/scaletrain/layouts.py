@@ -176,6 +176,7 @@ def reference_config(layout: Layout) -> Config:
         setattr(p, name, getattr(default, name))
     c.memory.partition_checkpoints = False
     c.memory.contiguous = False  # bit-identical either way; with zero < 2 and no recompute it has nothing to hold
+    c.memory.offload_activations = False  # where the checkpoints are kept (encoded or not) changes no value
     return c
 
 
@@ -232,7 +233,7 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     the latter a block recomputation; parameter and nvme offload need ZeRO-3 (nvme also tp = pp = ep = 1 and
     AdamW) and optimizer offload ZeRO >= 1; 2D tensor parallelism needs a 2 x 2 grid (tp = 4) of a dense AdamW
     model without the 1d memory savers; reversible blocks keep no activations to recompute, offload or compress;
-    contiguous arenas need something to hold (a recomputation; offloaded activations with lossy compression)."""
+    contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3)."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -257,10 +258,7 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
                 want(dim, value)
             if v["schedule"] == "zb-h1":
                 want("schedule", "1f1b")
-        if v["contiguous"] and v["compress"] in ("bf16", "int8"):  # arena checkpoints would not be encoded
-            want("recompute", "none")
-            want("offload_activations", True)
-        elif v["contiguous"] and v["recompute"] == "none" and not v["offload_activations"] and v["zero"] < 2:
+        if v["contiguous"] and v["recompute"] == "none" and not v["offload_activations"] and v["zero"] < 2:
             want("recompute", "selective" if v["reversible"] else "full")
         if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
             for dim in ("tp", "pp", "ep"):  # first: a fixed value that needs tp or pp > 1 wins (validate() says why)

@@ -39,7 +39,10 @@ when combined with `bf16`/`int8` (which would otherwise corrupt the sign pattern
 round to 0) or when the consumer keeps nothing (pooling, elementwise ops that save no input).
 
 Nesting: `saved_tensors_hooks` contexts nest and the innermost wins, so inside a non-reentrant
-activation-checkpoint region the checkpoint's hooks apply, not these. Double backward
+activation-checkpoint region the checkpoint's hooks apply, not these. Where those hooks move what they keep
+(partitioned over tp, offloaded to host memory, held in a contiguous arena: `recompute.CheckpointHooks`) they
+encode it first with this compressor (`encode`) and move the encoding, so a tensor is encoded the same way
+whichever hooks keep it. Double backward
 (`create_graph=True`) through decoded tensors is not supported.
 """
 
@@ -396,12 +399,19 @@ class ActivationCompressor:
     # -- hooks
 
     def _pack(self, t: torch.Tensor) -> _Saved:
+        return self.encode(t, count=True)
+
+    def encode(self, t: torch.Tensor, count: bool = False) -> _Saved:
+        """What the hook keeps for `t` (the tensor, or its encoding), with the compression statistics. With
+        `count=False` the kept bytes are not reported to the activation counter: an inner hook that moves the
+        encoding (`recompute.CheckpointHooks`: to tp shards, host memory or an arena) reports where it went."""
         base = t._base if t._base is not None else t
         if isinstance(base, nn.Parameter):
             return _Saved(tensor=t)  # a parameter or a view of one: held by the model, not counted
         self.stats._count_before(base)
         if not self._compressible(t, base):
-            count_saved(t)
+            if count:
+                count_saved(t)
             ref = self._cache.get(id(base))
             if ref is None or ref[0]() is not base:  # count each kept storage once, like bytes_before
                 self._cache[id(base)] = (weakref.ref(base, self._forget(id(base))), None)
@@ -411,7 +421,8 @@ class ActivationCompressor:
         if not base.is_contiguous():  # unusual layout: encode this view on its own
             enc = _encode(t.contiguous(), self.fmt, self.block)
             self.stats.record(self.fmt, t.numel() * t.element_size(), enc.nbytes)
-            count_kept(("gist", id(enc)), enc.nbytes)
+            if count:
+                count_kept(("gist", id(enc)), enc.nbytes)
             return _Saved(encoded=enc)
         hit = self._cache.get(id(base))
         if hit is not None and hit[0]() is base and hit[1] is not None and hit[1].version == base._version:
@@ -420,7 +431,8 @@ class ActivationCompressor:
             enc = _encode(base, self.fmt, self.block)
             self._cache[id(base)] = (weakref.ref(base, self._forget(id(base))), enc)
             self.stats.record(self.fmt, base.untyped_storage().nbytes(), enc.nbytes)
-        count_kept(("gist", id(enc)), enc.nbytes)
+        if count:
+            count_kept(("gist", id(enc)), enc.nbytes)
         if t is base:
             return _Saved(encoded=enc)
         return _Saved(encoded=enc, view=(t.size(), t.stride(), t.storage_offset() - base.storage_offset()))
@@ -480,6 +492,9 @@ def apply_compress_pass(engine: Any, cfg: Any) -> ActivationCompressor:
     # min_numel 0 and per-block int8 scales: what is encoded does not depend on the layout (module docstring)
     comp = ActivationCompressor(cfg.memory.compress, min_numel=0, block=int8_block(cfg.model), leaves=True)
     comp.swap_activations(module)
+    hooks = getattr(engine, "checkpoint_hooks", None)  # the recomputation pass's, innermost: they encode with ours
+    if hooks is not None and comp.fmt is not None:
+        hooks.encoder = comp
     first: dict[str, float] = {}
 
     def enter() -> None:

@@ -213,14 +213,6 @@ def refusals(cfg: Any) -> list[str]:
                       f"parallel.zero={p.zero}: it arranges activation checkpoints and ZeRO-2/3's transient gradient "
                       "buffers (plain data parallelism and ZeRO-1 already keep their gradient buckets for the whole "
                       "run)")
-    from scaletrain.memory.compress import parse_modes
-
-    lossy = sorted(parse_modes(mem.compress) & {"bf16", "int8"})
-    if mem.contiguous and lossy and mem.recompute.strip().lower() != "none":
-        errors.append(f"memory.contiguous with memory.compress={mem.compress} and memory.recompute={mem.recompute} is "
-                      f"not available: the arena would keep the checkpoints in full precision where "
-                      f"memory.contiguous=false keeps them {'/'.join(lossy)}-encoded, so the run would differ (the "
-                      "layout matrix measures 1e-4 relative loss differences in fp64)")
     window = getattr(t, "profile_steps", "").strip()
     if mem.count_allocations and window and t.device != "cuda":
         from scaletrain.report.profile import parse_steps

@@ -174,6 +174,10 @@ class CheckpointHooks:
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.offload, self.stats = offload, stats
         self.arena = arena  # memory.contiguous: kept checkpoints live in its slots (memory/contiguous.py)
+        self.encoder = None
+        """memory.compress with bf16 / int8: the engine's `ActivationCompressor` (set by `apply_compress_pass`).
+        These hooks are innermost, so the compressor's own never see what they keep: they encode it with it
+        first and partition / offload / hold the encoding, as one process keeps it encoded."""
 
     @property
     def active(self) -> bool:
@@ -186,6 +190,14 @@ class CheckpointHooks:
         if not _is_activation(t):
             count_saved(t)
             return t
+        if self.encoder is not None:
+            saved = self.encoder.encode(t)
+            if saved.encoded is not None:
+                return _MovedEncoding(saved, self._keep(saved.encoded.data))
+        return self._keep(t)
+
+    def _keep(self, t: torch.Tensor) -> Any:
+        """`t` partitioned over tp, offloaded and / or held in the arena, reported to the activation counter."""
         shard = _Shard(t, self.tp_group, self.tp_size, self.tp_rank, self.arena) if self.tp_size > 1 else None
         data = shard.data if shard is not None else t
         if self.offload:
@@ -201,13 +213,38 @@ class CheckpointHooks:
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        if isinstance(packed, Held):
-            return packed.tensor
-        shard, host = packed
-        data = host.restore() if host is not None else shard.data
-        return shard.gather(data) if shard is not None else data
+        if isinstance(packed, _MovedEncoding):
+            return packed.restore()
+        return _restore(packed)
+
+
+def _restore(packed: Any) -> torch.Tensor:
+    """What `CheckpointHooks._keep` returned, back as the tensor it was given."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if isinstance(packed, Held):
+        return packed.tensor
+    shard, host = packed
+    data = host.restore() if host is not None else shard.data
+    return shard.gather(data) if shard is not None else data
+
+
+class _MovedEncoding:
+    """A saved tensor's encoding (`compress._Saved`) whose payload (the bf16 / int8 values) was partitioned,
+    offloaded or put in an arena; the scales (int8: one per block, a small fraction) stay where they are."""
+
+    def __init__(self, saved: Any, payload: Any):
+        enc = saved.encoded
+        self.view, self.scale, self.dtype, self.version = saved.view, enc.scale, enc.dtype, enc.version
+        self.payload = payload
+        if enc.scale is not None:
+            count_kept(("gist-scale", id(self)), enc.scale.numel() * enc.scale.element_size())
+
+    def restore(self) -> torch.Tensor:
+        from scaletrain.memory.compress import _Encoded, _Saved
+
+        enc = _Encoded(_restore(self.payload), self.scale, self.dtype, self.version)
+        return _Saved(encoded=enc, view=self.view).unpack()
 
 
 # ----------------------------------------------------------------------------- wrapping the blocks
@@ -371,6 +408,7 @@ def apply_recompute(engine: Any, cfg: Any, mesh: Any) -> OffloadStats:
     stats = OffloadStats()
     arena = engine_arena(engine) if getattr(mem, "contiguous", False) else None
     hooks = CheckpointHooks(tp_group, mem.offload_activations, stats, arena)
+    engine.checkpoint_hooks = hooks  # the compression pass gives them its encoder (memory/compress.py)
     runs = block_runs(engine.module)
     blocks = [b for run in runs for b in run]
     if mode.kind == "selective":
