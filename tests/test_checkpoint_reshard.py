@@ -26,13 +26,12 @@ the order sources, then targets; single-process runs happen in this process.
 
 from __future__ import annotations
 
-import copy
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from harness import TINY, make_config, run_ranks
+from harness import TINY, make_config, run_ranks, train_reference_rules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,51 +184,6 @@ def _run(world: int, jobs: list) -> list:
 # --------------------------------------------------------------------------- references
 
 
-def reference(overrides: dict, rules: tuple[str, ...]) -> tuple[dict, dict]:
-    """One process, step t computing its gradient at the current weights (`sync`) or, PipeDream-2BW's rule
-    (`2bw`, arXiv 2006.09503), at the version before the last update (W(0) = W(1); entering 2BW from a synchronous
-    step likewise starts with the older version equal to the current one). Clipping by the global norm, AdamW."""
-    from scaletrain.data import BatchLoader, load_tokens
-    from scaletrain.model import build_gpt, loss_sum
-    from scaletrain.train.schedule import lr_at
-
-    cfg = make_config({k: v for k, v in overrides.items() if not k.startswith("parallel.")})
-    t, o = cfg.train, cfg.optim
-    current = build_gpt(cfg.model, t.seed, "cpu", torch.float64)
-    params = list(current.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=t.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    loader = BatchLoader(load_tokens(cfg.data.source, cfg.data.cache_dir), cfg.model.seq_len, t.global_batch,
-                         t.seed, cfg.data.val_fraction, cfg.model.vocab_size)
-    losses, older = {}, None
-    for step, rule in enumerate(rules, start=1):
-        if rule == "2bw" and older is None:
-            older = copy.deepcopy(current)
-        at = older if rule == "2bw" else current
-        x, y = loader.global_batch_at(step)
-        at.zero_grad(set_to_none=True)
-        loss = loss_sum(at(x), y) / cfg.tokens_per_step
-        loss.backward()
-        losses[step] = loss.item()
-        if at is not current:
-            for p, q in zip(current.parameters(), at.parameters()):
-                p.grad = q.grad.clone()
-        norm = torch.sqrt(sum(p.grad.square().sum() for p in params)).item()
-        if t.grad_clip > 0 and t.grad_clip / (norm + 1e-6) < 1:
-            for p in params:
-                p.grad.mul_(t.grad_clip / (norm + 1e-6))
-        before = copy.deepcopy(current.state_dict())
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
-        opt.step()
-        if rule == "2bw":
-            older.load_state_dict(before)  # W(t): what the next 2BW step computes at
-        else:
-            older = None
-    return losses, {k: v.detach().clone() for k, v in current.state_dict().items()}
-
-
 def _reference_for(source: str, target: str, cache: dict) -> tuple[dict, dict]:
     family = LAYOUTS[target][0]
     rules = tuple("2bw" if layout.startswith("2bw") else "sync" for layout in (source, source, target))
@@ -240,7 +194,7 @@ def _reference_for(source: str, target: str, cache: dict) -> tuple[dict, dict]:
 
             cache[key] = train_reference(FAMILIES[family])
         else:
-            cache[key] = reference(FAMILIES[family], rules)
+            cache[key] = train_reference_rules(FAMILIES[family], rules)
     return cache[key]
 
 

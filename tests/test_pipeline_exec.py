@@ -14,7 +14,6 @@ single set of processes (module-scoped fixtures); each test then checks its own 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import TINY, make_config, run_ranks
+from harness import TINY, make_config, run_ranks, train_reference_rules
 
 from scaletrain.config import SCHEDULES as CONFIG_SCHEDULES
 from scaletrain.config import load_config, validate
@@ -153,46 +152,12 @@ def reference(overrides: dict) -> dict:
 
 
 def reference_2bw(overrides: dict) -> dict:
-    """PipeDream-2BW's rule in one process, written independently of the executor.
-
-    Step t computes the loss and gradient at W(t-1) (with W(0) = W(1)), clips it by its norm and lets
-    AdamW apply it to W(t). The loss reported for step t is f(W(t-1)).
-    """
-    from scaletrain.data import BatchLoader, load_tokens
-    from scaletrain.model import build_gpt, loss_sum
-    from scaletrain.train.schedule import lr_at
-
-    plain = {k: v for k, v in overrides.items() if not k.startswith(("parallel.", "_"))}
-    cfg = make_config(plain)
-    t, o = cfg.train, cfg.optim
-    current = build_gpt(cfg.model, t.seed, "cpu", torch.float64)
-    stale = copy.deepcopy(current)
-    params = list(current.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=t.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    loader = BatchLoader(load_tokens(cfg.data.source, cfg.data.cache_dir), cfg.model.seq_len, t.global_batch,
-                         t.seed, cfg.data.val_fraction, cfg.model.vocab_size)
-    losses = {}
-    for step in range(1, t.steps + 1):
-        x, y = loader.global_batch_at(step)
-        stale.zero_grad(set_to_none=True)
-        loss = loss_sum(stale(x), y) / cfg.tokens_per_step
-        loss.backward()
-        losses[step] = loss.item()
-        for p, q in zip(current.parameters(), stale.parameters()):
-            p.grad = q.grad.clone()
-        norm = torch.sqrt(sum(p.grad.double().square().sum() for p in params)).item()
-        coef = t.grad_clip / (norm + 1e-6)
-        if t.grad_clip > 0 and coef < 1:
-            for p in params:
-                p.grad.mul_(coef)
-        newest = copy.deepcopy(current.state_dict())  # W(t), the next step's stale version
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
-        opt.step()
-        stale.load_state_dict(newest)
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in current.state_dict().items()}}
+    """PipeDream-2BW's rule in one process, written independently of the executor (`harness.train_reference_rules`):
+    step t computes the loss and gradient at W(t-1) (with W(0) = W(1)), clips it by its norm and lets AdamW apply
+    it to W(t). The loss reported for step t is f(W(t-1))."""
+    steps = make_config({k: v for k, v in overrides.items() if not k.startswith(("parallel.", "_"))}).train.steps
+    losses, state = train_reference_rules(overrides, ("2bw",) * steps)
+    return {"losses": losses, "state": state}
 
 
 def assert_matches(run: dict, ref: dict, check_val: bool = True) -> None:

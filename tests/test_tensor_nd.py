@@ -40,7 +40,8 @@ VARIANTS = {"model.mlp": "swiglu", "model.position": "rope", "model.tie_embeddin
 
 RUNS4 = {
     "2d": G2,
-    "2d swiglu rope untied biasless V257 dropout selective": {**G2, **VARIANTS, "memory.recompute": "selective"},
+    "2d swiglu rope untied biasless V257 dropout selective rmsnorm": {**G2, **VARIANTS, "model.norm": "rmsnorm",
+                                                                      "memory.recompute": "selective"},
 }
 # 4 of the recipe's 8 steps (CI time), compared with its 8-step tolerances (an upper bound for 4 steps; a learning
 # rate 10% off still fails them)
@@ -54,7 +55,8 @@ RUNS8 = {
     "2d x pp2 gpipe": {**G2, "parallel.pp": 2, "parallel.schedule": "gpipe"},
     "2d x pp2 interleaved": {**G2, "parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
                              "model.n_layers": 4},
-    "3d dropout rope biasless": {**G3, "model.dropout": 0.1, "model.position": "rope", "model.bias": False},
+    "3d dropout rope biasless rmsnorm": {**G3, "model.dropout": 0.1, "model.position": "rope", "model.bias": False,
+                                         "model.norm": "rmsnorm"},
 }
 PROBES4 = {"2d": G2, "1d": {"parallel.tp": 4}}
 PROBES8 = {"3d": G3, "2.5d": G25, "1d": {"parallel.tp": 8, "train.micro_batch": 4, "model.n_heads": 8}}

@@ -63,6 +63,7 @@ def shard_gpt(model: nn.Module, plan) -> None:
     """Swap the plain GPT's modules for the plan's layers, in place (the same names, so state dicts, recomputation
     and pipeline stages see the plain model's structure)."""
     from scaletrain.model.gpt import MLP, CausalSelfAttention, SwiGLU
+    from scaletrain.model.norm import RMSNorm
 
     tied = model.cfg.tie_embeddings
     for name, mod in list(model.named_modules()):
@@ -76,7 +77,7 @@ def shard_gpt(model: nn.Module, plan) -> None:
             _swap(model, f"{name}.gate", plan.linear(mod.gate, "A"))
             _swap(model, f"{name}.up", plan.linear(mod.up, "A"))
             _swap(model, f"{name}.proj", plan.linear(mod.proj, "B"))
-        elif isinstance(mod, nn.LayerNorm):
+        elif isinstance(mod, (nn.LayerNorm, RMSNorm)):
             _swap(model, name, plan.norm(mod))
     head = model.lm_head
     model.wte = plan.embedding(model.wte)

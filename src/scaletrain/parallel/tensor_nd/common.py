@@ -7,8 +7,9 @@ Layer norm (Ba et al., arXiv 1607.06450) with the hidden dimension split over a 
 all-reduced over the group (two all-reduces of one number per token; we take the variance of the centred values,
 a two-pass form that is stable in bf16, where Colossal-AI all-reduces E[x] and E[x^2]); backward all-reduces
 the two sums the input gradient needs, sum(g) and sum(g * x_hat) (one all-reduce of two numbers per token). It
-saves x_hat and 1/sigma. Under bf16 / fp16 it computes in fp32 and returns the input's dtype, as the engine's
-`FP32LayerNorm` does.
+saves x_hat and 1/sigma. RMSNorm (arXiv 1910.07467) is the same without the mean: one all-reduce of sum(x^2)
+forward and of sum(g * x_hat) backward. Under bf16 / fp16 it computes in fp32 and returns the input's dtype, as
+the engine's `FP32LayerNorm` does.
 
 The loss: each rank's logits are its block of sequences times its slice of the vocabulary, so the
 cross-entropy is Megatron's vocabulary-parallel one (`tensor_parallel.vocab_parallel_cross_entropy`) over the
@@ -32,43 +33,48 @@ LOW = (torch.bfloat16, torch.float16)
 
 
 class _SplitNorm(torch.autograd.Function):
-    """x_hat = (x - mean) / sqrt(var + eps), mean and var over a hidden dim of `h` split over `group`."""
+    """x_hat = (x - mean) / sqrt(var + eps), mean and var over a hidden dim of `h` split over `group`; with
+    center=False (RMSNorm) x_hat = x / sqrt(mean(x^2) + eps): one all-reduce forward, one number per token back."""
 
     @staticmethod
-    def forward(ctx, x, h, eps, group, stats):
-        s = all_reduce(x.sum(-1, keepdim=True), group, stats)
-        xc = x - s.div_(h)
+    def forward(ctx, x, h, eps, group, stats, center=True):
+        xc = x - all_reduce(x.sum(-1, keepdim=True), group, stats).div_(h) if center else x
         v = all_reduce((xc * xc).sum(-1, keepdim=True), group, stats)
         rstd = v.div_(h).add_(eps).rsqrt_()
-        xhat = xc.mul_(rstd)
+        xhat = xc * rstd
         ctx.save_for_backward(xhat, rstd)
-        ctx.h, ctx.group, ctx.stats = h, group, stats
+        ctx.h, ctx.group, ctx.stats, ctx.center = h, group, stats, center
         return xhat
 
     @staticmethod
     def backward(ctx, g):
         xhat, rstd = ctx.saved_tensors
-        sums = all_reduce(torch.cat([g.sum(-1, keepdim=True), (g * xhat).sum(-1, keepdim=True)], -1),
-                          ctx.group, ctx.stats).div_(ctx.h)
+        gx = (g * xhat).sum(-1, keepdim=True)
+        if not ctx.center:
+            dx = (g - xhat * all_reduce(gx, ctx.group, ctx.stats).div_(ctx.h)) * rstd
+            return dx, None, None, None, None, None
+        sums = all_reduce(torch.cat([g.sum(-1, keepdim=True), gx], -1), ctx.group, ctx.stats).div_(ctx.h)
         dx = (g - sums[..., :1] - xhat * sums[..., 1:]) * rstd
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 class GridLayerNorm(nn.Module):
-    """LayerNorm of activations whose hidden dimension is split over `group`; `vec` turns the stored weight and
-    bias into this rank's hidden chunk (a gather for 2d's split vectors, the identity with a gradient sum for 3d's
-    replicated ones)."""
+    """LayerNorm (or RMSNorm, `model/norm.py`) of activations whose hidden dimension is split over `group`; `vec`
+    turns the stored weight and bias into this rank's hidden chunk (a gather for 2d's split vectors, the identity
+    with a gradient sum for 3d's replicated ones)."""
 
-    def __init__(self, ln: nn.LayerNorm, weight: nn.Parameter, bias: nn.Parameter | None, group, vec,
+    def __init__(self, ln: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, group, vec,
                  stats: CommStats | None):
+        from scaletrain.model.norm import RMSNorm
+
         super().__init__()
-        self.h, self.eps = ln.normalized_shape[0], ln.eps
+        self.h, self.eps, self.center = ln.weight.shape[0], ln.eps, not isinstance(ln, RMSNorm)
         self.weight, self.bias = weight, bias
         self.group, self.vec, self.stats = group, vec, stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low = x.dtype in LOW
-        xhat = _SplitNorm.apply(x.float() if low else x, self.h, self.eps, self.group, self.stats)
+        xhat = _SplitNorm.apply(x.float() if low else x, self.h, self.eps, self.group, self.stats, self.center)
         w = self.vec(self.weight)
         y = xhat * (w.float() if low else w)
         if self.bias is not None:
@@ -77,7 +83,7 @@ class GridLayerNorm(nn.Module):
         return y.to(x.dtype) if low else y
 
     def extra_repr(self) -> str:
-        return f"h={self.h}, local={self.weight.shape[0]}, eps={self.eps}"
+        return f"h={self.h}, local={self.weight.shape[0]}, eps={self.eps}, center={self.center}"
 
 
 def vocab_lookup(idx: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
