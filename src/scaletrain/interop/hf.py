@@ -309,7 +309,7 @@ def read_hf_weights(directory: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
             raise UserError(f"{directory}: no weight maps to {name}")
         if tuple(got.shape) != shape:
             raise UserError(f"{directory}: {name} has shape {tuple(got.shape)}, this run's model needs {shape}")
-    return {n: ours[n].to(torch.float64) for n in expect}
+    return {n: ours[n] for n in expect}  # in their dtype: each rank copies (and converts) only its own shards
 
 
 def _meta_gpt(m: ModelConfig):

@@ -122,10 +122,6 @@ def prune(root: Path, keep: int) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def is_checkpoint(directory: Path) -> bool:
-    return (directory / COMPLETE).is_file() and (directory / META).is_file()
-
-
 def read_meta(directory: Path) -> dict[str, Any]:
     """meta.json of a complete checkpoint, after checking COMPLETE's checksums of meta.json and index.json."""
     directory = Path(directory)
@@ -168,10 +164,9 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
-def read_tensors(directory: Path, prefix: str = "model/", index: dict | None = None,
-                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(directory: Path, prefix: str = "model/", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Whole tensors whose names start with `prefix`, by name without it (no process group needed)."""
-    index = index if index is not None else dcp_io.read_index(directory)
+    index = dcp_io.read_index(directory)
     out: dict[str, torch.Tensor] = {}
     entries: dict[str, Entry] = {}
     for key, t in index["tensors"].items():
@@ -283,10 +278,6 @@ class Saver:
         if self._error is not None:
             e, self._error = self._error, None
             raise e
-
-    @property
-    def pending(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def _write(self, step: int, entries: dict[str, Entry], meta: dict[str, Any]) -> Path:
         final = step_dir(self.root, step)

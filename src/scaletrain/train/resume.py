@@ -131,11 +131,10 @@ def save_entries(engine, streams: dict[str, dict[str, Any]]) -> dict[str, st.Ent
     return {**st.engine_entries(engine), **st.rng_entries(streams)}
 
 
-def load_engine(engine, directory: Path, index: dict[str, Any] | None = None,
-                streams: dict[str, dict[str, Any]] | None = None) -> list[str]:
+def load_engine(engine, directory: Path, streams: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Read a checkpoint into a freshly built engine of any layout (and the random streams of `streams` that the
     checkpoint has); returns the streams it did not have. No collectives: each rank reads what it holds."""
-    index = index if index is not None else dcp_io.read_index(directory)
+    index = dcp_io.read_index(directory)
     available = set(index["tensors"])
     st.prepare_load(engine)
     entries = {**st.engine_entries(engine, stale=False, load=True), **st.stale_entries_for_load(engine, available)}
@@ -204,20 +203,16 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
     trainer._barrier()
     if trainer.rank == 0:
         trainer.out.mkdir(parents=True, exist_ok=True)
-        config_path = trainer.out / "config.yaml"
-        if found is None or not config_path.exists():
-            text = cfg.to_yaml() if found is None else _yaml(meta["config"])
-            _write_text(config_path, text)
-        if found is None and (trainer.out / HISTORY).exists():
-            (trainer.out / HISTORY).unlink()  # resumes of checkpoints that are gone: a new run starts here
-        if found is not None:
-            record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "from_step": trainer.step,
-                      "checkpoint": found.name, "changed": {k: [a, b] for k, (a, b) in diffs.items()}}
+        if found is None:
+            record_start(trainer.out, cfg.to_yaml())
+        else:
+            if not (trainer.out / "config.yaml").exists():
+                write_text(trainer.out / "config.yaml", _yaml(meta["config"]))
+            extra: dict[str, Any] = {"checkpoint": found.name}
             if any(kind(k) == "layout" for k in diffs) or meta["world_size"] != world:
-                record["layout"] = {"from": meta["layout"], "to": describe_layout(cfg.to_dict(), world)}
-            with open(trainer.out / HISTORY, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        trainer._trim_metrics(trainer.step)
+                extra["layout"] = {"from": meta["layout"], "to": describe_layout(cfg.to_dict(), world)}
+            record_resume(trainer.out, trainer.step, diffs, **extra)
+        trim_metrics(trainer.out, trainer.step)
     return found
 
 
@@ -259,9 +254,40 @@ def _yaml(config: dict[str, Any]) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once (a temporary file renamed over it)."""
     import os
 
     tmp = path.with_name(path.name + ".part")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def trim_metrics(out: Path, step: int) -> None:
+    """Keep the lines of `out/metrics.jsonl` of steps <= `step` (those a resumed run will not redo); none when
+    `step` is 0."""
+    path = out / "metrics.jsonl"
+    kept: list[str] = []
+    if step and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                break  # a line cut by a kill ends the valid part
+    write_text(path, "".join(x + "\n" for x in kept))
+
+
+def record_start(out: Path, config_text: str) -> None:
+    """A run starting afresh in `out`: its `config.yaml`, and no resume history (those of checkpoints that are
+    gone)."""
+    write_text(out / "config.yaml", config_text)
+    (out / HISTORY).unlink(missing_ok=True)
+
+
+def record_resume(out: Path, step: int, changed: dict[str, tuple[Any, Any]], **extra: Any) -> None:
+    """Append a resume from `step` and the config keys it changed ({key: (old, new)}) to `out/resumes.jsonl`."""
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "from_step": step, **extra,
+              "changed": {k: [a, b] for k, (a, b) in changed.items()}}
+    with open(out / HISTORY, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -26,7 +26,6 @@ the same form, and `prepare_checkpoint_load()` if it must allocate state before 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -331,8 +330,8 @@ def engine_entries(engine, stale: bool = True, load: bool = False) -> dict[str, 
         if id(p) not in zero3:
             c.whole(f"model/{name}", p, p.data)
     versions = getattr(engine.pipeline, "versions", None)
-    if stale and versions is not None and versions.stale is not None:
-        for p, s in zip(versions.params, versions.stale):
+    if stale and versions is not None:  # state_dict(): refuses while the next batch is in flight (undrained)
+        for p, s in zip(versions.params, versions.state_dict()):
             c.whole(f"stale/{c.names[id(p)]}", p, s)
     return c.entries
 
@@ -383,7 +382,3 @@ def rng_entries(streams: dict[str, dict[str, Any]]) -> dict[str, Entry]:
                 out[f"rng/{stream}/{kind}"] = Entry((t.numel(),), t.dtype, [Block((0,), (t.numel(),), [t])])
     return out
 
-
-def entry_bytes(entries: dict[str, Entry]) -> int:
-    """Bytes of this rank's blocks (what it would write without deduplication)."""
-    return sum(math.prod(b.sizes) * e.dtype.itemsize for e in entries.values() for b in e.blocks)

@@ -125,19 +125,6 @@ class Trainer:
         assert self.out is not None
         return self.out / "checkpoints"
 
-    def _trim_metrics(self, step: int) -> None:
-        """Keep the metrics lines of steps <= `step` (those a resumed run will not redo)."""
-        path = self.out / "metrics.jsonl"
-        kept: list[str] = []
-        if step and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= step:
-                        kept.append(line)
-                except ValueError:
-                    break  # a line cut by a kill ends the valid part
-        _write_text(path, "".join(x + "\n" for x in kept))
-
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -413,12 +400,6 @@ def _seeded_rng_state(seed: int, device: torch.device) -> dict[str, Any]:
     state = ckpt.rng_state(device)
     ckpt.set_rng_state(outer, device)
     return state
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class _Progress:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from scaletrain.config import Config
 from scaletrain.errors import CheckpointError, UserError
 from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
+from scaletrain.train.resume import current_config, differences, record_resume, record_start, trim_metrics
 
 SYNC_KEYS = ("sync", "servers", "staleness", "hogwild_lock", "local_steps", "outer", "outer_lr", "outer_momentum")
 
@@ -48,7 +49,8 @@ def find_resume(out: Path | None, cfg: Config) -> tuple[Path | None, dict[str, A
     if found is None:
         return None, {}
     meta = ckpt.read_meta(found)
-    diff = differences(meta, async_signature(cfg))
+    want = async_signature(cfg)
+    diff = differences({k: meta.get(k) for k in want}, want)
     if diff:
         listed = "; ".join(f"{k}: checkpoint {a}, this run {b}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint {found} does not match this run ({listed}); an asynchronous run's "
@@ -73,39 +75,13 @@ def check_async_run(out: Path, cfg: Config, reshard: bool, init_from: str | Path
     find_resume(out, cfg)
 
 
-def differences(meta: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Signature keys (dotted, e.g. `layout.dp`) whose values differ: {key: (checkpoint's, this run's)}."""
-    from scaletrain.config import flatten
-
-    saved = flatten({k: meta.get(k) for k in want})
-    current = flatten(want)
-    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
-            if saved.get(k) != current.get(k)}
-
-
 def record_config(out: Path, cfg: Config, resume_step: int) -> None:
     """As the synchronous trainer does (train/resume.py): a fresh start writes `config.yaml`; a resume keeps it
     (the config the run started with) and appends what this invocation changed to `resumes.jsonl`."""
-    import time
-
-    from scaletrain.train.resume import HISTORY, current_config, differences
-
-    path, history = out / "config.yaml", out / HISTORY
-    if not resume_step or not path.exists():
-        write_text(path, cfg.to_yaml())
-        history.unlink(missing_ok=True)  # resumes of checkpoints that are gone: a new run starts here
-        return
-    changed = differences(current_config(out), cfg.to_dict())
-    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "from_step": resume_step,
-              "changed": {k: [a, b] for k, (a, b) in changed.items()}}
-    with open(history, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    if not resume_step or not (out / "config.yaml").exists():
+        record_start(out, cfg.to_yaml())
+    else:
+        record_resume(out, resume_step, differences(current_config(out), cfg.to_dict()))
 
 
 def observers(cfg: Config, out: Path | None, rank: int, device, world: int, step: int):
@@ -135,17 +111,8 @@ class Metrics:
             return
         out.mkdir(parents=True, exist_ok=True)
         record_config(out, cfg, resume_step)
-        path = out / "metrics.jsonl"
-        kept: list[str] = []
-        if resume_step and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line)
-                except ValueError:
-                    break
-        write_text(path, "".join(x + "\n" for x in kept))
-        self.f = open(path, "a")
+        trim_metrics(out, resume_step)
+        self.f = open(out / "metrics.jsonl", "a")
         if progress:
             from scaletrain.train.trainer import _Progress
 
