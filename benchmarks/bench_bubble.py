@@ -35,7 +35,7 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1"]
 def _rank(rank, world, steps, m):
     from harness import TINY, make_config
 
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -61,7 +61,7 @@ def _window_rank(rank, world, steps, m):
     """1f1b and 2bw, steps 1..steps untraced; every compute event on the wall clock, tagged by step."""
     from harness import TINY, make_config
 
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, store: str, tasks: list, q) -> None:
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=1800))
     from scaletrain.config import load_config, validate
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train import checkpoint as ckpt
     from scaletrain.train import resume
     from scaletrain.train.trainer import Trainer
@@ -85,8 +85,8 @@ def _worker(rank: int, world: int, store: str, tasks: list, q) -> None:
                 rec["load"].append(time.perf_counter() - t0)
             out["measure"] = rec
         else:  # load a checkpoint written by another world size into this layout
-            from scaletrain.mesh import Mesh, ParallelDims
-            from scaletrain.parallel.comm import CommStats
+            from scaletrain.distributed.comm import CommStats
+            from scaletrain.distributed.mesh import Mesh, ParallelDims
             from scaletrain.parallel.parallelize import build_engine
 
             p = cfg.parallel

@@ -1,11 +1,11 @@
 """Rounding noise of the layout matrix, per dtype: where the tolerances of `scaletrain verify --matrix` come from.
 
-Runs the stored covering set (`scaletrain.layouts.stored_covering(4)`) once in fp64 — every layout must pass at
+Runs the stored covering set (`scaletrain.verify.layouts.stored_covering(4)`) once in fp64 — every layout must pass at
 rtol 1e-9, so each one is proven to compute what one process computes up to summation order — and then in fp32,
 bf16 and fp16 (`verify --matrix --dtype D`: every layout in that dtype instead of its own). In those dtypes the
 remaining differences from the same-dtype single-process run are rounding noise (a different summation order,
 amplified by three optimizer steps). Prints, per dtype and metric, the median, 90th percentile and maximum over
-the layouts, and the tolerance `scaletrain.matrix.TOLERANCE` uses: 3x the maximum, rounded up to two
+the layouts, and the tolerance `scaletrain.verify.tolerances.TOLERANCE` uses: 3x the maximum, rounded up to two
 significant digits. `--json-dir` keeps the four `verify --matrix` JSON files and printed tables.
 
     .venv/bin/python benchmarks/bench_matrix_noise.py [--world 4] [--jobs 1] [--json-dir DIR]
@@ -83,7 +83,7 @@ def main() -> None:
         errors = [r["layout"] for r in doc["layouts"] if r["error"]]
         if errors:
             print(f"{dtype}: {len(errors)} layouts did not run: {errors}")
-    print("\nTOLERANCE = {  # scaletrain/matrix.py")
+    print("\nTOLERANCE = {  # scaletrain/verify/tolerances.py")
     for dtype, t in derived.items():
         print(f'    "{dtype}": Tolerance(loss={t["loss"]:.2g}, grad_norm={t["grad_norm"]:.2g}, '
               f'params={t["params"]:.2g}),')

@@ -129,7 +129,7 @@ def _steps(rank: int, world: int, store_path: str, port: int, blocks: int, steps
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     from scaletrain.config import load_config, validate
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.multinode.flight import FlightRecorder
     from scaletrain.multinode.heartbeat import ABORT, HANG, Heartbeat, hb_key
     from scaletrain.train.trainer import Trainer
@@ -179,7 +179,7 @@ def _steps(rank: int, world: int, store_path: str, port: int, blocks: int, steps
 
 
 def step_cost(blocks: int, steps: int) -> tuple[dict[str, list[float]], dict[str, list[float]], int]:
-    from scaletrain.launch import free_port
+    from scaletrain.distributed.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -69,9 +69,9 @@ def _worker(rank: int, world: int, store_path: str, args, queue) -> None:
 def _bench(rank: int, args) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from scaletrain.mesh import Mesh, ParallelDims
+    from scaletrain.distributed.comm import CommStats
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
     from scaletrain.model import loss_sum
-    from scaletrain.parallel.comm import CommStats
     from scaletrain.parallel.parallelize import build_engine
 
     g = torch.Generator().manual_seed(0)

@@ -41,8 +41,8 @@ def _config(args):
 
 
 def _scaletrain(cfg):
-    from scaletrain.mesh import Mesh, ParallelDims
-    from scaletrain.parallel.comm import CommStats
+    from scaletrain.distributed.comm import CommStats
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
     from scaletrain.parallel.parallelize import build_engine
 
     engine = build_engine(cfg, Mesh.build(ParallelDims(tp=2)), torch.device("cpu"), torch.float32, CommStats())

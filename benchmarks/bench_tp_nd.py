@@ -44,9 +44,9 @@ def _config(args, overrides: dict, world: int):
 
 
 def _engine(cfg):
+    from scaletrain.distributed.comm import CommStats
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
     from scaletrain.memory.accounting import tensor_bytes
-    from scaletrain.mesh import Mesh, ParallelDims
-    from scaletrain.parallel.comm import CommStats
     from scaletrain.parallel.parallelize import build_engine
 
     comm = CommStats()

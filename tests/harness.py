@@ -155,7 +155,7 @@ def train_reference_rules(overrides: dict, rules: tuple[str, ...]) -> tuple[dict
 
 
 def _train_rank(rank, world, overrides):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     cfg = make_config({**TINY, **overrides})
@@ -203,7 +203,7 @@ def measured_and_planned(trainer) -> dict:
 
 
 def _measure_layouts(rank, world, base, layouts):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     out = []

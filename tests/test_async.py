@@ -48,7 +48,7 @@ SAVERS = {"memory.recompute": "full", "memory.offload_activations": True, "memor
 
 def _jobs(rank, world, jobs):
     """Each job: (overrides, output dir or None, stop after step or None); rank 0 returns what tests check."""
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
 
     out = []
     for overrides, directory, stop in jobs:

@@ -65,7 +65,7 @@ def _linear_dtypes(record: set):
 
 
 def _run(rank: int, world: int, overrides: dict, fault: str | None, placement: CollectivePlacement | None = None):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     if fault == AUTOCAST_OFF:

@@ -35,7 +35,7 @@ ASYNC = {**BASE, "parallel.dp": 2, "parallel.zero": 1, "train.checkpoint_async":
 
 def _held_run(rank, world, overrides, out, held_step):
     """Train, holding the write of step `held_step`'s checkpoint forever (until the test kills us)."""
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train import dcp_io
     from scaletrain.train.trainer import Trainer
 
@@ -79,7 +79,7 @@ def _kill_during_save(overrides: dict, out: Path, wait_for_step: int, world: int
 
 
 def _train(rank, world, jobs):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     out = []

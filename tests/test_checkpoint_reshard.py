@@ -134,14 +134,14 @@ def _run_jobs(rank: int, world: int, jobs: list) -> list:
     a target's run dir starts as a copy of its source's (made by rank 0)."""
     import torch.distributed as dist
 
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     out = []
     for overrides, directory, what, copy_of in jobs:
         if what == "convert":  # `scaletrain checkpoint convert --layout ...` on this rank
+            from scaletrain.commands.checkpoint import convert_worker, target_config
             from scaletrain.train import checkpoint as ckpt
-            from scaletrain.train.ckpt_command import convert_worker, target_config
 
             source = ckpt.latest(Path(copy_of) / "checkpoints")
             meta = ckpt.read_meta(source)

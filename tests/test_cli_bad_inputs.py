@@ -431,7 +431,7 @@ def test_closed_pipe_is_quiet():
 def test_config_doc_is_aligned_yaml_without_reprs():
     import yaml
 
-    from scaletrain.config_doc import doc_text
+    from scaletrain.config.doc import doc_text
 
     text = doc_text(Config())
     assert yaml.safe_load(text) == Config().to_dict()  # the documented view is the config itself, as YAML
@@ -480,7 +480,7 @@ def test_plan_explanation_puts_the_winner_first():
 def test_verify_prints_the_largest_parameter_difference(capsys):
     import torch
 
-    from scaletrain.verify import report
+    from scaletrain.verify.run import report
 
     ref = {"a": torch.tensor([1.0, 2.0], dtype=torch.float64), "b": torch.tensor([10.0], dtype=torch.float64)}
     got = {"a": torch.tensor([1.0, 2.003], dtype=torch.float64), "b": torch.tensor([10.001], dtype=torch.float64)}

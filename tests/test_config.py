@@ -2,7 +2,8 @@
 
 import pytest
 
-from scaletrain.config import Config, field_docs, load_config, validate
+from scaletrain.config import Config, load_config, validate
+from scaletrain.config.doc import field_docs
 from scaletrain.errors import ConfigError
 
 

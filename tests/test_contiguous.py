@@ -24,10 +24,10 @@ import torch
 from harness import TINY, make_config, run_ranks
 
 from scaletrain.config import load_config, validate
+from scaletrain.distributed.comm import CommStats
+from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
 from scaletrain.memory.contiguous import AllocationCount, Arena, Held, count_allocations, cuda_count
-from scaletrain.mesh import Mesh, ParallelDims
-from scaletrain.parallel.comm import CommStats
 from scaletrain.parallel.parallelize import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
@@ -200,7 +200,7 @@ LAYOUTS = {
 
 
 def _rank_pairs(rank, world, layouts):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     out = {}

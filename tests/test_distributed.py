@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from harness import TINY, assert_same_run, run_ranks, train_parallel, train_reference
 
-from scaletrain.mesh import Mesh, ParallelDims
+from scaletrain.distributed.mesh import Mesh, ParallelDims
 
 
 def _mesh_groups(rank, world):

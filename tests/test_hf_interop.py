@@ -38,7 +38,7 @@ def _sets(overrides: dict) -> list[str]:
 
 
 def _our_logits(directory: Path, x: torch.Tensor) -> torch.Tensor:
-    from scaletrain.train.ckpt_command import find_checkpoint
+    from scaletrain.train.checkpoint import find_checkpoint
     from scaletrain.train.sample import load_model
 
     _, model = load_model(find_checkpoint(directory, note=False))

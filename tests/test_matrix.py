@@ -1,4 +1,4 @@
-"""The layout matrix in CI (scaletrain.layouts, scaletrain.matrix; docs/verify.md).
+"""The layout matrix in CI (scaletrain.verify.layouts, scaletrain.verify.matrix; docs/verify.md).
 
 - The stored all-pairs covering set of up to 4 processes: every layout, run in persistent ranks per world size (one
   process start-up per world), equals the single-process run of the same model, data, seed and dtype: losses and
@@ -27,7 +27,7 @@ from faults import inject
 from harness import run_ranks
 
 from scaletrain.cli import main
-from scaletrain.layouts import (
+from scaletrain.verify.layouts import (
     DIMENSIONS,
     Layout,
     accepted,
@@ -36,7 +36,8 @@ from scaletrain.layouts import (
     stored_covering,
     uncovered_accepted,
 )
-from scaletrain.matrix import TOLERANCE, compare, run_layout, run_reference, table
+from scaletrain.verify.matrix import compare, run_layout, run_reference, table
+from scaletrain.verify.tolerances import TOLERANCE
 
 DOCS = Path(__file__).parent.parent / "docs" / "verify.md"
 COVERING = stored_covering(4)
@@ -73,7 +74,7 @@ MUTANTS = _mutants()
 def _faulty_run(lay: Layout, name: str, env):
     """The layout's run with a fault: a clip threshold ten times too small in its config (a wrong world-size factor;
     x10 changes nothing while the gradient norms stay below the clip), or a fault of tests/faults.py."""
-    from scaletrain.matrix import layout_config, train
+    from scaletrain.verify.matrix import layout_config, train
 
     if name == "grad_clip / 10":
         cfg = layout_config(lay)
@@ -84,7 +85,7 @@ def _faulty_run(lay: Layout, name: str, env):
 
 def _world(rank, world, layouts, mutants):
     """Every layout of one world size, then its faulty runs, in one set of processes."""
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
 
     torch.set_num_threads(1)
     env = DistEnv(rank, world, 0, "test")
@@ -116,7 +117,7 @@ def references():
     cache: dict = {}
 
     def get(lay: Layout):
-        from scaletrain.matrix import reference_key
+        from scaletrain.verify.matrix import reference_key
 
         key = reference_key(lay)
         if key not in cache:
@@ -146,7 +147,7 @@ def test_an_injected_fault_makes_the_matrix_fail(matrix_runs, references, mutant
 def test_an_overflow_skip_counts_only_when_both_runs_skip(dtype):
     """A step skipped for fp16 overflow has a non-finite gradient norm; the same skip in the layout and the single
     process is no difference, a skip on one side only (or a NaN loss) is a FAIL."""
-    from scaletrain.matrix import Run
+    from scaletrain.verify.matrix import Run
 
     state = {"w": torch.ones(3, dtype=torch.float64)}
     lay = Layout.of(dp=2, dtype=dtype)
@@ -175,7 +176,7 @@ def test_stored_covering_sets_are_accepted_and_miss_no_accepted_pair():
 def test_coverage_check_fails_when_a_layout_goes_or_validate_accepts_a_new_pair(monkeypatch):
     import copy
 
-    import scaletrain.layouts as layouts
+    import scaletrain.verify.layouts as layouts
 
     for i in (0, len(COVERING) - 1):  # without layout i, exactly the pairs only it covers are reported missing
         rest = COVERING[:i] + COVERING[i + 1:]
@@ -204,9 +205,9 @@ def _section(name: str) -> str:
 
 
 def test_docs_tables_are_the_generated_ones():
-    """Regenerate with `python -m scaletrain.layouts --docs docs/verify.md`."""
-    from scaletrain.layouts import dimension_table
-    from scaletrain.matrix import tolerance_table
+    """Regenerate with `python -m scaletrain.verify.layouts --docs docs/verify.md`."""
+    from scaletrain.verify.layouts import dimension_table
+    from scaletrain.verify.tolerances import tolerance_table
 
     assert _section("refusals") == refusal_table(8)
     assert _section("tolerances") == tolerance_table()

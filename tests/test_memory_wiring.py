@@ -15,12 +15,12 @@ import torch.nn as nn
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, validate
+from scaletrain.distributed.comm import CommStats
+from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
 from scaletrain.memory.accounting import TensorPeak
 from scaletrain.memory.compress import apply_compress_pass
-from scaletrain.mesh import Mesh, ParallelDims
 from scaletrain.optim import state_bytes
-from scaletrain.parallel.comm import CommStats
 from scaletrain.parallel.parallelize import Engine, ReplicatedOptimizer
 from scaletrain.train.trainer import Trainer
 

@@ -270,7 +270,7 @@ MOE = {"model.moe.experts": 4, "model.moe.group_tokens": 16, "model.moe.capacity
 
 def _run(overrides: dict, rank: int = 0, world: int = 1):
     """Per-step (loss, loss_aux, loss_z, dropped) and the full final state (on every rank)."""
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     cfg = make_config({**TINY, **overrides})

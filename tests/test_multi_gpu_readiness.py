@@ -79,9 +79,9 @@ class _Patch:
 
 
 def _worker(rank: int, world: int, store_dir: str):
-    from scaletrain import distributed
-    from scaletrain.mesh import Mesh, ParallelDims
-    from scaletrain.parallel.comm import collective_device
+    from scaletrain.distributed import process_group as distributed
+    from scaletrain.distributed.comm import collective_device
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
 
     dist.destroy_process_group()  # the harness's group: this rank starts its own the way a torchrun worker does
     events: list = []
@@ -116,7 +116,7 @@ def test_two_fake_gpus_each_rank_binds_its_own_before_the_group_starts():
 
 
 def test_a_local_rank_without_its_own_gpu_is_refused(monkeypatch):
-    from scaletrain import distributed
+    from scaletrain.distributed import process_group as distributed
 
     _fake_environment(monkeypatch, [], None, 2, 3)
     assert distributed.pick_device("auto", 1) == torch.device("cuda", 1)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from nodes import TwoHosts
 
+from scaletrain.distributed.launch import free_port
 from scaletrain.errors import UserError
-from scaletrain.launch import free_port
 
 PY = sys.executable
 TESTS = Path(__file__).parent
@@ -457,7 +457,7 @@ def test_network_choice_and_endpoint_errors(monkeypatch):
 def test_killed_rank_is_named_from_torchruns_summary_and_only_existing_logs_are_named(tmp_path, capsys):
     """Issue 21: rank 1 SIGKILLed, rank 0 then stopped by torchrun (SIGTERM) - the text is torch 2.13's own
     summary. The launcher names rank 1 and SIGKILL, not rank 0's connection error, and no log that is missing."""
-    from scaletrain.launch import report_failure, write_error_record
+    from scaletrain.distributed.launch import report_failure, write_error_record
 
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -575,8 +575,8 @@ def test_slurm_example_runs_our_launcher_with_a_valid_command_line(tmp_path):
     """examples/slurm/train.sbatch with stand-ins for scontrol and srun: the command srun would start on every
     node parses as `scaletrain train` with 2 nodes, 8 ranks each, the first node as rendezvous and 2 restarts."""
     from scaletrain.cli import build_parser
+    from scaletrain.commands.train import cmd_train
     from scaletrain.multinode.launcher import check_arguments
-    from scaletrain.train.command import cmd_train
 
     fake = tmp_path / "bin"
     fake.mkdir()

@@ -126,7 +126,7 @@ def _steps(t, n: int, drain_every: bool) -> dict:
 
 
 def _rank(rank, world, configs):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -96,7 +96,7 @@ def _build(overrides: dict):
 
 
 def _run_configs(rank, world, configs):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -271,7 +271,7 @@ BUBBLE_SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved"]
 
 def _bubble_rank(rank, world, schedules):
     """Trace steps 2..6 of each schedule (every traced step starts with a barrier)."""
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -208,8 +208,8 @@ def test_catalog_model_and_its_dimensions_with_equal_flags_predict_the_same(caps
 def test_every_catalog_entry_is_rebuilt_by_the_flags_the_plan_prints():
     """No hidden attribute: the printed flags, given as custom dimensions, give the same ModelSpec (name aside)."""
     from scaletrain.cli import build_parser
+    from scaletrain.commands.plan import _model, model_flags
     from scaletrain.plan import catalog
-    from scaletrain.plan.command import _model, model_flags
 
     def spec(m):
         return {**m.to_dict(), "name": "", "source": "", "n_kv_heads": m.kv_heads}

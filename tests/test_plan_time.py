@@ -114,7 +114,7 @@ def _alternate_rank(rank, world, overrides, repeats, pairs):
     import torch.distributed as dist
     from harness import make_config
 
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.plan.run_comm import sample_with_comm
     from scaletrain.plan.run_time import RunProbe, measure_link
     from scaletrain.train.trainer import Trainer

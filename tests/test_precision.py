@@ -63,7 +63,7 @@ def test_loss_scaler_backoff_hysteresis_growth():
 
 
 def _overflow_run(rank, world, layout):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
 
     cfg = make_config({**SHORT, "train.steps": 4, "train.dtype": "fp16", "train.micro_batch": 2,
                        "train.loss_scale_hysteresis": 1, **layout})

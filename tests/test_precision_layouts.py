@@ -59,7 +59,7 @@ LAYOUTS = {
 
 
 def _run(rank: int, world: int, overrides: dict, fault: str | None):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     t = Trainer(make_config(faulty_overrides(overrides, fault)), None,

@@ -16,12 +16,12 @@ import torch
 from harness import assert_same_run, run_ranks, train_reference
 
 from scaletrain.config import load_config, validate
+from scaletrain.distributed.comm import CommStats
+from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
 from scaletrain.memory.accounting import SavedTensorCounter, memory_reports
 from scaletrain.memory.recompute import apply_recompute, parse_recompute
-from scaletrain.mesh import Mesh, ParallelDims
 from scaletrain.model import build_gpt
-from scaletrain.parallel.comm import CommStats
 from scaletrain.parallel.parallelize import Engine, build_engine
 
 L, C, NH, T, B, V = 4, 32, 4, 32, 2, 256
@@ -179,7 +179,7 @@ def _two_ranks(rank, world):
     """Every two-process run of this file, in one spawn (starting processes dominates their time)."""
     from harness import TINY, make_config
 
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -53,7 +53,7 @@ def dense(tmp_path_factory) -> Path:
 
 
 def _train_runs(rank, world, jobs):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     for overrides, out in jobs:

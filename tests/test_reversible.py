@@ -143,8 +143,8 @@ def test_saved_activations_and_peak_do_not_grow_with_depth():
 
 
 def test_selective_recomputation_on_reversible_blocks_is_bit_identical():
-    from scaletrain.mesh import Mesh, ParallelDims
-    from scaletrain.parallel.comm import CommStats
+    from scaletrain.distributed.comm import CommStats
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
     from scaletrain.parallel.parallelize import build_engine
 
     out = []
@@ -217,7 +217,7 @@ def _overrides(layout: dict) -> dict:
 
 def _rank_runs(rank, world, layouts):
     """Each layout trained on these ranks: losses, full final parameters and rank 0's measured vs planned memory."""
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     out = {}

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from scaletrain.config import load_config, validate
+from scaletrain.distributed.comm import CommStats
+from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
-from scaletrain.mesh import Mesh, ParallelDims
 from scaletrain.model import loss_sum
 from scaletrain.model.moe import begin_step as begin_moe_step
-from scaletrain.parallel.comm import CommStats
 from scaletrain.parallel.parallelize import build_engine
-from scaletrain.scaling.noise import GradSqProbe, NoiseScaleEMA, unbiased_estimates
+from scaletrain.train.noise_scale import GradSqProbe, NoiseScaleEMA, unbiased_estimates
 from scaletrain.train.trainer import Trainer
 from tests.harness import TINY, make_config, run_ranks
 
@@ -121,7 +121,7 @@ def test_logged_norms_are_the_micro_batch_and_global_batch_gradient_norms():
 
 
 def _layout_runs(rank, world, layouts, out):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     values = []
@@ -180,7 +180,7 @@ def test_no_hooks_when_noise_logging_is_off():
 
 
 def _pipeline_runs(rank, world, layouts):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     out = []
@@ -208,7 +208,7 @@ def test_noise_scale_under_pipeline_schedules_equals_the_single_process_value():
 
 
 def _ep_first_step(rank, world, overrides):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     return Trainer(make_config({**NOISE, **overrides}), None, DistEnv(rank, world, 0, "test")).train_step(1)

@@ -66,7 +66,7 @@ PROBES8 = {"3d": G3, "2.5d": G25, "1d": {"parallel.tp": 8, "train.micro_batch": 
 
 
 def _trainer(rank, world, overrides, out=None):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     return Trainer(make_config({**BASE, **overrides}), out, DistEnv(rank, world, 0, "test"))
@@ -87,8 +87,8 @@ def _train(rank, world, overrides):
 
 def _probe(overrides):
     """CommStats bytes by kind and saved-activation bytes of one micro-batch forward + backward, 1 and 2 layers."""
-    from scaletrain.mesh import Mesh, ParallelDims
-    from scaletrain.parallel.comm import CommStats
+    from scaletrain.distributed.comm import CommStats
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
     from scaletrain.parallel.parallelize import build_engine
 
     out = []

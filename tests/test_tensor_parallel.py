@@ -62,7 +62,7 @@ def _model_part(overrides: dict) -> dict:
 
 
 def _train(rank, world, overrides):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     t = Trainer(make_config({**TINY, **overrides}), None, DistEnv(rank, world, 0, "test"))
@@ -72,8 +72,8 @@ def _train(rank, world, overrides):
 
 def _probe(rank, world, n_layers, sp, mlp="gelu"):
     """CommStats bytes by kind and saved-activation bytes of one forward+backward of one micro-batch."""
-    from scaletrain.mesh import Mesh, ParallelDims
-    from scaletrain.parallel.comm import CommStats
+    from scaletrain.distributed.comm import CommStats
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
     from scaletrain.parallel.parallelize import build_engine
 
     cfg = make_config({**TINY, "model.n_layers": n_layers, "parallel.tp": world, "parallel.sequence_parallel": sp,

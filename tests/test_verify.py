@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from scaletrain.verify import report
+from scaletrain.verify.run import report
 
 
 def test_verify_command_passes_for_zero3_dp2(tmp_path):

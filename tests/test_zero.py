@@ -58,7 +58,7 @@ def test_uneven_sizes_are_padded_and_change_nothing():
 
 
 def _memory_and_volume(rank, world):
-    from scaletrain.distributed import DistEnv
+    from scaletrain.distributed.process_group import DistEnv
     from scaletrain.train.trainer import Trainer
 
     out = {}

@@ -1,7 +1,7 @@
 """The `scaletrain` command line: train | plan | scaling | config | sample | demo | report ...
 
-Each subcommand lives in the module that owns the feature and exposes `add_parser(subparsers)`, which
-registers its arguments and sets `func(args) -> int`. This file only dispatches and turns user errors
+Each subcommand is a module of `scaletrain.commands` exposing `add_parser(subparsers)`, which registers its
+arguments and sets `func(args) -> int`. This file only dispatches and turns user errors
 (`scaletrain.errors.UserError`) into a one-line message and exit code 2.
 """
 
@@ -13,33 +13,26 @@ import importlib.util
 import os
 import sys
 
+from scaletrain.commands.parser import Parser
 from scaletrain.errors import UserError
 
 # (module that owns the subcommand). Modules are imported only if they exist in this install.
 COMMAND_MODULES = (
-    "scaletrain.train.command",
-    "scaletrain.train.ckpt_command",
-    "scaletrain.plan.command",
-    "scaletrain.scaling.command",
-    "scaletrain.report.command",
-    "scaletrain.verify",
-    "scaletrain.multinode.command",
-    "scaletrain.replay_cli",
+    "scaletrain.commands.train",
+    "scaletrain.commands.checkpoint",
+    "scaletrain.commands.plan",
+    "scaletrain.commands.scaling",
+    "scaletrain.commands.report",
+    "scaletrain.commands.verify",
+    "scaletrain.commands.launch_info",
+    "scaletrain.commands.replay",
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad command lines as one line with exit code 2 (its usual code)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"scaletrain: error: {message} (see '{self.prog} --help')\n")
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="scaletrain", description=__doc__.splitlines()[0])
+    parser = Parser(prog="scaletrain", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMAND_MODULES:
         if importlib.util.find_spec(name) is None:
             continue

@@ -184,3 +184,14 @@ def non_finite_keys(cfg: Any, prefix: str = "") -> list[str]:
         elif isinstance(value, float) and not math.isfinite(value):
             bad.append(f"{prefix}{f.name} ({value})")
     return bad
+
+
+def parse_positive(text: str, what: str) -> float:
+    """A positive finite number such as 1e21, 5.76e23 or 70_000_000_000, or a UserError naming it."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise UserError(f"{what} must be a number such as 1e21, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"{what} must be a positive finite number, got {text!r}")
+    return value

@@ -95,7 +95,7 @@ class ResidentMeter:
 
     def end(self, device: torch.device, step: int) -> dict[str, int]:
         local = self.measure(device)
-        from scaletrain.parallel.comm import all_reduce_max_list
+        from scaletrain.distributed.comm import all_reduce_max_list
 
         worst = int(all_reduce_max_list([float(local)])[0])  # on the backend's device (the rank's GPU under NCCL)
         row = {"mem_resident": worst}

@@ -342,7 +342,7 @@ class AllocationProbe:
         and every rank measures the same step)."""
         if self.result is None:
             return {}
-        from scaletrain.parallel.comm import all_reduce_max_list
+        from scaletrain.distributed.comm import all_reduce_max_list
 
         fields = self.result.fields()  # maxed on the backend's device (the rank's GPU under NCCL)
         return {k: int(v) for k, v in zip(fields, all_reduce_max_list([float(v) for v in fields.values()]))}

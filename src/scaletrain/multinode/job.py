@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.distributed import DistEnv
+from scaletrain.distributed.process_group import DistEnv
 from scaletrain.errors import UserError
 from scaletrain.multinode import network, preflight
 from scaletrain.multinode.flight import T0, FlightRecorder, diagnose
@@ -100,7 +100,7 @@ class Job:
     # ------------------------------------------------------------------ start-up
 
     def start(self) -> Job:
-        from scaletrain import distributed
+        from scaletrain.distributed import process_group as distributed
 
         host, port = master_endpoint()
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
@@ -254,7 +254,7 @@ class Job:
         try:
             self._write_flight()
             if self.logs is not None:
-                from scaletrain.launch import write_error_record
+                from scaletrain.distributed.launch import write_error_record
 
                 self.logs.mkdir(parents=True, exist_ok=True)
                 write_error_record(self.logs, self.rank, v.code, v.message, plain=True)
@@ -378,7 +378,7 @@ class _Inert:
 def supervise(cfg: Config, out: Path | None, env: DistEnv | None, device: torch.device) -> Iterator[Job | _Inert]:
     """Start (and on exit stop) the supervision of this rank; a no-op for a single process."""
     if env is None or env.world_size == 1:
-        from scaletrain import distributed
+        from scaletrain.distributed import process_group as distributed
 
         if env is not None:
             distributed.init(env, cfg.parallel.timeout_s, device)

@@ -93,7 +93,7 @@ def torchrun_nodes_command(nnodes: int, nproc: int, endpoint: str, argv: list[st
 
 def launch_nodes(nnodes: int, nproc: int, endpoint: str, argv: list[str], out_dir: Path, restarts: int = 0) -> int:
     """Run this node's part of a multi-node job; returns the exit code for the user."""
-    from scaletrain.launch import LOG_DIR_ENV, report_failure, run_torchrun
+    from scaletrain.distributed.launch import LOG_DIR_ENV, report_failure, run_torchrun
 
     cmd, choice, here = torchrun_nodes_command(nnodes, nproc, endpoint, argv, restarts)
     logs = out_dir / "logs"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from scaletrain.parallel.comm import CommStats, all_reduce, group_size
+from scaletrain.distributed.comm import CommStats, all_reduce, group_size
 
 
 def bucket_params(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:

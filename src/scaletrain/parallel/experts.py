@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.config import Config
-from scaletrain.mesh import Mesh
+from scaletrain.distributed.comm import CommStats, collective_device, group_size
+from scaletrain.distributed.mesh import Mesh
 from scaletrain.model.moe import Experts, moe_layers, moe_modules
-from scaletrain.parallel.comm import CommStats, collective_device, group_size
 from scaletrain.parallel.parallelize import ReplicatedOptimizer, clip_coefficient, global_grad_norm
 from scaletrain.parallel.tp_plan import ShardSpec
 

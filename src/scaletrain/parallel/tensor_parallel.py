@@ -24,7 +24,7 @@ over the sequence).
 
 Activations are batch-first, (B, T, C); the sequence dimension is dim 1. Every collective takes the
 group as an argument and adds its bytes to a `CommStats` (kinds "tp.all_reduce", "tp.all_gather",
-"tp.reduce_scatter", ring factors as in `scaletrain.parallel.comm`). A group of None means tp = 1 and every
+"tp.reduce_scatter", ring factors as in `scaletrain.distributed.comm`). A group of None means tp = 1 and every
 collective is the identity. The pass `apply_tp` (the GPT's plan) lives at the end; the generic,
 table-driven `apply_tp_plan` is in `scaletrain.parallel.tp_plan`.
 """
@@ -40,10 +40,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scaletrain.distributed.comm import CommStats, group_size
 from scaletrain.errors import UserError
 from scaletrain.memory.autocast import forward_compute_dtype
 from scaletrain.model.init import name_seed
-from scaletrain.parallel.comm import CommStats, group_size
 
 # --------------------------------------------------------------------------- collectives
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.device.kernels import adamw_kernel, pinned
-from scaletrain.parallel.comm import CommStats, group_size
+from scaletrain.distributed.comm import CommStats, group_size
 from scaletrain.parallel.data_parallel import bucket_params
 
 _preserve_version = torch.autograd._unsafe_preserve_version_counter

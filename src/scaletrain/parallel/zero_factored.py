@@ -105,7 +105,7 @@ class ShardedFactored:
     # ------------------------------------------------------------------ helpers
 
     def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        from scaletrain.parallel.comm import collective_device
+        from scaletrain.distributed.comm import collective_device
 
         for group in self.groups:
             if dist.get_world_size(group) > 1:

@@ -418,7 +418,7 @@ def _rank_worker(rank: int, world: int, path: str, cfg: Config, repeats: int, ou
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the launcher's OMP_NUM_THREADS
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        from scaletrain.mesh import Mesh, ParallelDims
+        from scaletrain.distributed.mesh import Mesh, ParallelDims
         from scaletrain.plan.run_comm import sample_with_comm
 
         p = cfg.parallel

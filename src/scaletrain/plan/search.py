@@ -162,7 +162,7 @@ def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[
     """(tp_mode, tp, tp_depth, sequence blocks of a micro-batch) to search: 1D over the divisors of the GPU count
     up to a node (heads divisible); 2D / 2.5D / 3D over the q^2, d q^2 (2 <= d <= q) and q^3 grids dividing it
     (any size: their groups are q wide; heads divisible by q, widths by q^2; dense, non-reversible models only)."""
-    from scaletrain.tp_grid import grid_shape
+    from scaletrain.distributed.grid import grid_shape
 
     out = []
     for mode in _options(fixed, "tp_mode", list(TP_MODES)):

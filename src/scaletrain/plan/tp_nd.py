@@ -85,7 +85,7 @@ class Dims:
 
 def grid(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
     """(d, q) of the grid; UserError when tp does not form one."""
-    from scaletrain.tp_grid import grid_shape
+    from scaletrain.distributed.grid import grid_shape
 
     s = grid_shape(mode, tp, depth)
     if s is None:

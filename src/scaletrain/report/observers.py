@@ -45,7 +45,7 @@ class RunObservers:
         self.trace_written = False
         if self.out is None:
             return
-        from scaletrain.distributed import detect_env
+        from scaletrain.distributed.process_group import detect_env
         from scaletrain.report.runinfo import record_run_info
 
         env = detect_env()

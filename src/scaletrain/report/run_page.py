@@ -220,7 +220,7 @@ def communication(run: RunData) -> Section:
                       f"{run.column(k)[1][-1]:,}"] for k in kinds], id="comm-table"))
     else:
         s.add(Text("No collective moved bytes: a single-rank layout (or no metrics yet).", "note"))
-    notes = ["Bytes are counted by scaletrain.parallel.comm with the ring algorithm's factors, as sent by rank 0."]
+    notes = ["Bytes are counted by scaletrain.distributed.comm with the ring algorithm's factors, as sent by rank 0."]
     if not timed:
         notes.append("Time in communication is measured for the expert all-to-all only (MoE with ep > 1); "
                      "this run has none.")

@@ -176,7 +176,7 @@ def measure_cuda(cfg, micro_batch: int, limit: int) -> Trial:
 
 def find_max_micro_batch(cfg, memory_limit: int | None = None, cap: int = 16384) -> MaxBatch:
     """The largest train.micro_batch of `cfg`'s model that fits `memory_limit` bytes (see the module doc)."""
-    from scaletrain.distributed import pick_device
+    from scaletrain.distributed.process_group import pick_device
 
     if cap < 1:
         raise UserError(f"--cap must be >= 1, got {cap}")

@@ -239,8 +239,8 @@ def print_plan(p: BudgetPlan) -> None:
 
 
 def run_budget(args: argparse.Namespace) -> int:
-    """`scaletrain plan --flops-budget C ...` (dispatched from scaletrain.plan.command)."""
-    from scaletrain.scaling.command import parse_positive
+    """`scaletrain plan --flops-budget C ...` (dispatched from scaletrain.commands.plan)."""
+    from scaletrain.guards import parse_positive
 
     flops = parse_positive(args.flops_budget, "--flops-budget")
     model_flags = ("model", "config", "params", "layers", "hidden", "heads", "ffn", "kv_heads", "experts", "top_k")

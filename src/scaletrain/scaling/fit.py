@@ -595,3 +595,31 @@ def _fit_all(points: Points, approaches: tuple[int, ...], bootstrap: int, seed: 
     attempt(2, two)
     attempt(1, one)
     return report
+
+
+def _fmt_ci(ci) -> str:
+    return "" if not ci else f"  [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def print_fit_report(report) -> None:
+    """The fits of `scaling fit` (and `scaling sweep`) as text."""
+    print(f"points {report.points}  runs {report.runs}  final points {report.final_points}")
+    p = report.approach3
+    if p is not None:
+        print(f"approach 3 (parametric, Huber delta=1e-3, L-BFGS; {p.starts} converged starts)")
+        print(f"  L(N, D) = {p.E:.4g} + {p.A:.4g}/N^{p.alpha:.4f} + {p.B:.4g}/D^{p.beta:.4f}")
+        print(f"  N_opt ~ C^{p.a:.3f}{_fmt_ci(p.ci.get('a'))}   D_opt ~ C^{p.b:.3f}{_fmt_ci(p.ci.get('b'))}")
+        for k in ("alpha", "beta", "E"):
+            if k in p.ci:
+                print(f"  {k} 10-90%{_fmt_ci(p.ci[k])}")
+    frontiers = ((2, report.approach2, "IsoFLOP parabolas"), (1, report.approach1, "training-curve envelope"))
+    for k, fit, what in frontiers:
+        if fit is None:
+            continue
+        print(f"approach {k} ({what}, {len(fit.compute)} frontier points)")
+        print(f"  N_opt = {fit.k:.4g} * C^{fit.a:.3f}{_fmt_ci(fit.a_ci)}")
+        print(f"  D_opt = {fit.kd:.4g} * C^{fit.b:.3f}{_fmt_ci(fit.b_ci)}")
+        for note in fit.notes:
+            print(f"  note: {note}")
+    for k, reason in report.skipped.items():
+        print(f"{k.replace('approach', 'approach ')} skipped: {reason}")

@@ -278,12 +278,12 @@ def run_sweep(out: Path, minutes: float = 10.0, levels: int = 3, sizes: int = 5,
     else:
         summary["fit"] = report.to_dict()
         summary["plots"] = [str(p) for p in plot_report(points, report, out / "plots")]
-        from scaletrain.report.scaling_page import write_scaling_page
+        from scaletrain.scaling.page import write_scaling_page
 
         page_runs = [{**asdict(r), "tokens": r.tokens, "flops": r.flops} for r in runs]
         summary["report"] = str(write_scaling_page(points, report, out / "report.html",
                                                    f"scaletrain scaling sweep: {out}", page_runs))
-        from scaletrain.scaling.command import print_fit_report
+        from scaletrain.scaling.fit import print_fit_report
 
         print_fit_report(report)
         log(f"plots in {out / 'plots'}, page {out / 'report.html'}")
@@ -292,8 +292,7 @@ def run_sweep(out: Path, minutes: float = 10.0, levels: int = 3, sizes: int = 5,
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from scaletrain.guards import check_output_dir
-    from scaletrain.scaling.command import parse_positive
+    from scaletrain.guards import check_output_dir, parse_positive
 
     check_output_dir(args.out, "--out")  # a folder that cannot be written fails here, not after the first run
     flops = parse_positive(args.flops, "--flops") if args.flops is not None else None

@@ -27,6 +27,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, UserError
 from scaletrain.train import dcp_io
 from scaletrain.train.shards import Block
 from scaletrain.train.state import Entry
@@ -306,3 +307,27 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     os.replace(tmp, final)
     fsync_dir(final.parent)
 
+
+def find_checkpoint(path: str | Path, note: bool = True) -> Path:
+    """The checkpoint `path` names: itself, a run's newest, or the newest of a folder of runs (said on stderr)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{p} is not a scaletrain run, a checkpoint or a folder of runs (not a directory)")
+    if (p / COMPLETE).exists() or (p / META).exists() or any(p.glob("rank*.pt")):
+        return p
+    found = latest(p / "checkpoints")
+    if found is not None:
+        return found
+    if (p / "config.yaml").exists() or (p / "checkpoints").is_dir():
+        raise CheckpointError(f"no complete checkpoint in {p / 'checkpoints'}")
+    runs = []
+    for sub in sorted(p.iterdir()):
+        newest = latest(sub / "checkpoints") if sub.is_dir() else None
+        if newest is not None:
+            runs.append(((newest / COMPLETE).stat().st_mtime, sub, newest))
+    if not runs:
+        raise UserError(f"{p} is not a scaletrain run (no checkpoints/, no config.yaml) and holds no runs")
+    _, run, newest = max(runs, key=lambda r: (r[0], r[1].name))
+    if note:
+        sys.stderr.write(f"scaletrain: using {run}, the run with the newest checkpoint in {p}\n")
+    return newest

@@ -11,9 +11,6 @@ context's logits; as in training, a group's expert capacity is shared by the tok
 
 from __future__ import annotations
 
-import math
-import sys
-
 import torch
 
 from scaletrain.errors import UserError
@@ -62,23 +59,3 @@ def generate(model, idx: torch.Tensor, tokens: int, cfg, temperature: float, top
             nxt = top.indices.gather(-1, torch.multinomial(torch.softmax(top.values, -1), 1, generator=generator))
         idx = torch.cat([idx, nxt], dim=1)
     return idx
-
-
-def cmd_sample(args) -> int:
-    from scaletrain.data.tokenizer import decode, encode
-    from scaletrain.train.ckpt_command import find_checkpoint
-
-    if args.tokens < 1 or not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 1:
-        raise UserError(f"--tokens ({args.tokens}) and --top-k ({args.top_k}) must be positive and --temperature "
-                        f"({args.temperature}) finite and >= 0")
-    idx = torch.from_numpy(encode(args.prompt).astype("int64"))[None]
-    if idx.numel() == 0:
-        raise UserError("--prompt must not be empty")
-    directory = find_checkpoint(args.out)
-    cfg, model = load_model(directory)
-    if int(idx.max()) >= cfg.model.vocab_size:
-        raise UserError(f"--prompt has byte values beyond model.vocab_size ({cfg.model.vocab_size})")
-    g = torch.Generator().manual_seed(args.seed)
-    out = generate(model, idx, args.tokens, cfg, args.temperature, args.top_k, g)
-    sys.stdout.write(decode(out[0].tolist()) + "\n")
-    return 0

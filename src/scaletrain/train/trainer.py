@@ -26,14 +26,14 @@ from scaletrain.data import BatchLoader, load_tokens
 from scaletrain.device.attention import probe_run
 from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
 from scaletrain.device.timing import StepTimer
-from scaletrain.distributed import DistEnv, pick_device
+from scaletrain.distributed.comm import CommStats, all_reduce, all_reduce_max_list
+from scaletrain.distributed.mesh import Mesh, ParallelDims
+from scaletrain.distributed.process_group import DistEnv, pick_device
 from scaletrain.memory.accounting import memory_reports, peak_bytes, tensor_bytes
 from scaletrain.memory.precision import DynamicLossScaler
-from scaletrain.mesh import Mesh, ParallelDims
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.comm import CommStats, all_reduce, all_reduce_max_list
 from scaletrain.parallel.experts import moe_metrics
 from scaletrain.parallel.parallelize import build_engine
 from scaletrain.report.observers import RunObservers
@@ -110,7 +110,7 @@ class Trainer:
         self.mem: dict[str, int] = {}
         self.noise = self.noise_probe = None
         if t.log_noise_scale:  # gradient noise scale (McCandlish et al.): hooks exist only when asked for
-            from scaletrain.scaling.noise import GradSqProbe, NoiseScaleEMA
+            from scaletrain.train.noise_scale import GradSqProbe, NoiseScaleEMA
 
             self.noise_probe, self.noise = GradSqProbe(list(self.model.parameters())), NoiseScaleEMA()
         if self.out is not None:
@@ -252,7 +252,7 @@ class Trainer:
         Under expert parallelism an expert's gradient in one backward holds the same micro-batch of each of the
         ep ranks (ep x micro_batch sequences): the expert parameters are estimated at that small batch, the
         others at one micro-batch, and the two unbiased estimates are added (`NoiseScaleEMA.update_parts`)."""
-        from scaletrain.scaling.noise import small_batch_sq
+        from scaletrain.train.noise_scale import small_batch_sq
 
         t, ep = self.cfg.train, self.cfg.parallel.ep
         dense, expert = self.noise_probe.take_parts()

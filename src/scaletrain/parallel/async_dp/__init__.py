@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scaletrain.config import Config
-from scaletrain.distributed import DistEnv
+from scaletrain.distributed.process_group import DistEnv
 
 
 def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: bool = False, reshard: bool = False,

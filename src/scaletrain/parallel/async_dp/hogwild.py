@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.distributed import DistEnv
+from scaletrain.distributed.process_group import DistEnv
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.optim import lr_multiplier
 from scaletrain.parallel.async_dp import rank_checkpoint as ckpt

@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from scaletrain.config import Config
-from scaletrain.launch import LOG_DIR_ENV, free_port, report_failure
+from scaletrain.distributed.launch import LOG_DIR_ENV, free_port, report_failure
 from scaletrain.parallel.async_dp.ps import DEAD_KEY
 
 

@@ -30,14 +30,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.config import Config
-from scaletrain.distributed import DistEnv, pick_device
+from scaletrain.distributed.comm import CommStats, all_reduce
+from scaletrain.distributed.process_group import DistEnv, pick_device
 from scaletrain.errors import CheckpointError
 from scaletrain.optim import lr_multiplier
 from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
 from scaletrain.parallel.async_dp.common import Metrics, async_signature, find_resume, observers
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
-from scaletrain.parallel.comm import CommStats, all_reduce
 from scaletrain.train.schedule import lr_at
 
 

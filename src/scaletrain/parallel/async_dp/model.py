@@ -19,9 +19,9 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.data import BatchLoader, load_tokens
-from scaletrain.mesh import Mesh, ParallelDims
+from scaletrain.distributed.comm import CommStats
+from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.model.init import name_seed
-from scaletrain.parallel.comm import CommStats
 from scaletrain.parallel.parallelize import _sq_norm, build_engine
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.distributed import DistEnv
+from scaletrain.distributed.process_group import DistEnv
 from scaletrain.optim import lr_multiplier
 from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
 from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
@@ -582,7 +582,7 @@ class PSRunner:
     """The run loop of one rank of a ps job, with the interface of `Trainer` that the commands use."""
 
     def __init__(self, cfg: Config, out: Path | None, env: DistEnv | None, progress: bool = False):
-        from scaletrain.distributed import pick_device
+        from scaletrain.distributed.process_group import pick_device
 
         p = cfg.parallel
         self.cfg, self.out = cfg, out

@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.config import Config
+from scaletrain.distributed.comm import CommStats
+from scaletrain.distributed.mesh import Mesh
 from scaletrain.errors import ConfigError
-from scaletrain.mesh import Mesh
-from scaletrain.parallel.comm import CommStats
 from scaletrain.parallel.pipeline import partition as part
 from scaletrain.parallel.pipeline.schedules import build_schedule, rank_chunk_to_stage
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scaletrain.parallel.comm import CommStats, group_size
+from scaletrain.distributed.comm import CommStats, group_size
 from scaletrain.parallel.tensor_nd.grid import Grid, Placement, shape_of
 
 

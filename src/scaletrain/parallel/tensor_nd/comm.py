@@ -2,7 +2,7 @@
 built from them.
 
 Every collective takes its group (None: one rank, nothing to do) and adds the bytes this rank sends to a
-`CommStats` under a kind `tp.<collective>`. The counts use the ring conventions of `scaletrain.parallel.comm`
+`CommStats` under a kind `tp.<collective>`. The counts use the ring conventions of `scaletrain.distributed.comm`
 (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n of the full buffer) and, for the
 broadcasts and reduces of SUMMA (Van de Geijn & Watts, 1997), (n-1)/n of the buffer per call on every member:
 over the q calls of one SUMMA product each rank is the root once, and a pipelined (chain) broadcast or reduce
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from scaletrain.parallel.comm import CommStats, group_size
+from scaletrain.distributed.comm import CommStats, group_size
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scaletrain.parallel.comm import CommStats
+from scaletrain.distributed.comm import CommStats
 from scaletrain.parallel.tensor_nd.comm import all_reduce, value_sum
 from scaletrain.parallel.tensor_nd.grid import Placement
 from scaletrain.parallel.tensor_parallel import vocab_parallel_cross_entropy

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from scaletrain.parallel.comm import CommStats
-from scaletrain.tp_grid import GridShape, _root, grid_shape  # noqa: F401  (torch-free, for the planner)
+from scaletrain.distributed.comm import CommStats
+from scaletrain.distributed.grid import GridShape, _root, grid_shape  # noqa: F401  (torch-free, for the planner)
 
 AXES = ("k", "i", "j")
 

@@ -15,7 +15,7 @@ layout is the best of several candidates that fix the most frequent uncovered pa
 dimension, in random order, the value covering the most uncovered pairs; a candidate is then repaired by
 hill-climbing on the number of constraints it breaks). Whether a pair occurs in an accepted layout is decided by
 search (`_Search.complete`: the pair with what its values need, `needs`, changed in up to two more dimensions).
-The sets for 1, 2, 4 and 8 processes are stored in configs/covering.json (`python -m scaletrain.layouts`
+The sets for 1, 2, 4 and 8 processes are stored in configs/covering.json (`python -m scaletrain.verify.layouts`
 regenerates them: 2.5 minutes of CPU, spread over `--procs` processes): tests/test_matrix.py runs the
 4-process one and checks every stored set still covers every accepted pair; `scaletrain verify --matrix --world
 N` runs the N-process one. The pairs no
@@ -27,8 +27,8 @@ Adding a dimension (e.g. `sync`, `precision`):
 2. if a value needs another dimension's value to mean something, add the rule to `meaningless`, and the
    completion to `needs` (what to set so that the pair becomes possible: it makes the search fast);
 3. if its layouts need a different reference (like 2BW's stale-weight rule), say so in `matrix.run_reference`;
-4. run `python -m scaletrain.layouts` (covering.json; until then the stored layouts take the new default) and
-   `python -m scaletrain.layouts --docs docs/verify.md` (the tables), then `pytest tests/test_matrix.py`: every
+4. run `python -m scaletrain.verify.layouts` (covering.json; until then the stored layouts take the new default) and
+   `python -m scaletrain.verify.layouts --docs docs/verify.md` (the tables), then `pytest tests/test_matrix.py`: every
    new pair is run and compared in CI, and a pair the stored sets miss fails
    `test_stored_covering_sets_are_accepted_and_miss_no_accepted_pair`.
 """
@@ -450,7 +450,7 @@ def update_docs(path: str) -> list[str]:
     `dimensions`, `refusals` and `tolerances`. Returns the names of the sections it rewrote."""
     from pathlib import Path
 
-    from scaletrain.matrix import tolerance_table
+    from scaletrain.verify.tolerances import tolerance_table
 
     doc = Path(path)
     text_ = doc.read_text()
@@ -479,7 +479,7 @@ STORED_WORLDS = (1, 2, 4, 8)
 
 def stored_covering(max_world: int = 4) -> list[Layout]:
     """The stored covering set of up to `max_world` processes (4: the one the CI runs), as `python -m
-    scaletrain.layouts` generated it: kept in the package so that every run tests the same layouts;
+    scaletrain.verify.layouts` generated it: kept in the package so that every run tests the same layouts;
     tests/test_matrix.py checks that it is still accepted and still covers every accepted pair."""
     from importlib import resources
 
@@ -524,14 +524,14 @@ def generate(worlds: tuple[int, ...] = STORED_WORLDS, seeds: int = 3, candidates
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m scaletrain.layouts [--seeds S] [--candidates C] [--procs P]`: regenerate configs/covering.json
+    """`python -m scaletrain.verify.layouts [--seeds S] [--candidates C] [--procs P]`: regenerate configs/covering.json
     (every stored world size) and print what each set costs; `--docs FILE` rewrites the generated tables."""
     import argparse
     import os
     import time
     from pathlib import Path
 
-    ap = argparse.ArgumentParser(prog="python -m scaletrain.layouts", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m scaletrain.verify.layouts", description=main.__doc__)
     ap.add_argument("--seeds", type=int, default=3, help="greedy constructions per world size (the cheapest is kept)")
     ap.add_argument("--candidates", type=int, default=30, help="AETG candidates per chosen layout")
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 1,
@@ -551,9 +551,9 @@ def main(argv: list[str] | None = None) -> None:
         sizes = " / ".join(str(sum(lay.world == w for lay in cov)) for w in ws)
         print(f"world <= {world}: {len(cov)} layouts ({sizes} on {' / '.join(map(str, ws))} processes), "
               f"{cost(cov)[0]} process-steps, seed {seed}", flush=True)
-    path = Path(__file__).parent / COVERING_FILE
-    lines = ['{"generated_by": "python -m scaletrain.layouts",', f' "dimensions": {json.dumps(list(DIMENSIONS))},',
-             ' "sets": {']
+    path = Path(__file__).parent.parent / COVERING_FILE
+    lines = ['{"generated_by": "python -m scaletrain.verify.layouts",',
+             f' "dimensions": {json.dumps(list(DIMENSIONS))},', ' "sets": {']
     for i, (world, entry) in enumerate(sets.items()):
         rows = ",\n".join(f"   {json.dumps(row)}" for row in entry["layouts"])
         end = "," if i < len(sets) - 1 else ""

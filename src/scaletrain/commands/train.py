@@ -64,7 +64,7 @@ def cmd_config_show(args) -> int:
     if not args.doc:
         sys.stdout.write(cfg.to_yaml())
         return 0
-    from scaletrain.config_doc import doc_text
+    from scaletrain.config.doc import doc_text
 
     sys.stdout.write(doc_text(cfg))
     return 0
@@ -73,8 +73,8 @@ def cmd_config_show(args) -> int:
 def cmd_train(args) -> int:
     import os
 
-    from scaletrain.distributed import detect_env
-    from scaletrain.launch import LOG_DIR_ENV
+    from scaletrain.distributed.launch import LOG_DIR_ENV
+    from scaletrain.distributed.process_group import detect_env
     from scaletrain.memory.budget import check_before_launch, local_world_size
 
     cfg = load_config(args.config, args.set)
@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
     if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
         return run_single(cfg, out, **resume_args)
-    from scaletrain.launch import launch_local
+    from scaletrain.distributed.launch import launch_local
 
     argv = ["train", "--out", str(out)] + (["--reshard"] if args.reshard else [])
     argv += ["--init-from", str(args.init_from)] if args.init_from is not None else []
@@ -170,8 +170,8 @@ def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | N
 
 def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None) -> int:
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
-    from scaletrain import distributed
-    from scaletrain.launch import WorkerContext
+    from scaletrain.distributed import process_group as distributed
+    from scaletrain.distributed.launch import WorkerContext
     from scaletrain.multinode.job import supervise
     from scaletrain.parallel.async_dp import make_trainer
 
@@ -255,7 +255,7 @@ def cmd_demo(args) -> int:
     code = run_single(cfg, out)
     if code or args.no_prove:
         return code
-    from scaletrain.verify import build_args, cmd_verify
+    from scaletrain.commands.verify import build_args, cmd_verify
 
     print("\nprove: each layout below trains the same small model in fp64 on 2 processes and is compared, "
           "step by step and parameter by parameter, with the single-process run")
@@ -269,6 +269,25 @@ def cmd_demo(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from scaletrain.train.sample import cmd_sample as sample
+    import math
 
-    return sample(args)
+    import torch
+
+    from scaletrain.data.tokenizer import decode, encode
+    from scaletrain.train.checkpoint import find_checkpoint
+    from scaletrain.train.sample import generate, load_model
+
+    if args.tokens < 1 or not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 1:
+        raise UserError(f"--tokens ({args.tokens}) and --top-k ({args.top_k}) must be positive and --temperature "
+                        f"({args.temperature}) finite and >= 0")
+    idx = torch.from_numpy(encode(args.prompt).astype("int64"))[None]
+    if idx.numel() == 0:
+        raise UserError("--prompt must not be empty")
+    directory = find_checkpoint(args.out)
+    cfg, model = load_model(directory)
+    if int(idx.max()) >= cfg.model.vocab_size:
+        raise UserError(f"--prompt has byte values beyond model.vocab_size ({cfg.model.vocab_size})")
+    g = torch.Generator().manual_seed(args.seed)
+    out = generate(model, idx, args.tokens, cfg, args.temperature, args.top_k, g)
+    sys.stdout.write(decode(out[0].tolist()) + "\n")
+    return 0

@@ -1,4 +1,4 @@
-"""`scaletrain replay --out RUN` (parsed in `scaletrain.replay_cli`): replay a finished ps or locked-Hogwild run
+"""`scaletrain replay --out RUN` (parsed in `scaletrain.commands.replay`): replay a finished ps or locked-Hogwild run
 from its version log in one process and check that it reproduces the run's final parameters bit for bit
 (docs/async.md)."""
 

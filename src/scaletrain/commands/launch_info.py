@@ -73,7 +73,7 @@ def _existing_parent(p: Path) -> Path:
 
 
 def cmd_launch_info(args) -> int:
-    from scaletrain.distributed import detect_env
+    from scaletrain.distributed.process_group import detect_env
 
     env = detect_env()
     if env is not None and env.world_size > 1:
@@ -121,8 +121,8 @@ def cmd_launch_info(args) -> int:
 
 def _in_job(args, env) -> int:
     """Every rank: the start-up checks of a real run (without building a model); rank 0 prints them."""
-    from scaletrain import distributed
     from scaletrain.config import load_config, validate
+    from scaletrain.distributed import process_group as distributed
     from scaletrain.multinode.job import supervise
 
     cfg = validate(load_config(args.config, args.set))

@@ -14,6 +14,6 @@ def add_parser(sub) -> None:
 
 
 def _run(args) -> int:
-    from scaletrain.parallel.async_dp.command import cmd_replay
+    from scaletrain.train.replay_check import cmd_replay
 
     return cmd_replay(args)

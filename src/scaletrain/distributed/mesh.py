@@ -3,7 +3,7 @@
 The rank grid is one line, `torch.arange(world).view(pp, dp, tp)`: tp varies fastest so a tensor-parallel
 group stays inside a node, pp is outermost. Every group is created with the run's timeout, so a rank that
 dies or a mismatched collective fails within `parallel.timeout_s` instead of hanging. A Mesh of size 1
-needs no process group at all: every group is None and the collectives in `scaletrain.parallel.comm` are
+needs no process group at all: every group is None and the collectives in `scaletrain.distributed.comm` are
 no-ops, so the single-process run is the same code path with trivial groups.
 
 Expert parallelism is carved from dp rather than being a grid axis: `ep` groups (each dp group cut into

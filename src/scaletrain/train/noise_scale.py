@@ -146,7 +146,7 @@ def world_sum(value: float) -> float:
     """Sum of a Python scalar over every process (identity without a process group)."""
     if not dist.is_initialized():
         return value
-    from scaletrain.parallel.comm import collective_device
+    from scaletrain.distributed.comm import collective_device
 
     t = torch.tensor([value], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)

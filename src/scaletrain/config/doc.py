@@ -1,6 +1,6 @@
 """`scaletrain config show --doc`: every config key with its value and its documentation, aligned.
 
-No paper: the documentation is each field's docstring in config.py (`field_docs`). Values are printed as YAML
+No paper: the documentation is each field's docstring in config/schema.py (`field_docs`). Values are printed as YAML
 scalars (true, 'gelu', 0.0), nested sections (model.moe) as indented blocks, never as Python reprs, so the
 output reads as the YAML a user would write, with one `# ...` comment per key in one column.
 """
@@ -11,8 +11,6 @@ import dataclasses
 from typing import Any
 
 import yaml
-
-from scaletrain.config import field_docs
 
 
 def _scalar(value: Any) -> str:
@@ -39,3 +37,17 @@ def doc_text(cfg: Any) -> str:
     rows = _rows(cfg, 0)
     width = max(len(left) for left, _ in rows) + 2
     return "".join(f"{left:<{width}}# {doc}\n" if doc else f"{left}\n" for left, doc in rows)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (for `config show --doc`)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs

@@ -12,7 +12,6 @@ runs (the run with the newest checkpoint, e.g. `runs/demo`).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from scaletrain.errors import CheckpointError, UserError
@@ -41,34 +40,11 @@ def add_parser(sub) -> None:
     e.set_defaults(func=cmd_export)
 
 
-# --------------------------------------------------------------------------- finding checkpoints
+def find_checkpoint(path, note: bool = True) -> Path:
+    """`train.checkpoint.find_checkpoint`, imported when a command runs (`scaletrain --help` starts without torch)."""
+    from scaletrain.train.checkpoint import find_checkpoint as find
 
-
-def find_checkpoint(path: str | Path, note: bool = True) -> Path:
-    """The checkpoint `path` names: itself, a run's newest, or the newest of a folder of runs (said on stderr)."""
-    from scaletrain.train import checkpoint as ckpt
-
-    p = Path(path)
-    if not p.is_dir():
-        raise UserError(f"{p} is not a scaletrain run, a checkpoint or a folder of runs (not a directory)")
-    if (p / ckpt.COMPLETE).exists() or (p / ckpt.META).exists() or any(p.glob("rank*.pt")):
-        return p
-    found = ckpt.latest(p / "checkpoints")
-    if found is not None:
-        return found
-    if (p / "config.yaml").exists() or (p / "checkpoints").is_dir():
-        raise CheckpointError(f"no complete checkpoint in {p / 'checkpoints'}")
-    runs = []
-    for sub in sorted(p.iterdir()):
-        newest = ckpt.latest(sub / "checkpoints") if sub.is_dir() else None
-        if newest is not None:
-            runs.append(((newest / ckpt.COMPLETE).stat().st_mtime, sub, newest))
-    if not runs:
-        raise UserError(f"{p} is not a scaletrain run (no checkpoints/, no config.yaml) and holds no runs")
-    _, run, newest = max(runs, key=lambda r: (r[0], r[1].name))
-    if note:
-        sys.stderr.write(f"scaletrain: using {run}, the run with the newest checkpoint in {p}\n")
-    return newest
+    return find(path, note)
 
 
 def _new_output(to: str, what: str) -> Path:
@@ -176,7 +152,7 @@ def target_config(meta: dict, layout: str, sets: list[str]):
 
 def cmd_convert(args) -> int:
     from scaletrain.config import validate
-    from scaletrain.distributed import detect_env
+    from scaletrain.distributed.process_group import detect_env
     from scaletrain.train import checkpoint as ckpt
 
     env = detect_env()
@@ -190,7 +166,7 @@ def cmd_convert(args) -> int:
     out = _new_output(args.to, "converted run")
     if cfg.world_size == 1:
         return convert_worker(cfg, source, meta, out, None)
-    from scaletrain.launch import launch_local
+    from scaletrain.distributed.launch import launch_local
 
     argv = ["checkpoint", "convert", str(source), "--to", str(out), "--layout", args.layout]
     for item in args.set:
@@ -203,10 +179,10 @@ def convert_worker(cfg, source: Path, meta: dict, out: Path, env) -> int:
     import torch
     import torch.distributed as dist
 
-    from scaletrain import distributed
-    from scaletrain.mesh import Mesh, ParallelDims
+    from scaletrain.distributed import process_group as distributed
+    from scaletrain.distributed.comm import CommStats
+    from scaletrain.distributed.mesh import Mesh, ParallelDims
     from scaletrain.model.init import name_seed
-    from scaletrain.parallel.comm import CommStats
     from scaletrain.parallel.parallelize import build_engine
     from scaletrain.train import checkpoint as ckpt
     from scaletrain.train import resume

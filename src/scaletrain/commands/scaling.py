@@ -9,23 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
 from scaletrain.errors import UserError
+from scaletrain.guards import parse_positive
 from scaletrain.scaling.laws import LAWS, Optimum, get_law
-
-
-def parse_positive(text: str, what: str) -> float:
-    """A positive finite number such as 1e21, 5.76e23 or 70_000_000_000, or a UserError naming it."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise UserError(f"{what} must be a number such as 1e21, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise UserError(f"{what} must be a positive finite number, got {text!r}")
-    return value
 
 
 def _si(x: float) -> str:
@@ -66,34 +55,6 @@ def run_optimal(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_ci(ci) -> str:
-    return "" if not ci else f"  [{ci[0]:.3f}, {ci[1]:.3f}]"
-
-
-def print_fit_report(report) -> None:
-    """The fits of `scaling fit` (and `scaling sweep`) as text."""
-    print(f"points {report.points}  runs {report.runs}  final points {report.final_points}")
-    p = report.approach3
-    if p is not None:
-        print(f"approach 3 (parametric, Huber delta=1e-3, L-BFGS; {p.starts} converged starts)")
-        print(f"  L(N, D) = {p.E:.4g} + {p.A:.4g}/N^{p.alpha:.4f} + {p.B:.4g}/D^{p.beta:.4f}")
-        print(f"  N_opt ~ C^{p.a:.3f}{_fmt_ci(p.ci.get('a'))}   D_opt ~ C^{p.b:.3f}{_fmt_ci(p.ci.get('b'))}")
-        for k in ("alpha", "beta", "E"):
-            if k in p.ci:
-                print(f"  {k} 10-90%{_fmt_ci(p.ci[k])}")
-    frontiers = ((2, report.approach2, "IsoFLOP parabolas"), (1, report.approach1, "training-curve envelope"))
-    for k, fit, what in frontiers:
-        if fit is None:
-            continue
-        print(f"approach {k} ({what}, {len(fit.compute)} frontier points)")
-        print(f"  N_opt = {fit.k:.4g} * C^{fit.a:.3f}{_fmt_ci(fit.a_ci)}")
-        print(f"  D_opt = {fit.kd:.4g} * C^{fit.b:.3f}{_fmt_ci(fit.b_ci)}")
-        for note in fit.notes:
-            print(f"  note: {note}")
-    for k, reason in report.skipped.items():
-        print(f"{k.replace('approach', 'approach ')} skipped: {reason}")
-
-
 def _parse_approaches(text: str) -> tuple[int, ...]:
     try:
         out = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
@@ -105,7 +66,7 @@ def _parse_approaches(text: str) -> tuple[int, ...]:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from scaletrain.scaling.fit import fit_all, load_points
+    from scaletrain.scaling.fit import fit_all, load_points, print_fit_report
 
     if args.bootstrap < 0:
         raise UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
@@ -131,7 +92,7 @@ def run_fit(args: argparse.Namespace) -> int:
     else:
         print_fit_report(report)
     if args.html:
-        from scaletrain.report.scaling_page import write_scaling_page
+        from scaletrain.scaling.page import write_scaling_page
 
         write_scaling_page(points, report, args.html, f"scaletrain scaling fit: {args.runs}")
         print(f"page: {args.html}", file=sys.stderr if args.json else sys.stdout)

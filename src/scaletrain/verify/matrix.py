@@ -1,4 +1,4 @@
-"""`scaletrain verify --matrix`: run layouts of the enumerated space (`scaletrain.layouts`) and compare each with
+"""`scaletrain verify --matrix`: run layouts of the enumerated space (`scaletrain.verify.layouts`) and compare each with
 the single-process run of the same model, data, seed and dtype (docs/verify.md).
 
 Each layout trains `layouts.STEPS` steps. Compared: the loss and the gradient norm of every step and every final
@@ -28,45 +28,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from scaletrain.layouts import STEPS, Layout, config, reference_config
+from scaletrain.verify.layouts import STEPS, Layout, config, reference_config
+from scaletrain.verify.tolerances import ATOL_FP64, RTOL_FP64, TOLERANCE
 
 if TYPE_CHECKING:
     import torch
-
-RTOL_FP64, ATOL_FP64 = 1e-9, 1e-11
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    loss: float
-    """Largest |loss - ref| / |ref| over the steps."""
-    grad_norm: float
-    """Largest |grad_norm - ref| / ref over the steps."""
-    params: float
-    """||params - ref||_2 / ||ref||_2 over all parameters at the end."""
-
-
-# 3x the largest difference measured over covering-set layouts run in each dtype (docs/verify.md, "Where the
-# tolerances come from": two measurements, 122 layouts of the 2- and 4-process sets in their own dtypes, 41 fp32,
-# 41 bf16, 40 fp16; `benchmarks/bench_matrix_noise.py` measures every layout in every dtype); tests/test_matrix.py
-# checks the docs.
-TOLERANCE = {
-    "fp32": Tolerance(loss=1.4e-4, grad_norm=1.5e-3, params=3.4e-3),
-    "bf16": Tolerance(loss=3.8e-3, grad_norm=4.7e-2, params=0.1),
-    "fp16": Tolerance(loss=2.9e-3, grad_norm=0.16, params=3.8e-2),
-}
-
-
-def tolerance_table() -> str:
-    """docs/verify.md's table of tolerances (markdown), from `TOLERANCE` and the fp64 rtol/atol."""
-    rows = ["| dtype | loss (relative, every step) | gradient norm (relative, every step) | parameters |",
-            "|---|---|---|---|",
-            f"| fp64 | rtol {RTOL_FP64:g}, atol {ATOL_FP64:g} | rtol {RTOL_FP64:g} | "
-            f"element-wise rtol {RTOL_FP64:g}, atol {ATOL_FP64:g} |"]
-    for dtype, t in TOLERANCE.items():
-        rows.append(f"| {dtype} | {t.loss:.2g} | {t.grad_norm:.2g} | relative L2 {t.params:.2g} |")
-    return "\n".join(rows) + "\n"
-
 
 @dataclass
 class Run:
@@ -251,7 +217,7 @@ def to_json(outcomes: list[Outcome], layouts: list[Layout], meta: dict[str, Any]
 def parse_filter(expr: str | None) -> dict[str, tuple[bool, set[str]]]:
     """`dim=a|b,dim!=c` -> {dim: (wanted, values as text)}; unknown dimensions and values are user errors."""
     from scaletrain.errors import UserError
-    from scaletrain.layouts import DIMENSIONS, text
+    from scaletrain.verify.layouts import DIMENSIONS, text
 
     out: dict[str, tuple[bool, set[str]]] = {}
     for term in [t.strip() for t in (expr or "").split(",") if t.strip()]:
@@ -274,7 +240,7 @@ def parse_filter(expr: str | None) -> dict[str, tuple[bool, set[str]]]:
 
 
 def matches(layout: Layout, flt: dict[str, tuple[bool, set[str]]]) -> bool:
-    from scaletrain.layouts import text
+    from scaletrain.verify.layouts import text
 
     return all((text(layout[d]) in values) == wanted for d, (wanted, values) in flt.items())
 
@@ -284,7 +250,7 @@ def select(world: int, flt: dict, exhaustive: bool, limit: int) -> list[Layout]:
     import itertools
 
     from scaletrain.errors import UserError
-    from scaletrain.layouts import DIMENSIONS, WORLD_SIZES, accepted, stored_covering, text
+    from scaletrain.verify.layouts import DIMENSIONS, WORLD_SIZES, accepted, stored_covering, text
 
     if not exhaustive:
         return [lay for lay in stored_covering(world) if matches(lay, flt)]
@@ -311,7 +277,7 @@ def check_args(args) -> None:
     """Bad input before anything runs: one line, exit 2."""
     from scaletrain.config import DTYPES
     from scaletrain.errors import UserError
-    from scaletrain.layouts import WORLD_SIZES
+    from scaletrain.verify.layouts import WORLD_SIZES
 
     if args.world not in WORLD_SIZES:
         raise UserError(f"--world must be one of {', '.join(map(str, WORLD_SIZES))}, got {args.world}")
@@ -322,7 +288,7 @@ def check_args(args) -> None:
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.set or args.config or args.small:
-        raise UserError("--matrix runs the layouts of scaletrain.layouts on its own small model; "
+        raise UserError("--matrix runs the layouts of scaletrain.verify.layouts on its own small model; "
                         "--config, --set and --small apply to a single verify")
 
 
@@ -333,8 +299,8 @@ def run_batch(args) -> int:
 
     import torch
 
-    from scaletrain import distributed
-    from scaletrain.distributed import detect_env
+    from scaletrain.distributed import process_group as distributed
+    from scaletrain.distributed.process_group import detect_env
 
     env = detect_env()
     with open(args.matrix_batch) as f:
@@ -364,7 +330,7 @@ def _launch(layouts: list[Layout], dtype: str | None, tmp: str, index: int, devi
     import sys
     from pathlib import Path
 
-    from scaletrain.launch import torchrun_command
+    from scaletrain.distributed.launch import torchrun_command
 
     batch = Path(tmp) / f"batch{index}.json"
     batch.write_text(json.dumps({"layouts": [lay.as_dict() for lay in layouts], "dtype": dtype}))

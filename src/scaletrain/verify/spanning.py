@@ -11,14 +11,14 @@ from __future__ import annotations
 import sys
 
 from scaletrain.config import Config, validate
-from scaletrain.distributed import DistEnv
+from scaletrain.distributed.process_group import DistEnv
 
 
 def verify_in_job(cfg: Config, args, env: DistEnv) -> int:
-    from scaletrain import distributed
-    from scaletrain.launch import WorkerContext
+    from scaletrain.distributed import process_group as distributed
+    from scaletrain.distributed.launch import WorkerContext
     from scaletrain.multinode.job import supervise
-    from scaletrain.verify import layout_words, reference_config, report, run
+    from scaletrain.verify.run import layout_words, reference_config, report, run
 
     validate(cfg, env.world_size)
     ref_cfg = reference_config(cfg)

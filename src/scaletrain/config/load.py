@@ -1,0 +1,150 @@
+"""Loading a run configuration: defaults, then a YAML file, then `--set key=value` overrides, each converted to the
+field's type with a `ConfigError` naming the key when it does not fit. Does not validate (`config/validate.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scaletrain.config.schema import Config
+from scaletrain.errors import ConfigError
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(value: Any, typ: Any, key: str) -> Any:
+    """Convert a YAML or command-line value to the field's type, or raise ConfigError naming it."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        typ = args[0]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {typ!r}")
+
+
+def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {values!r}")
+    hints = _field_types(type(node))
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            known = ", ".join(hints)
+            raise ConfigError(f"unknown config key '{dotted}' (known here: {known})")
+        current = getattr(node, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, dotted + ".")
+        else:
+            setattr(node, key, _convert(value, hints[key], dotted))
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict (`Config.to_dict()`, a checkpoint's config) as dotted keys, e.g. {'model.d_model': 64}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def set_value(cfg: Config, dotted: str, raw: str) -> None:
+    """Apply one `--set key=value` override (the value parsed as YAML scalar, then type-converted)."""
+    parts = dotted.split(".")
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        hints = _field_types(type(node))
+        if part not in hints:
+            where = ".".join(parts[:i]) or "config"
+            raise ConfigError(f"unknown config key '{dotted}' (no '{part}' in {where})")
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(node, part)):
+                raise ConfigError(f"'{dotted}' is a section; set one of its keys, e.g. {dotted}.<key>=...")
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
+            if hints[part] is str and not isinstance(value, str):
+                value = raw  # keep strings such as "1f1b" or "007" verbatim
+            setattr(node, part, _convert(value, hints[part], dotted))
+        else:
+            node = getattr(node, part)
+            if not dataclasses.is_dataclass(node):
+                raise ConfigError(f"unknown config key '{dotted}' ('{part}' is not a section)")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides in order. Does not validate."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"--config {p} is a folder; give a YAML file")
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {p} is not a text file") from None
+        if data is not None:
+            _apply(cfg, data, "")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        set_value(cfg, key.strip(), raw.strip())
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    _apply(cfg, data, "")
+    return cfg

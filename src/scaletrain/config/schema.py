@@ -1,0 +1,337 @@
+"""The run configuration's schema: a tree of typed dataclasses, one docstring (the string literal) under each field.
+
+Imports nothing of the engine, so every layer can read it; `scaletrain config show --doc` prints the docstrings.
+Loading (YAML, `--set`) is `config/load.py`; the checks are `config/validate.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+DTYPES = ("fp32", "fp64", "bf16", "fp16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw")
+
+
+@dataclass
+class MoEConfig:
+    experts: int = 0
+    """Experts per mixture-of-experts layer; 0 means a dense model."""
+    every: int = 1
+    """Replace every k-th MLP by an MoE layer (blocks k-1, 2k-1, ...; GShard uses 2, arXiv 2006.16668)."""
+    top_k: int = 2
+    """Experts per token (`topk` router); the expected experts per token c of `expert_choice`."""
+    router: str = "topk"
+    """`topk` (Shazeer et al., arXiv 1701.06538), `switch` (top-1, arXiv 2101.03961) or `expert_choice`
+    (Zhou et al., arXiv 2202.09368)."""
+    capacity_factor: float = 1.25
+    """Expert capacity = ceil(capacity_factor x top_k x group_tokens / experts) slots per dispatch group."""
+    group_tokens: int = 64
+    """Tokens per dispatch group (GShard local groups): capacity is enforced per group of consecutive tokens."""
+    aux_loss_weight: float = 0.01
+    """Weight of the load-balancing loss n * sum_i f_i * p_i (Switch, arXiv 2101.03961)."""
+    z_loss_weight: float = 0.001
+    """Weight of the router z-loss mean (logsumexp of router logits)^2 (ST-MoE, arXiv 2202.08906)."""
+    router_noise: float = 0.0
+    """Router noise in training: topk adds N(0,1) x softplus(x W_noise) x this (Shazeer); switch multiplies
+    its input by U(1 - eps, 1 + eps) with eps this value (Switch jitter); 0 disables."""
+    random_routing: bool = False
+    """GShard: dispatch a token to its second expert only with probability 2 x (its normalised gate)."""
+    switch_init_scale: float = 0.0
+    """> 0: router and expert weights ~ truncated normal with std sqrt(s / fan_in) (Switch uses s = 0.1);
+    0 keeps the GPT initialisation."""
+    expert_dropout: float = 0.0
+    """Dropout on the experts' hidden activations (Switch's expert dropout), separate from model.dropout."""
+
+
+@dataclass
+class ModelConfig:
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    d_model: int = 128
+    """Hidden size (the paper's h)."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+    seq_len: int = 128
+    """Context length in tokens (the paper's s)."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte tokenizer."""
+    d_ff: int = 0
+    """MLP hidden size; 0 means 4 * d_model (GELU) or the 8/3 * d_model rounding of LLaMA (SwiGLU)."""
+    mlp: str = "gelu"
+    """MLP kind: `gelu` (GPT-2) or `swiglu` (Shazeer, arXiv 2002.05202)."""
+    position: str = "learned"
+    """Position encoding: `learned` (GPT-2) or `rope` (RoFormer, arXiv 2104.09864)."""
+    tie_embeddings: bool = True
+    """Share the token embedding and the output projection (Press & Wolf, arXiv 1608.05859)."""
+    dropout: float = 0.0
+    """Dropout probability on attention weights and residual branches."""
+    dropout_impl: str = "global"
+    """`global`: every mask is a hash of (seed, step, site, global element index), so every layout drops what one
+    process drops (model/dropout.py; attention then runs unfused when dropout > 0 in training); `torch`:
+    torch's dropout and SDPA's fused attention dropout (faster, but masks depend on the layout)."""
+    bias: bool = True
+    """Biases in linear layers and layer norms."""
+    norm_eps: float = 1e-5
+    """Layer-norm epsilon."""
+    norm: str = "layernorm"
+    """Normalisation layers: `layernorm` (GPT-2) or `rmsnorm` (LLaMA, arXiv 1910.07467; with model.bias a bias
+    is added after the gain)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts (model.moe.experts > 0)."""
+    reversible: bool = False
+    """Reversible blocks (RevNet arXiv 1707.04585, Reformer arXiv 2001.04451): the residual stream is split into two
+    halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
+    backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
+    architecture, not a free saving (docs/memory.md)."""
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    """Data-parallel degree."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-LM, arXiv 1909.08053)."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of stages)."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel group: 0 (plain DP), 1, 2 or 3 (arXiv 1910.02054)."""
+    offload: str = "none"
+    """ZeRO-Offload: `none`, `optimizer` (optimizer states and step on the CPU), `params` (ZeRO-3 only) or `nvme`
+    (ZeRO-Infinity, arXiv 2104.07857, ZeRO-3 only: parameter, master, AdamW and gradient shards in files under
+    parallel.offload_dir, streamed back just in time; docs/memory.md)."""
+    offload_dir: str = ""
+    """offload=nvme: the folder for each rank's shard files (scratch, deleted at the end of the run); it must
+    exist and be writable; empty = `OUT/offload` under --out (a temporary folder without --out)."""
+    nvme_prefetch: int = 2
+    """offload=nvme: units whose parameter shards are read ahead (and optimizer chunks read ahead / written
+    behind); the staging pools hold this many + 1 buffers and use this many I/O worker threads + 1."""
+    nvme_grads: bool = True
+    """offload=nvme: gradient shards in files too (written behind each reduce-scatter); false keeps them in
+    memory (fewer disk bytes per step, 4/dp bytes per parameter resident)."""
+    bucket_mb: float = 25.0
+    """Size of the gradient buckets reduced together, in MiB."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside the tp group (arXiv 2205.05198)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, 2bw."""
+    microbatches: int = 0
+    """Pipeline microbatches per step; 0 means global_batch / (micro_batch * dp)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    partition: str = "uniform"
+    """How blocks are split into pipeline stages: `uniform`, `params` (balance parameter counts), `time`
+    (balance per-block times from a short profile; PipeDream's DP split, arXiv 1806.03377) or block counts
+    such as `2,3,3`."""
+    ep: int = 1
+    """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
+    timeout_s: float = 300.0
+    """Timeout of every process group, in seconds: a stuck collective fails instead of hanging."""
+    heartbeat_s: float = 5.0
+    """Launched runs: a rank that stops (killed, SIGSTOP, dead machine) is noticed within this many seconds and
+    every rank stops naming it (heartbeat through the job's TCP store, docs/multinode.md); 0 disables it."""
+    flight_recorder: int = 256
+    """Launched runs: each rank records its last N collectives and point-to-point messages; when one times out
+    the ranks' records are matched into a report naming the operation and step (docs/multinode.md); 0: off."""
+    sync: str = "bsp"
+    """Data-parallel synchronisation (docs/async.md): `bsp` (all-reduce every step), `ps` (parameter servers, Li et
+    al. OSDI 2014), `hogwild` (shared memory, no lock; Niu et al. arXiv 1106.5730) or `local` (local SGD, Lin et al.
+    arXiv 1808.07217; DiLoCo with parallel.outer=diloco, arXiv 2311.08105)."""
+    servers: int = 1
+    """ps: server processes holding the parameters and optimizer state, tensors spread over them; the job has
+    parallel.dp workers plus these (--nproc = dp + servers; servers are ranks 0..servers-1, on the CPU)."""
+    staleness: int = 0
+    """ps: most server versions a gradient may be behind the parameters it is applied to (SSP, Ho et al. NIPS 2013);
+    0 is BSP exactly, -1 unbounded (ASP)."""
+    hogwild_lock: bool = False
+    """hogwild: take a lock around each read and update of the shared parameters (then it is ASP with one
+    gradient per update); false is the paper's lock-free Hogwild."""
+    local_steps: int = 8
+    """local: optimizer steps each worker takes alone between two synchronisations (the paper's H)."""
+    outer: str = "avg"
+    """local: `avg` sets the parameters to the workers' average; `diloco` applies the average change with an outer
+    Nesterov optimizer (outer_lr, outer_momentum)."""
+    outer_lr: float = 0.7
+    """local with outer=diloco: outer learning rate (DiLoCo uses 0.7)."""
+    outer_momentum: float = 0.9
+    """local with outer=diloco: outer Nesterov momentum (DiLoCo uses 0.9; 0 is plain SGD on the average change)."""
+    slow_ranks: str = ""
+    """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
+    forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""
+    ps_tolerate_loss: bool = False
+    """ps with staleness=-1: when a worker dies, continue with the others (its data is given to them) instead of
+    stopping the job; needs scaletrain's own launcher (`train --nproc`), which does not stop the job on a death."""
+    tp_mode: str = "1d"
+    """How the parallel.tp ranks split the model: `1d` (Megatron-LM), `2d` (Optimus, SUMMA on a q x q grid, arXiv
+    2104.05343), `2.5d` (Tesseract, parallel.tp_depth x q x q, arXiv 2105.14500) or `3d` (q x q x q, arXiv
+    2105.14450); 2d/2.5d/3d also split every activation (docs/tensor_parallel.md)."""
+    tp_depth: int = 1
+    """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch: int = 8
+    """Sequences per forward/backward on one data-parallel rank; the rest is gradient accumulation."""
+    seed: int = 1234
+    """Seed of initial weights, data order and dropout; results do not depend on the layout."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    lr_schedule: str = "cosine"
+    """`cosine` (warm-up then cosine decay to min_lr) or `constant` (warm-up then constant)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    dtype: str = "fp32"
+    """Parameter and compute dtype: fp32, fp64 (tight equivalence tests), bf16, fp16."""
+    precision: str = "dtype"
+    """`dtype`: parameters, activations and matmuls in train.dtype (bf16/fp16 keep fp32 masters, docs/precision.md);
+    `autocast-bf16`: fp32 parameters, gradients and optimizer state, matmuls and attention in bf16 under
+    torch.autocast (needs train.dtype=fp32; the fast setting on GPUs, docs/gpu.md)."""
+    compile: bool = False
+    """torch.compile each transformer block (after the tensor-parallel and recomputation passes, before data
+    parallelism / ZeRO, as torchtitan orders them); docs/gpu.md lists what it combines with."""
+    eval_every: int = 50
+    """Validation loss every N steps (and at the end); 0 disables it."""
+    eval_batches: int = 4
+    """Global batches in one validation pass."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every N steps."""
+    checkpoint_every: int = 100
+    """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background from a host copy of the state while training goes on; the next save
+    waits for the previous one (docs/checkpoints.md)."""
+    device: str = "auto"
+    """`auto` (cuda when present, else cpu), `cpu` or `cuda`."""
+    on_nan: str = "stop"
+    """A NaN/inf loss (fp32, fp64, bf16): `stop` the run naming step and rank, or `skip` the step."""
+    loss_scale: float = 65536.0
+    """fp16: initial dynamic loss scale (Micikevicius et al., arXiv 1710.03740)."""
+    loss_scale_window: int = 1000
+    """fp16: overflow-free steps before the scale grows by 2x."""
+    loss_scale_backoff: float = 0.5
+    """fp16: factor applied to the scale after an overflow (once hysteresis is used up)."""
+    loss_scale_hysteresis: int = 2
+    """fp16: overflows tolerated before the scale backs off."""
+    loss_scale_min: float = 1.0
+    """fp16: the scale never goes below this."""
+    log_noise_scale: bool = False
+    """Log the gradient noise scale B_simple = tr(Sigma)/|G|^2 (McCandlish et al., arXiv 1812.06162) from the
+    micro-batch and global-batch gradient norms: `noise_scale` etc. in metrics.jsonl (docs/scaling.md)."""
+    report: bool = True
+    """Write the HTML run report OUT/report.html at each checkpoint and at the end (docs/report.md)."""
+    tensorboard: bool = False
+    """Also write every metrics.jsonl scalar as TensorBoard events to OUT/tb/ (needs `pip install scaletrain[tb]`)."""
+    profile_steps: str = ""
+    """`a:b`: record torch.profiler traces of steps a..b on every rank into OUT/profile/ (Chrome/Perfetto JSON,
+    linked from the report); empty = no profiling."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """Optimizer: `adamw`, `adafactor` (arXiv 1804.04235), `sm3` (arXiv 1901.11150) or `sgd` (torch's, with
+    optim.momentum; L2 weight decay in the gradient; the inner optimizer of local SGD, arXiv 1808.07217)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW, arXiv 1711.05101) on matrices; not on biases, norms."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    relative_step: bool = False
+    """Adafactor: relative step size min(train.lr, 1/sqrt(t)) x RMS(param) (the paper's schedule, with parameter
+    scaling) instead of train.lr itself. Off by default: RMS(param) ~ 0.02 makes the relative step ~50x smaller
+    than AdamW's at the same train.lr, and it needs 1e4+ steps to pay off (docs/memory.md)."""
+    decay_rate: float = 0.8
+    """Adafactor: second-moment decay 1 - t^(-decay_rate)."""
+    clip_threshold: float = 1.0
+    """Adafactor: update clipping threshold d."""
+    lr_scale: float = 0.0
+    """Multiplier of the schedule's learning rate for this optimizer; 0 = its default: 1 for adamw and adafactor,
+    5 for sm3 (AdaGrad-style accumulators shrink its step as 1/sqrt(t); 5x train.lr trains the demo like AdamW),
+    100 for sgd (no per-coordinate normalisation)."""
+    momentum: float = 0.0
+    """SM3 and SGD momentum (0 disables the extra full-size buffer); Adafactor uses beta1 only if use_beta1."""
+    use_beta1: bool = False
+    """Adafactor: keep a first moment with optim.beta1 (adds a full-size buffer)."""
+
+
+@dataclass
+class MemoryConfig:
+    recompute: str = "none"
+    """Activation recomputation: none, full (arXiv 1604.06174), selective (arXiv 2205.05198), every:k."""
+    partition_checkpoints: bool = False
+    """With tp > 1 keep each saved block input sharded across tp ranks (ZeRO-R, arXiv 1910.02054)."""
+    offload_activations: bool = False
+    """Move saved block checkpoints to host memory between forward and backward."""
+    compress: str = "none"
+    """Saved-activation compression (Gist): none, relu-mask, bf16, int8, or a comma list."""
+    contiguous: bool = False
+    """ZeRO-R memory defragmentation (arXiv 1910.02054 Sec. 6.3): activation checkpoints (under recompute or
+    activation offload) and ZeRO-2/3's per-micro-batch gradient buffers live in arenas allocated once per run and
+    reused every step. Bit-identical to false (memory/contiguous.py)."""
+    count_allocations: bool = False
+    """Log `mem_alloc_count` and `mem_alloc_bytes`: allocator calls of one steady-state training step's forward and
+    backward (step 2; CPU: the profiler's memory events, CUDA: torch.cuda.memory_stats, which also gives
+    `mem_cuda_allocated_peak` and `mem_cuda_reserved_peak`). Costs one profiled step on CPU."""
+    budget_gb: float = 0.0
+    """Memory budget per process in GiB (0 = none): refused before launch when the planner's resident bytes
+    exceed it, and the run stops at the first step whose measured resident bytes do (CPU: peak RSS growth of
+    the step over the process at trainer start; CUDA: max_memory_allocated of the step; docs/memory.md)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """`builtin` (the Python standard library sources of this interpreter), a text file or folder,
+    or a `.bin` file of uint16 tokens (nanoGPT layout)."""
+    val_fraction: float = 0.05
+    """Fraction of the token stream, at its end, held out for validation."""
+    cache_dir: str = ""
+    """Where tokenized corpora are cached; empty means $SCALETRAIN_CACHE or ~/.cache/scaletrain."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    # ---- derived quantities (never stored) ----
+    @property
+    def world_size(self) -> int:
+        servers = self.parallel.servers if self.parallel.sync == "ps" else 0  # ps: server ranks besides the workers
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp + servers
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on one data-parallel rank."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch * self.model.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
