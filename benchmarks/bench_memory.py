@@ -3,7 +3,7 @@
 For each activation-recomputation mode (none, selective, full, every:k): the bytes saved for backward at
 the end of the forward (`mem_activations`, saved-tensor hooks), the peak bytes of tensors allocated during
 a training step (`memory.accounting.TensorPeak`: saved activations, the recomputation's working set,
-temporaries) and the median step time; next to them the planner's numbers from `plan.costs`: stored
+temporaries) and the median step time; next to them the planner's numbers from `plan.analytic`: stored
 activations (`layer_activation_bytes` per layer plus the embedding / head terms of `estimate`), the
 recomputation's working set (one layer for full, k layers for every:k) and the extra hardware FLOPs
 (`step_flops`). For each optimizer: the state bytes (`mem_optim`) against AdamW's 2P·4 + step scalars
@@ -31,8 +31,12 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from scaletrain.config import load_config, validate
 from scaletrain.memory.accounting import TensorPeak
+from scaletrain.plan.analytic.estimate import estimate
+from scaletrain.plan.analytic.flops import step_flops
+from scaletrain.plan.analytic.inputs import Layout, Training
+from scaletrain.plan.analytic.memory import layer_activation_bytes
 from scaletrain.plan.catalog import from_model_config
-from scaletrain.plan.costs import Layout, Training, estimate, layer_activation_bytes, predict_run, step_flops
+from scaletrain.plan.exact.run_memory import predict_run
 from scaletrain.plan.hardware import get_gpu
 from scaletrain.train.trainer import Trainer
 

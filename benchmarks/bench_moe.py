@@ -10,8 +10,8 @@ time in the expert all-to-alls (forward and backward, mean over ranks) as a shar
 
     .venv/bin/python benchmarks/bench_moe.py --steps 100
 
-`--planner` adds a second table: the planner's per-rank memory by category (`plan.costs.predict_run`, which
-the trainer also logs as `plan_mem_*`) and its step time (`plan.run_time.calibrate_run`: the run's blocks,
+`--planner` adds a second table: the planner's per-rank memory by category (`plan.exact.run_memory.predict_run`, which
+the trainer also logs as `plan_mem_*`) and its step time (`plan.exact.run_calibrate.calibrate_run`: the run's blocks,
 dense and MoE, profiled on this machine and composed, with the expert all-to-alls alpha-beta timed on the
 measured gloo link) next to the measured `mem_*` (first step) and the median `step_time_s`.
 """
@@ -62,11 +62,12 @@ def params(sets: list[str]) -> tuple[int, int]:
 def planner_row(name: str, sets: list[str], nproc: int, m: list[dict]) -> str:
     """One table row: planned vs measured memory per category (MiB) and step time (s)."""
     from scaletrain.config import load_config, validate
-    from scaletrain.plan import costs, run_time
+    from scaletrain.plan.exact.run_calibrate import calibrate_run
+    from scaletrain.plan.exact.run_memory import predict_run
 
     cfg = validate(load_config(None, [*COMMON, *sets]))
-    pred = costs.predict_run(cfg)
-    step = run_time.calibrate_run(cfg)[0]
+    pred = predict_run(cfg)
+    step = calibrate_run(cfg)[0]
     first = m[0]
     mib = 1 / 2**20
     cells = []

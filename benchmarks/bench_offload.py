@@ -2,7 +2,7 @@
 
 For each mode, in a fresh process: tokens/s (median step time over the steps after the first), resident bytes per
 category (`mem_params`, `mem_grads`, `mem_optim`) and the measured resident set of a step (`mem_resident`,
-memory/budget.py), the planner's predicted step time (`plan.run_time`, profiled on this machine, with the
+memory/budget.py), the planner's predicted step time (`plan.exact.run_time`, profiled on this machine, with the
 offload folder's measured bandwidth for nvme) next to the measured one, and for nvme the bytes read and written
 per step next to the formula. The disk's read/write bandwidth is measured twice: through the page cache with
 the engine's own I/O path (what the run sees on a machine with free RAM) and with O_DIRECT (the device).
@@ -41,7 +41,8 @@ def _measure(args, name, plan, q) -> None:
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    from scaletrain.plan.run_time import collect_samples, estimate_step_time
+    from scaletrain.plan.exact.probe import collect_samples
+    from scaletrain.plan.exact.run_time import estimate_step_time
     from scaletrain.train.trainer import Trainer
 
     cfg = _config(args, MODES[name])

@@ -2,7 +2,7 @@
 
 1. Depth sweep: for standard blocks, full recomputation and reversible blocks (`model.reversible`, RevNet arXiv
    1707.04585 / Reformer arXiv 2001.04451) at 2..16 layers: the bytes saved for backward (`mem_activations`) and
-   the planner's prediction (`plan_mem_activations`, `plan.run_memory`), the peak bytes of tensors allocated
+   the planner's prediction (`plan_mem_activations`, `plan.exact.run_memory`), the peak bytes of tensors allocated
    during a step (`memory.accounting.TensorPeak`, gradients already allocated), and the median step time. The
    reversible model is a different architecture (attention and MLP of width d_model/2 on two halves of the
    stream); the standard model of width d_model/2 has about the same block parameters and is shown beside it.

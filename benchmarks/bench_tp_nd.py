@@ -110,9 +110,12 @@ def measure(world: int, args) -> None:
 
 def plan_table() -> None:
     """The planner's per-layer tensor-parallel bytes and time, and step times, for Megatron's 310B model."""
-    from scaletrain.plan import catalog, costs, hardware, tp_nd
+    from scaletrain.plan import catalog, hardware
+    from scaletrain.plan.analytic import tp_nd
+    from scaletrain.plan.analytic.estimate import estimate
+    from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, Layout, Training
 
-    gpu, a = hardware.get_gpu("a100-80gb"), costs.DEFAULT_ASSUMPTIONS
+    gpu, a = hardware.get_gpu("a100-80gb"), DEFAULT_ASSUMPTIONS
     m = catalog.get_model("megatron-310b")
     print(f"\n{m.name} (h {m.d_model}, {m.n_heads} heads, seq {m.seq_len}), bf16, {gpu.name} nodes of "
           f"{gpu.gpus_per_node} (NVLink {gpu.intra_bw / 1e9:.0f} GB/s, {gpu.inter_bw / 1e9:.0f} GB/s per NIC): per "
@@ -131,7 +134,7 @@ def plan_table() -> None:
                 except Exception as e:  # noqa: BLE001 - a grid this t does not form, or a micro-batch it cannot split
                     cells.append("-" if "is not q" in str(e) else "(micro-batch too small)")
             print(f"| {tp} | {mb} | " + " | ".join(cells) + " |")
-    train = costs.Training(8192, "bf16")
+    train = Training(8192, "bf16")
     print(f"\nstep time, t = 64 x dp 16 = 1024 GPUs, pp 1, full recomputation, ZeRO-1, global batch "
           f"{train.global_batch}")
     print("| sequences / micro-batch | 1d (+ sp) | 2d | 3d |")
@@ -139,9 +142,9 @@ def plan_table() -> None:
     for mb in (16, 32, 64):
         cells = []
         for mode in ("1d", "2d", "3d"):
-            lay = costs.Layout(tp=64, dp=16, zero=1, micro_batch=mb, recompute="full", tp_mode=mode,
+            lay = Layout(tp=64, dp=16, zero=1, micro_batch=mb, recompute="full", tp_mode=mode,
                                sequence_parallel=mode == "1d")
-            est = costs.estimate(m, gpu, train, lay, n_gpus=1024)
+            est = estimate(m, gpu, train, lay, n_gpus=1024)
             fit = f"{est.memory['total'] / 2**30:.0f} GiB" + ("" if est.fits else " > 80")
             cells.append(f"{est.step_time_s:.1f} s, tp comm {est.time_breakdown['tp_comm']:.1f} s, {fit}")
         print(f"| {mb} | " + " | ".join(cells) + " |")

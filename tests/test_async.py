@@ -24,7 +24,7 @@ from harness import TINY, assert_same_run, make_config, run_ranks, train_referen
 
 from scaletrain.parallel.async_dp import make_trainer
 from scaletrain.parallel.async_dp.replay import replay
-from scaletrain.plan import async_costs
+from scaletrain.plan.analytic import async_costs
 
 RTOL, ATOL = 1e-9, 1e-11
 PS = {"parallel.sync": "ps", "parallel.dp": 3, "train.global_batch": 6, "parallel.servers": 1}

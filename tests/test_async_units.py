@@ -14,7 +14,7 @@ from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.hogwild import check_one_machine
 from scaletrain.parallel.async_dp.server import assign_tensors
 from scaletrain.parallel.async_dp.straggler import parse_slow_ranks
-from scaletrain.plan import async_costs
+from scaletrain.plan.analytic import async_costs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

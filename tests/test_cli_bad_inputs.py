@@ -461,12 +461,13 @@ def test_plan_explanation_puts_the_winner_first():
     where the winner had pp=1)."""
     import re
 
-    from scaletrain.plan import catalog, costs, hardware, report
+    from scaletrain.plan import catalog, hardware, report
+    from scaletrain.plan.analytic.inputs import Training
     from scaletrain.plan.search import search
 
     model = catalog.get_model("gpt3-1.3b")
     cluster = hardware.Cluster(hardware.get_gpu("a100-80gb"), 16)
-    cands = search(model, cluster.gpu, 16, costs.Training(global_batch=32)).candidates
+    cands = search(model, cluster.gpu, 16, Training(global_batch=32)).candidates
     best = cands[0]
     other = next(c for c in cands[1:] if c.layout.pp != best.layout.pp)
     text = report.explain(best, other, model, cluster)

@@ -211,10 +211,12 @@ def test_planners_put_nvme_state_on_disk_and_add_only_the_exposed_disk_time():
     import math
 
     from scaletrain.memory.offload_nvme import _plan_shards, step_time
+    from scaletrain.plan.analytic.estimate import estimate
+    from scaletrain.plan.analytic.inputs import Layout, Training
     from scaletrain.plan.catalog import get_model
-    from scaletrain.plan.costs import Layout, Training, estimate
+    from scaletrain.plan.exact.probe import RunProfile
+    from scaletrain.plan.exact.run_time import predict_step_time
     from scaletrain.plan.hardware import get_gpu
-    from scaletrain.plan.run_time import RunProfile, predict_step_time
     from scaletrain.plan.search import search
 
     m, gpu, train = get_model("gpt3-175b"), get_gpu("a100-80gb"), Training(global_batch=32)

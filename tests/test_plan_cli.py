@@ -145,7 +145,7 @@ CONFIG_LAYOUTS = [  # --set overrides of a run config -> the layout fields the p
 @pytest.mark.parametrize("overrides,layout", CONFIG_LAYOUTS, ids=lambda x: ",".join(x) if isinstance(x, list) else "")
 def test_config_mode_describes_the_layout_the_trainer_runs(capsys, tmp_path, overrides, layout):
     from scaletrain.config import load_config
-    from scaletrain.plan.costs import predict_run
+    from scaletrain.plan.exact.run_memory import predict_run
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: {n_layers: 2, d_model: 64, n_heads: 4, seq_len: 32}\n"

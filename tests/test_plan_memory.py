@@ -12,15 +12,10 @@ import torch
 
 from scaletrain.config import Config, ModelConfig
 from scaletrain.model.gpt import GPT, loss_sum
+from scaletrain.plan.analytic.memory import layer_activation_bytes, memory_model_states
+from scaletrain.plan.analytic.params import param_counts, total_params
 from scaletrain.plan.catalog import ModelSpec, from_model_config, get_model
-from scaletrain.plan.costs import (
-    implementation_activation_bytes,
-    layer_activation_bytes,
-    memory_model_states,
-    param_counts,
-    predict_run,
-    total_params,
-)
+from scaletrain.plan.exact.run_memory import implementation_activation_bytes, predict_run
 
 CONFIGS = [
     dict(),
@@ -258,9 +253,9 @@ def test_planner_factored_statistics_equal_the_models_rows_and_columns(overrides
 
     from harness import make_config
 
+    from scaletrain.plan.analytic.params import factored_statistics
     from scaletrain.plan.catalog import from_model_config
-    from scaletrain.plan.costs import factored_statistics
-    from scaletrain.plan.run_memory import engine_module_on_meta
+    from scaletrain.plan.exact.run_memory import engine_module_on_meta
 
     cfg = make_config({**SMALL, **overrides})
     shapes = [tuple(p.shape) for p in engine_module_on_meta(cfg).parameters()]

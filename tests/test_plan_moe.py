@@ -12,7 +12,13 @@ import math
 
 import pytest
 
-from scaletrain.plan import catalog, costs, hardware
+from scaletrain.plan import catalog, hardware
+from scaletrain.plan.analytic.comm import group_link
+from scaletrain.plan.analytic.estimate import estimate
+from scaletrain.plan.analytic.flops import forward_flops_per_token, step_flops
+from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, Layout, Training
+from scaletrain.plan.analytic.params import active_params, expert_params, param_counts, total_params
+from scaletrain.plan.exact.run_memory import predict_run
 
 SMALL = {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32, "model.vocab_size": 257,
          "train.steps": 1, "train.global_batch": 8, "train.micro_batch": 2, "train.eval_every": 0,
@@ -69,7 +75,7 @@ def test_moe_activations_not_guessed_with_router_noise():
     from harness import make_config
 
     cfg = make_config({**SMALL, "model.moe.router_noise": 1.0})
-    assert "plan_mem_activations" not in costs.predict_run(cfg)
+    assert "plan_mem_activations" not in predict_run(cfg)
 
 
 # --------------------------------------------------------------------------- the cost model's expert terms
@@ -96,9 +102,9 @@ def test_total_and_active_params_equal_our_model(overrides):
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     E, k = cfg.model.moe.experts, spec.top_k
-    assert costs.total_params(spec) == total
-    assert costs.active_params(spec) == total - experts + experts * k // E
-    assert costs.param_counts(spec).tensors == len(list(model.parameters()))
+    assert total_params(spec) == total
+    assert active_params(spec) == total - experts + experts * k // E
+    assert param_counts(spec).tensors == len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("overrides", MOE_MODELS, ids=("switch-every2", "top2-swiglu"))
@@ -118,26 +124,26 @@ def test_forward_flops_count_the_empty_capacity_slots(overrides):
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as fc:
         model(idx)
-    mats, _attn, logits = costs.forward_flops_per_token(spec)
+    mats, _attn, logits = forward_flops_per_token(spec)
     assert fc.get_total_flops() == pytest.approx((mats + logits) * 64, rel=1e-12)
-    unpadded = costs.forward_flops_per_token(spec, padded=False)[0]
+    unpadded = forward_flops_per_token(spec, padded=False)[0]
     slots = spec.expert_slots_per_token - spec.top_k
-    assert mats - unpadded == pytest.approx(2 * spec.n_moe_layers * slots * costs.expert_params(spec), rel=1e-12)
-    model_f, hw_f = costs.step_flops(spec, 1000, "none")
+    assert mats - unpadded == pytest.approx(2 * spec.n_moe_layers * slots * expert_params(spec), rel=1e-12)
+    model_f, hw_f = step_flops(spec, 1000, "none")
     assert hw_f - model_f == pytest.approx(3 * 1000 * (mats - unpadded), rel=1e-12)
 
 
 MIXTRAL = catalog.get_model("mixtral-8x7b")
-TRAIN = costs.Training(global_batch=256, dtype="bf16")
+TRAIN = Training(global_batch=256, dtype="bf16")
 
 
 def test_expert_states_shard_over_ep():
     """ep 2 holds half of every expert weight, gradient and optimizer state (ZeRO 0): the difference to
     ep 1 is half the expert parameters x (2 + 2 + 12) bytes."""
     gpu = hardware.get_gpu("h100-80gb")
-    one = costs.estimate(MIXTRAL, gpu, TRAIN, costs.Layout(dp=8, tp=1, pp=8, ep=1), memory_only=True)
-    two = costs.estimate(MIXTRAL, gpu, TRAIN, costs.Layout(dp=8, tp=1, pp=8, ep=2), memory_only=True)
-    experts_per_rank = MIXTRAL.n_layers / 8 * MIXTRAL.n_experts * costs.expert_params(MIXTRAL)
+    one = estimate(MIXTRAL, gpu, TRAIN, Layout(dp=8, tp=1, pp=8, ep=1), memory_only=True)
+    two = estimate(MIXTRAL, gpu, TRAIN, Layout(dp=8, tp=1, pp=8, ep=2), memory_only=True)
+    experts_per_rank = MIXTRAL.n_layers / 8 * MIXTRAL.n_experts * expert_params(MIXTRAL)
     for key, bytes_per in (("params", 2), ("grads", 2), ("optimizer", 12)):
         assert one.memory[key] - two.memory[key] == pytest.approx(experts_per_rank / 2 * bytes_per, rel=1e-9)
 
@@ -147,8 +153,8 @@ def test_all_to_all_volume_is_four_per_moe_layer_and_microbatch():
     tokens x d_model x bytes."""
     spec = catalog.ModelSpec("moe", 8, 1024, 16, 32000, 2048, n_experts=8, top_k=2, capacity_factor=1.25,
                              moe_every=2)
-    lay = costs.Layout(dp=8, tp=2, pp=2, ep=4, micro_batch=1)
-    est = costs.estimate(spec, hardware.get_gpu("a100-80gb"), costs.Training(64, "bf16"), lay)
+    lay = Layout(dp=8, tp=2, pp=2, ep=4, micro_batch=1)
+    est = estimate(spec, hardware.get_gpu("a100-80gb"), Training(64, "bf16"), lay)
     mbs = 64 // 8
     expected = mbs * (4 / 2) * 4 * 3 / 4 * 1.25 * 2 * 2048 * 1024 * 2
     assert est.comm_bytes["ep"] == pytest.approx(expected, rel=1e-12)
@@ -159,14 +165,14 @@ def test_all_to_all_across_nodes_is_slower_than_inside_one():
     """Rank order tp - ep - dp: with tp 8 on 8-GPU nodes the ep group spans nodes (InfiniBand), with tp 1
     it stays on NVLink; the same bytes take longer across nodes."""
     gpu = hardware.get_gpu("a100-80gb")
-    inside = costs.group_link(gpu, 4, 1, costs.DEFAULT_ASSUMPTIONS)
-    across = costs.group_link(gpu, 4, 8, costs.DEFAULT_ASSUMPTIONS)
+    inside = group_link(gpu, 4, 1, DEFAULT_ASSUMPTIONS)
+    across = group_link(gpu, 4, 8, DEFAULT_ASSUMPTIONS)
     assert across[0] < inside[0]
     spec = catalog.ModelSpec("moe", 8, 1024, 16, 32000, 2048, n_experts=8, top_k=2)
     t = {}
     for tp in (1, 8):
-        lay = costs.Layout(dp=4, tp=tp, pp=1, ep=4)
-        est = costs.estimate(spec, gpu, costs.Training(64, "bf16"), lay)
+        lay = Layout(dp=4, tp=tp, pp=1, ep=4)
+        est = estimate(spec, gpu, Training(64, "bf16"), lay)
         t[tp] = est.time_breakdown["ep_comm"]
     assert t[8] > t[1]
 
@@ -179,8 +185,8 @@ def test_plan_cli_moe_catalog_and_custom_dims_json(capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--global-batch", "256", "--json",
                  "--layout", "ep=8,tp=1"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["model"]["params"] == costs.total_params(MIXTRAL)
-    assert doc["model"]["active_params"] == costs.active_params(MIXTRAL)
+    assert doc["model"]["params"] == total_params(MIXTRAL)
+    assert doc["model"]["active_params"] == active_params(MIXTRAL)
     best = doc["candidates"][0]
     assert best["layout"]["ep"] == 8 and best["comm_bytes_per_step"]["ep"] > 0
     assert main(["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab", "32000", "--seq-len",
@@ -189,14 +195,14 @@ def test_plan_cli_moe_catalog_and_custom_dims_json(capsys):
     doc = json.loads(capsys.readouterr().out)
     spec = catalog.ModelSpec("custom", 8, 1024, 16, 32000, 2048, n_experts=8, top_k=2, capacity_factor=1.25,
                              moe_every=2)
-    assert doc["model"]["active_params"] == costs.active_params(spec)
+    assert doc["model"]["active_params"] == active_params(spec)
     assert doc["model"]["capacity_factor"] == 1.25 and doc["model"]["moe_every"] == 2
     assert all("ep" in c["layout"] for c in doc["candidates"])
 
 
 def test_active_params_formula_by_hand():
     """Mixtral 8x7B: 46.7B total, about 12.9B active (Jiang et al. report 47B / 13B)."""
-    assert costs.total_params(MIXTRAL) == 46_702_792_704
+    assert total_params(MIXTRAL) == 46_702_792_704
     per_expert = 3 * 4096 * 14336
-    assert costs.active_params(MIXTRAL) == 46_702_792_704 - 32 * 6 * per_expert
-    assert math.isclose(costs.active_params(MIXTRAL) / 1e9, 12.9, abs_tol=0.05)
+    assert active_params(MIXTRAL) == 46_702_792_704 - 32 * 6 * per_expert
+    assert math.isclose(active_params(MIXTRAL) / 1e9, 12.9, abs_tol=0.05)

@@ -7,8 +7,10 @@ import time
 import pytest
 
 from scaletrain.errors import UserError
+from scaletrain.plan.analytic.estimate import estimate
+from scaletrain.plan.analytic.inputs import Layout, Training
+from scaletrain.plan.analytic.pipeline import inflight_chunks, pipeline_time
 from scaletrain.plan.catalog import get_model
-from scaletrain.plan.costs import Layout, Training, estimate, inflight_chunks, pipeline_time
 from scaletrain.plan.hardware import get_gpu
 from scaletrain.plan.search import dedupe, parse_layout, search
 

@@ -1,5 +1,5 @@
-"""The planner's step time: our own CPU runs after calibration (plan/run_time.py) and the ZeRO-3
-exposed-communication model (costs.zero3_exposed_time).
+"""The planner's step time: our own CPU runs after calibration (plan/exact/run_time.py) and the ZeRO-3
+exposed-communication model (zero3_exposed_time).
 
 Step time against `scaletrain train`: the machine is shared with other developers' jobs (2 cores, load
 average often 10+), so a single timing can be off by 2x. The test therefore (1) runs with one intra-op
@@ -32,8 +32,9 @@ import statistics
 import pytest
 import torch
 
-from scaletrain.plan.costs import MeasuredLink, gather_time, zero3_exposed_time
-from scaletrain.plan.run_comm import overlap_efficiency
+from scaletrain.plan.analytic.comm import MeasuredLink, gather_time
+from scaletrain.plan.analytic.zero3 import zero3_exposed_time
+from scaletrain.plan.exact.run_comm import overlap_efficiency
 
 BASE = {"model.vocab_size": 256, "train.steps": 1000, "train.eval_every": 0, "train.checkpoint_every": 0}
 SIZES = {  # three sizes and kinds (fp32 GELU; wider, longer; bf16 SwiGLU + RoPE with full recomputation)
@@ -54,7 +55,7 @@ def measure_and_predict(overrides: dict, repeats: int = 3, pairs: int = 6) -> li
     (`estimate_step_time`, what `plan --config --calibrate` reports) and the median measured step."""
     from harness import make_config
 
-    from scaletrain.plan.run_time import RunProbe
+    from scaletrain.plan.exact.probe import RunProbe
     from scaletrain.train.trainer import Trainer
 
     cfg = make_config({**BASE, **overrides})
@@ -67,7 +68,8 @@ def measure_and_predict(overrides: dict, repeats: int = 3, pairs: int = 6) -> li
 
 
 def _alternate(cfg, trainer, probe, repeats: int, pairs: int) -> list[dict]:
-    from scaletrain.plan.run_time import estimate_step_time, predict_step_time, profile_from_sample
+    from scaletrain.plan.exact.probe import profile_from_sample
+    from scaletrain.plan.exact.run_time import estimate_step_time, predict_step_time
 
     trainer.train_step(1)  # the first step measures memory and warms up; the issue excludes it
     probe.sample()
@@ -115,8 +117,9 @@ def _alternate_rank(rank, world, overrides, repeats, pairs):
     from harness import make_config
 
     from scaletrain.distributed.process_group import DistEnv
-    from scaletrain.plan.run_comm import sample_with_comm
-    from scaletrain.plan.run_time import RunProbe, measure_link
+    from scaletrain.plan.exact.probe import RunProbe
+    from scaletrain.plan.exact.run_calibrate import measure_link
+    from scaletrain.plan.exact.run_comm import sample_with_comm
     from scaletrain.train.trainer import Trainer
 
     cfg = make_config({**BASE, **SIZES["2L d64 T64 fp32"], **overrides})
@@ -138,7 +141,8 @@ def measure_and_predict_two_processes(overrides: dict, repeats: int = 5, pairs: 
     slower rank's measured step; per repeat, the median of the ratios."""
     from harness import make_config, run_ranks
 
-    from scaletrain.plan.run_time import predict_step_time, profile_from_sample
+    from scaletrain.plan.exact.probe import profile_from_sample
+    from scaletrain.plan.exact.run_time import predict_step_time
 
     cfg = make_config({**BASE, **SIZES["2L d64 T64 fp32"], **overrides})
     ranks = run_ranks(_alternate_rank, 2, overrides, repeats, pairs, timeout=300)
@@ -264,7 +268,7 @@ def test_zero3_pays_what_the_overlap_efficiency_does_not_hide():
 
 
 def _profile(comm: dict):
-    from scaletrain.plan.run_time import RunProfile
+    from scaletrain.plan.exact.probe import RunProfile
 
     return RunProfile(block_f=2e-3, block_b=4e-3, embed_f=1e-3, embed_b=1e-3, head_f=2e-3, head_b=2e-3,
                       optimizer=1e-3, loader=1e-4, link_bw=1e9, link_latency=1e-5, comm=comm)
@@ -274,7 +278,7 @@ def test_data_parallel_buckets_hide_by_the_overlap_efficiency():
     # several buckets: all but the last are reduced during the backward, which hides them by the efficiency
     from harness import make_config
 
-    from scaletrain.plan.run_time import predict_step_time
+    from scaletrain.plan.exact.run_time import predict_step_time
 
     cfg = make_config({**BASE, **SIZES["2L d64 T64 fp32"], "parallel.dp": 2, "parallel.bucket_mb": 0.05})
     t = 1e-3  # every all-reduce, much shorter than the last backward
@@ -294,7 +298,7 @@ def test_pipeline_sends_cost_the_sender_what_the_overlap_efficiency_does_not_hid
 
     from scaletrain.parallel.pipeline.schedules import build_schedule
     from scaletrain.parallel.pipeline.simulate import simulate
-    from scaletrain.plan.run_time import predict_step_time
+    from scaletrain.plan.exact.run_time import predict_step_time
 
     cfg = make_config({**BASE, **SIZES["2L d64 T64 fp32"], "parallel.pp": 2})
     p2p, eff = 1.5e-3, 0.2

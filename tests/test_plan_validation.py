@@ -23,8 +23,9 @@ import math
 
 import pytest
 
+from scaletrain.plan.analytic.estimate import estimate
+from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, Assumptions, Layout, Training
 from scaletrain.plan.catalog import get_model
-from scaletrain.plan.costs import DEFAULT_ASSUMPTIONS, Assumptions, Layout, Training, estimate
 from scaletrain.plan.hardware import get_gpu
 
 A100 = get_gpu("a100-80gb")

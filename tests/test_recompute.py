@@ -2,7 +2,8 @@
 
 Claims: every mode gives bit-identical losses and gradients to `none` (fp32 and fp64, with dropout, whose
 masks the recomputation must replay), and keeps exactly the bytes its definition says it keeps, counted
-independently from the model's dimensions (the term-by-term list of `plan.costs.implementation_activation_bytes`):
+independently from the model's dimensions (the term-by-term list of
+`plan.exact.run_memory.implementation_activation_bytes`):
 
     none - full      = L * (per-layer saved - block input)     full keeps one B*T*C input per block
     full - every:k   = (L - ceil(L/k)) * block input            every:k keeps one input per segment

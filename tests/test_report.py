@@ -123,7 +123,7 @@ def test_a_resumed_run_lists_both_invocations_and_its_devices(dense):
 
 
 def test_memory_bars_show_each_rank_measured_next_to_its_stage_plan(pp_moe):
-    from scaletrain.plan import run_memory
+    from scaletrain.plan.exact import run_memory
 
     pp, _ = pp_moe
     ranks = json.loads((pp / "memory_ranks.json").read_text())["ranks"]

@@ -166,8 +166,11 @@ def test_analytic_planner_knows_reversible_blocks(extra):
     """The cost model's ModelSpec(reversible=True): parameter count (and tensor count) of the model we build,
     activations that do not depend on depth, and one more forward of the blocks in the hardware FLOPs."""
     from scaletrain.model import count_params
+    from scaletrain.plan.analytic.estimate import estimate
+    from scaletrain.plan.analytic.flops import forward_flops_per_token, step_flops
+    from scaletrain.plan.analytic.inputs import Layout, Training
+    from scaletrain.plan.analytic.params import param_counts
     from scaletrain.plan.catalog import from_model_config
-    from scaletrain.plan.costs import Layout, Training, estimate, forward_flops_per_token, param_counts, step_flops
     from scaletrain.plan.hardware import get_gpu
 
     acts = []
@@ -176,7 +179,7 @@ def test_analytic_planner_knows_reversible_blocks(extra):
         spec = from_model_config(cfg.model)
         model = build_gpt(cfg.model, 1, "meta")
         assert param_counts(spec).tensors == len(list(model.parameters()))
-        from scaletrain.plan.costs import total_params
+        from scaletrain.plan.analytic.params import total_params
 
         assert total_params(spec) == count_params(model)
         acts.append(estimate(spec, get_gpu("a100-80gb"), Training(16, "fp32"), Layout(micro_batch=8)).memory[
@@ -280,7 +283,7 @@ def test_planner_predicts_reversible_activation_bytes_exactly(runs, name):
                                    {"train.dtype": "fp32", "memory.recompute": "selective"}])
 def test_planner_predicts_reversible_bytes_in_low_precision_and_with_selective(extra):
     """One process: under bf16 the final norm saves an fp32 copy, so the last chunk's output stream counts as well
-    (plan.run_memory.reversible_chunk_bytes); selective recomputation adds nothing to what the forward keeps."""
+    (plan.exact.run_memory.reversible_chunk_bytes); selective recomputation adds nothing to what the forward keeps."""
     from scaletrain.train.trainer import Trainer
 
     t = Trainer(make_config({**BASE, "train.steps": 1, **extra}))

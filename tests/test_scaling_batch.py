@@ -1,5 +1,5 @@
 """`scaletrain batch-size --max`: the search, the size parser, and one real CPU search against the planner's
-independent formula for the bytes our GPT saves for backward (plan/costs.py implementation_activation_bytes).
+independent formula for the bytes our GPT saves for backward (plan/exact/run_memory.py implementation_activation_bytes).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from scaletrain.cli import main
 from scaletrain.errors import UserError
 from scaletrain.plan.catalog import from_model_config
-from scaletrain.plan.costs import implementation_activation_bytes
+from scaletrain.plan.exact.run_memory import implementation_activation_bytes
 from scaletrain.scaling.batch import Trial, parse_bytes, search_max
 from tests.harness import TINY, make_config
 

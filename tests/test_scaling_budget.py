@@ -9,7 +9,10 @@ import math
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.plan import costs, hardware
+from scaletrain.plan import hardware
+from scaletrain.plan.analytic.flops import step_flops
+from scaletrain.plan.analytic.inputs import Training
+from scaletrain.plan.analytic.params import param_counts, total_params
 from scaletrain.plan.search import search
 from scaletrain.scaling.budget import PARAMS_TOLERANCE, default_global_batch, plan_budget, shape_for_params
 from scaletrain.scaling.laws import LAWS
@@ -20,8 +23,8 @@ from scaletrain.scaling.laws import LAWS
 def test_chosen_shape_has_the_laws_compute_optimal_size(law, flops):
     n_opt = LAWS[law].params_for_flops(flops)
     m = shape_for_params(n_opt, law)
-    c = costs.param_counts(m)
-    counted = costs.total_params(m) - (c.embedding + c.position + c.head if law == "kaplan" else 0)
+    c = param_counts(m)
+    counted = total_params(m) - (c.embedding + c.position + c.head if law == "kaplan" else 0)
     assert counted == pytest.approx(n_opt, rel=PARAMS_TOLERANCE)  # the rule's stated tolerance, 5 %
     assert 128 / 8 <= m.d_model / m.n_layers <= 128 * 8
     assert m.d_model % m.n_heads == 0 and (m.d_model < 512 or m.n_heads % 8 == 0)
@@ -33,14 +36,14 @@ def test_days_are_the_budget_over_gpus_times_the_best_layouts_achieved_flops():
     p = plan_budget(1e22, 64, gpu, "epoch")
     assert p.optimum.params == pytest.approx(LAWS["epoch"].params_for_flops(1e22), rel=1e-12)
     # the best layout, found again here: the fastest fitting candidate of the planner's search
-    again = search(p.model, gpu, 64, costs.Training(p.global_batch, "bf16", "flash", True))
+    again = search(p.model, gpu, 64, Training(p.global_batch, "bf16", "flash", True))
     fitting = [c for c in again.candidates if c.fits]
     best = min(fitting, key=lambda c: c.step_time_s)
     assert p.best.layout == best.layout
     achieved = best.model_tflops_per_gpu * 1e12
     assert p.days == pytest.approx(1e22 / (64 * achieved) / 86400, rel=1e-12)
     # achieved FLOP/s are the planner's model FLOPs per step over the step time
-    model_flops, _ = costs.step_flops(p.model, p.global_batch * p.model.seq_len, best.layout.recompute)
+    model_flops, _ = step_flops(p.model, p.global_batch * p.model.seq_len, best.layout.recompute)
     assert achieved == pytest.approx(model_flops / best.step_time_s / 64, rel=1e-9)
     assert p.tokens == pytest.approx(1e22 / (6 * p.params), rel=1e-12)
 

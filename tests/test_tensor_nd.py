@@ -10,10 +10,10 @@ so a wrong block, a missing reduction or a mis-scaled gradient (1e-3 or more aft
 compared with the single-process bf16 run by test_precision_layouts.py's measured tolerances and recipe.
 
 Memory: the trainer's measured parameter, gradient, optimizer and activation bytes (max over ranks) equal the
-planner's exact prediction (`plan.run_memory` through `plan.tp_nd`) for every run here. Communication: the
-bytes each rank sends per collective kind for one layer (a 2-layer minus a 1-layer model, one micro-batch
-forward and backward) equal `plan.tp_nd.layer_comm_bytes`, the papers' per-linear volumes (printed beside 1D's
-with -s).
+planner's exact prediction (`plan.exact.run_memory` through `plan.exact.tp_nd_memory`) for every run here.
+Communication: the bytes each rank sends per collective kind for one layer (a 2-layer minus a 1-layer model, one
+micro-batch forward and backward) equal `plan.analytic.tp_nd.layer_comm_bytes`, the papers' per-linear volumes
+(printed beside 1D's with -s).
 
 Processes: one 4-rank and one 8-rank session run all their layouts (spawning costs more than a tiny run).
 """
@@ -216,7 +216,7 @@ def _per_layer(probe) -> tuple[dict, int]:
 
 def _dims(overrides):
     from scaletrain.model.gpt import ffn_size
-    from scaletrain.plan.tp_nd import Dims
+    from scaletrain.plan.analytic.tp_nd import Dims
 
     cfg = make_config({**TINY, **overrides})
     m = cfg.model
@@ -225,7 +225,7 @@ def _dims(overrides):
 
 @pytest.mark.parametrize("world, name", [(4, "2d"), (8, "3d"), (8, "2.5d")])
 def test_communication_per_layer_equals_the_papers_volumes(world4, world8, world, name):
-    from scaletrain.plan.tp_nd import layer_comm_bytes
+    from scaletrain.plan.analytic.tp_nd import layer_comm_bytes
 
     session = world4 if world == 4 else world8
     probes = PROBES4 if world == 4 else PROBES8
@@ -235,7 +235,7 @@ def test_communication_per_layer_equals_the_papers_volumes(world4, world8, world
     depth_sum = measured.pop("all_reduce", 0)  # 2.5d: the depth's gradient sum, with the data-parallel one
     assert measured == layer_comm_bytes(p.tp_mode, p.tp, x, p.tp_depth)
     if p.tp_mode == "2.5d":  # 2 (g-1)/g of one layer's parameter bytes, g = dp x depth = 2
-        from scaletrain.plan.run_memory import engine_module_on_meta
+        from scaletrain.plan.exact.run_memory import engine_module_on_meta
 
         layer = sum(t.numel() for t in engine_module_on_meta(cfg).blocks[0].parameters()) * 8
         assert depth_sum == 2 * (2 - 1) / 2 * layer
@@ -251,7 +251,7 @@ def test_saved_activations_per_layer_are_one_over_t_of_one_process(world4, world
     attention output (h), the MLP's 8h and a log-sum-exp per head: 16h + a elements, which one process keeps
     whole and the grid splits over all t ranks; what is not split: 1/sigma of the two norms (one number per
     token, on each of the q hidden blocks) and, in 2D / 2.5D, the two gathered norm weights (h/q each)."""
-    from scaletrain.plan.tp_nd import layer_saved_bytes
+    from scaletrain.plan.exact.tp_nd_memory import layer_saved_bytes
 
     session = world4 if world == 4 else world8
     cfg, _ = _dims((PROBES4 if world == 4 else PROBES8)[name])
@@ -342,15 +342,17 @@ def test_cli_refuses_a_bad_grid_in_one_line(tmp_path, capsys):
 
 def test_planner_parameters_per_rank_equal_the_engines_shards():
     """The analytic 1/q^2 (2d, 2.5d) and 1/q^3 + vectors/q (3d) counts equal the exact shard sizes."""
-    from scaletrain.plan import catalog, costs, tp_nd
-    from scaletrain.plan.run_memory import engine_module_on_meta
+    from scaletrain.plan import catalog
+    from scaletrain.plan.analytic import tp_nd
+    from scaletrain.plan.analytic.inputs import Layout
+    from scaletrain.plan.exact.run_memory import engine_module_on_meta
 
     base = {**TINY, "model.tie_embeddings": False}
     for o in (G2, G3, G25):
         cfg = make_config({**base, **o})
         exact = sum(p.numel() for p in engine_module_on_meta(cfg).parameters())
         p = cfg.parallel
-        lay = costs.Layout(tp=p.tp, tp_mode=p.tp_mode, tp_depth=p.tp_depth, micro_batch=cfg.train.micro_batch)
+        lay = Layout(tp=p.tp, tp_mode=p.tp_mode, tp_depth=p.tp_depth, micro_batch=cfg.train.micro_batch)
         first, _ = tp_nd.stage_params(catalog.from_model_config(cfg.model), lay)
         assert first.total == exact, (o, first.total, exact)
 
@@ -376,9 +378,12 @@ def test_planner_grid_moves_fewer_bytes_but_topology_can_make_1d_faster():
     grid modes send fewer bytes than 1D, yet at 16 sequences per micro-batch 1D is faster, its ring using all 8
     NICs of a node while each grid column (depth) group crosses nodes on one; from 64 sequences 2D wins the step
     time too; inside a node with q = 2 (t = 8) 3D overtakes 1D only at 32 sequences (docs/tensor_parallel.md)."""
-    from scaletrain.plan import catalog, costs, hardware, tp_nd
+    from scaletrain.plan import catalog, hardware
+    from scaletrain.plan.analytic import tp_nd
+    from scaletrain.plan.analytic.estimate import estimate
+    from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, Layout, Training
 
-    gpu, a, m = hardware.get_gpu("a100-80gb"), costs.DEFAULT_ASSUMPTIONS, catalog.get_model("megatron-310b")
+    gpu, a, m = hardware.get_gpu("a100-80gb"), DEFAULT_ASSUMPTIONS, catalog.get_model("megatron-310b")
 
     def layer(mode: str, tp: int, mb: int) -> tuple[float, float]:
         x = tp_nd.dims_of(m, mb, 2)
@@ -389,10 +394,10 @@ def test_planner_grid_moves_fewer_bytes_but_topology_can_make_1d_faster():
     assert layer("3d", 8, 16)[1] > layer("1d", 8, 16)[1] and layer("3d", 8, 32)[1] < layer("1d", 8, 32)[1]
 
     def step(mode: str, mb: int) -> float:
-        lay = costs.Layout(tp=64, dp=16, micro_batch=mb, recompute="full", tp_mode=mode, sequence_parallel=mode == "1d")
-        return costs.estimate(m, gpu, costs.Training(2048, "bf16"), lay, n_gpus=1024).step_time_s
+        lay = Layout(tp=64, dp=16, micro_batch=mb, recompute="full", tp_mode=mode, sequence_parallel=mode == "1d")
+        return estimate(m, gpu, Training(2048, "bf16"), lay, n_gpus=1024).step_time_s
 
     assert step("2d", 64) < step("1d", 64) and step("1d", 16) < step("2d", 16)
     with pytest.raises(UserError, match="sequence_parallel with tp_mode=2d"):
-        costs.estimate(m, gpu, costs.Training(2048, "bf16"), costs.Layout(tp=64, dp=16, micro_batch=16,
+        estimate(m, gpu, Training(2048, "bf16"), Layout(tp=64, dp=16, micro_batch=16,
                        tp_mode="2d", sequence_parallel=True), n_gpus=1024)

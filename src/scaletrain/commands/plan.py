@@ -18,7 +18,11 @@ import sys
 
 from scaletrain.errors import UserError
 from scaletrain.guards import positive_float
-from scaletrain.plan import catalog, costs, hardware, report
+from scaletrain.plan import catalog, hardware, report
+from scaletrain.plan.analytic.estimate import estimate
+from scaletrain.plan.analytic.inputs import DTYPES, OPTIMIZERS, Assumptions, Layout, Training
+from scaletrain.plan.analytic.memory import memory_model_states
+from scaletrain.plan.analytic.params import total_params
 from scaletrain.plan.search import dedupe, parse_layout, search
 
 
@@ -63,8 +67,8 @@ def add_parser(subparsers) -> None:
                     help="measure this machine's matmul FLOP/s, memory and gloo bandwidth and use them")
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    tr.add_argument("--dtype", choices=tuple(costs.DTYPES), default="bf16")
-    tr.add_argument("--optimizer", choices=costs.OPTIMIZERS, default="adamw",
+    tr.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                     help="optimizer state: adamw (K = 12 bytes/param in bf16/fp16), adafactor or sm3 (fp32 master "
                          "+ factored statistics)")
     tr.add_argument("--first-moment", action="store_true",
@@ -161,15 +165,15 @@ def _gpu(args, dtype: str) -> hardware.GPU:
     return hardware.get_gpu(args.gpu or "a100-80gb")
 
 
-def _assumptions(args) -> costs.Assumptions:
+def _assumptions(args) -> Assumptions:
     style = getattr(args, "zero3_style", "prefetch")
     bw = getattr(args, "zero3_bw", None)
     if bw is not None and not bw > 0:
         raise UserError(f"--zero3-bw must be a positive bandwidth in GB/s, got {bw}")
     zero3 = {"zero3_style": style, "zero3_link_bw": bw * 1e9 if bw is not None else None}
     if args.calibrate:  # measured rates are achieved rates already
-        return costs.Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0, **zero3)
-    return costs.Assumptions(**zero3)
+        return Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0, **zero3)
+    return Assumptions(**zero3)
 
 
 def run(args) -> int:
@@ -200,7 +204,7 @@ def run(args) -> int:
     if args.global_batch < 1:
         raise UserError(f"--global-batch must be >= 1, got {args.global_batch}")
     cluster = hardware.Cluster(gpu, args.gpus)
-    train = costs.Training(args.global_batch, args.dtype, args.attention, not args.no_dp_overlap,
+    train = Training(args.global_batch, args.dtype, args.attention, not args.no_dp_overlap,
                            optimizer=args.optimizer, first_moment=args.first_moment)
     fixed = parse_layout(args.layout)
     result = search(model, gpu, args.gpus, train, fixed, _assumptions(args))
@@ -231,7 +235,7 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     from rich.console import Console
 
     con = Console(width=None if sys.stdout.isatty() else 160)
-    n = costs.total_params(model)
+    n = total_params(model)
     size = report.count(n)
     title = (f"{model.name}: {size} params on {cluster.n_gpus} x "
              f"{cluster.gpu.name}, global batch {train.global_batch} x {model.seq_len} tokens "
@@ -249,7 +253,7 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
         for key, value in extra.get("run_prediction", {}).items():
             con.print(f"{key}: {value:,} bytes")
         if "sync_comm" in extra:
-            from scaletrain.plan import async_costs
+            from scaletrain.plan.analytic import async_costs
 
             con.print(async_costs.table(extra["sync_comm"]))
     if args.png:
@@ -257,36 +261,36 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     return 0
 
 
-def config_layout(cfg) -> costs.Layout:
+def config_layout(cfg) -> Layout:
     """The planner's description of the layout `scaletrain train` runs for this config."""
     par, t = cfg.parallel, cfg.train
-    return costs.Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero, micro_batch=t.micro_batch,
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero, micro_batch=t.micro_batch,
                         recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
                         virtual_stages=par.virtual_stages,
                         sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
                         tp_mode=par.tp_mode, tp_depth=par.tp_depth)
 
 
-def config_training(cfg) -> costs.Training:
+def config_training(cfg) -> Training:
     """The training settings of the run as the engine does them: its dtype, the CPU attention kernel
     (flash without dropout, the math kernel with it), fp32 gradient buffers under bf16/fp16 and the
     optimizer's state (AdamW: two moments, plus fp32 masters under bf16/fp16)."""
     t = cfg.train
-    elem = costs.DTYPES[t.dtype][0]
+    elem = DTYPES[t.dtype][0]
     low = t.dtype in ("bf16", "fp16")
     k = (2 * (4 if low else elem) + (4 if low else 0)) if cfg.optim.name == "adamw" else (4 if low else 0)
     attention = "standard" if cfg.model.dropout > 0 else "flash"
     if t.precision == "autocast-bf16":  # fp32 parameters, gradients and moments; bf16 matmuls and activations
-        return costs.Training(t.global_batch, "bf16", attention, True, optimizer_k=8 if cfg.optim.name == "adamw"
+        return Training(t.global_batch, "bf16", attention, True, optimizer_k=8 if cfg.optim.name == "adamw"
                               else 0, grad_bytes=4, param_bytes=4)
-    return costs.Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem)
+    return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem)
 
 
 def _run_config(args) -> int:
     from scaletrain.config import load_config, validate
 
     cfg = validate(load_config(args.config, args.set))
-    from scaletrain.plan.async_costs import as_bsp
+    from scaletrain.plan.analytic.async_costs import as_bsp
 
     cfg, p = as_bsp(cfg), cfg.parallel  # compute, memory and time of one worker as in BSP; p: the run's sync
     model = catalog.from_model_config(cfg.model, name=args.config)
@@ -297,20 +301,23 @@ def _run_config(args) -> int:
                         "run is predicted with --gpu or --cluster (memory exact, time from the analytic model)")
     if not (args.gpu or args.cluster or args.calibrate) and cfg.parallel.tp_mode == "1d":
         args.calibrate = True
-    pred = costs.predict_run(cfg)
-    extra: dict = {"run_prediction": pred}
-    if args.calibrate:  # this machine, profiled at the run's sizes (plan/run_time.py)
-        from scaletrain.plan import run_time
-        from scaletrain.plan.calibrate import machine
+    from scaletrain.plan.exact.run_memory import predict_run
 
-        step, link = run_time.calibrate_run(cfg)
+    pred = predict_run(cfg)
+    extra: dict = {"run_prediction": pred}
+    if args.calibrate:  # this machine, profiled at the run's sizes (plan/exact/run_time.py)
+        from scaletrain.plan.calibrate import machine
+        from scaletrain.plan.exact.run_calibrate import calibrate_run
+        from scaletrain.plan.exact.run_time import apply_to_estimate
+
+        step, link = calibrate_run(cfg)
         gpu = machine(train.dtype if train.dtype in ("fp32", "fp64") else "fp32", cfg.world_size, link)
-        est = costs.estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size, memory_only=True)
-        run_time.apply_to_estimate(est, cfg, step, gpu.peak_flops)
+        est = estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size, memory_only=True)
+        apply_to_estimate(est, cfg, step, gpu.peak_flops)
         extra["run_step_time_s"] = step.step_time_s
     else:
         gpu = _gpu(args, train.dtype)
-        est = costs.estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size)
+        est = estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size)
     # memory per category exactly as the trainer will measure it (the buffers stay the estimate's)
     for key, name in (("params", "plan_mem_params"), ("grads", "plan_mem_grads"),
                       ("optimizer", "plan_mem_optim"), ("activations", "plan_mem_activations")):
@@ -349,13 +356,13 @@ def params_rows(psi: float, gpus: int, fixed: dict, dtype: str, optimizer: str =
         raise UserError(f"--layout dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} does not match --gpus ({gpus})")
     if fixed.get("zero", 0) not in (0, 1, 2, 3):
         raise UserError(f"--layout: zero must be 0, 1, 2 or 3, got {fixed['zero']}")
-    pb, gb, _, k = costs.DTYPES[dtype]
+    pb, gb, _, k = DTYPES[dtype]
     if optimizer != "adamw":  # master + optional first moment; factored statistics need the dims
         k = (4 if pb == 2 else 0) + (4 if pb == 2 else pb) * first_moment
     share = psi / (tp * pp)
     rows = []
     for zero in ([fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]):
-        p, g, o = costs.memory_model_states(share, dp, zero, pb, gb, k)
+        p, g, o = memory_model_states(share, dp, zero, pb, gb, k)
         total = p + g + o
         ring = (dp - 1) / dp
         comm = ring * share * (2 * gb + (pb if zero == 3 else 0))
@@ -370,7 +377,7 @@ def params_rows(psi: float, gpus: int, fixed: dict, dtype: str, optimizer: str =
 
 
 def _sync_comm(args, model, gpu, train, lay, outer: str = "avg") -> dict | None:
-    """The synchronisation comparison (`plan/async_costs.py`) when --servers or --local-steps is given."""
+    """The synchronisation comparison (`plan/analytic/async_costs.py`) when --servers or --local-steps is given."""
     servers, h = getattr(args, "servers", None), getattr(args, "local_steps", None)
     bw = getattr(args, "server_bw", None)
     if servers is None and h is None:
@@ -380,7 +387,7 @@ def _sync_comm(args, model, gpu, train, lay, outer: str = "avg") -> dict | None:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if bw is not None and not bw > 0:
         raise UserError(f"--server-bw must be a positive bandwidth in GB/s, got {bw}")
-    from scaletrain.plan import async_costs
+    from scaletrain.plan.analytic import async_costs
 
     return {"sync_comm": async_costs.for_layout(model, gpu, train, lay, servers or lay.dp, h or 8,
                                                 bw * 1e9 if bw else None, outer, _assumptions(args))}
@@ -398,7 +405,7 @@ def _run_params(args) -> int:
     psi = args.params
     fixed = parse_layout(args.layout)
     rows = params_rows(psi, args.gpus, fixed, args.dtype, args.optimizer, args.first_moment, gpu.memory_bytes)
-    pb, _, _, k = costs.DTYPES[args.dtype]
+    pb, _, _, k = DTYPES[args.dtype]
     if args.optimizer != "adamw":
         k = (4 if pb == 2 else 0) + (4 if pb == 2 else pb) * args.first_moment
     doc = {"model": {"params": int(psi)},

@@ -155,7 +155,7 @@ def planned_resident(cfg) -> dict[str, int]:
     if cfg.parallel.zero == 3:
         from scaletrain.memory.offload_nvme import working_bytes
         from scaletrain.parallel.zero import group_params
-        from scaletrain.plan import run_memory
+        from scaletrain.plan.exact import run_memory
 
         module = run_memory.engine_module_on_meta(cfg, 0)
         units = [cfg.parallel.dp * -(-sum(p.numel() for p in g) // cfg.parallel.dp)

@@ -601,7 +601,7 @@ def _plan_shards(cfg, module: nn.Module | None = None) -> tuple[list[int], int, 
     """(shard elements per unit, element size, low precision, gradient element size) of a config, from the same
     grouping the engine uses, on the meta device."""
     from scaletrain.parallel.zero import group_params
-    from scaletrain.plan import run_memory
+    from scaletrain.plan.exact import run_memory
 
     if module is None:
         module = run_memory.engine_module_on_meta(cfg, 0)

@@ -10,7 +10,7 @@ Three quick measurements (a few seconds in all), used in place of the catalog's 
 The result is a `GPU` named `calibrated-<host>` with gemm_efficiency 1.0 (the measured rate is already
 an achieved rate), one "node" holding all local processes.
 
-For `plan --config run.yaml` (our own run) `plan.run_time.calibrate_run` profiles the run's own layers
+For `plan --config run.yaml` (our own run) `plan.exact.run_calibrate.calibrate_run` profiles the run's own layers
 instead and measures the link inside the run's process group: `link_on_group` (alpha-beta fit of a small
 and a large all-reduce) and `sync_cost` (what a collective costs after the run's compute between two
 collectives: on shared cores mostly the wait for a descheduled peer); `machine` then describes this

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scaletrain.plan.analytic.comm import group_link
+from scaletrain.plan.analytic.estimate import Estimate
+from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS as _A
+from scaletrain.plan.analytic.inputs import Training
+from scaletrain.plan.analytic.memory import optimizer_bytes
+from scaletrain.plan.analytic.params import active_params, param_counts, total_params
 from scaletrain.plan.catalog import ModelSpec
-from scaletrain.plan.costs import DEFAULT_ASSUMPTIONS as _A
-from scaletrain.plan.costs import (
-    Estimate,
-    Training,
-    active_params,
-    group_link,
-    optimizer_bytes,
-    param_counts,
-    total_params,
-)
 from scaletrain.plan.hardware import Cluster
 
 GiB = float(1 << 30)

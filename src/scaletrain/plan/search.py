@@ -1,7 +1,7 @@
 """Enumerate the parallel layouts of a model on a cluster and rank them by predicted step time.
 
 The search space: tp over the divisors of the GPU count up to one node (heads divisible) for Megatron's 1D, and
-the 2D / 2.5D / 3D grids of any size that divide it (`tp_mode`, plan/tp_nd.py; pp only with 2D), pp over
+the 2D / 2.5D / 3D grids of any size that divide it (`tp_mode`, plan/analytic/tp_nd.py; pp only with 2D), pp over
 divisors that split the layers, dp the rest, ep over divisors of dp and the expert count (MoE only),
 micro-batch sizes dividing the per-rank batch, ZeRO 0-3 (under pipeline parallelism ZeRO-3 keeps a stage
 gathered for the whole step, as FSDP does with pipelining), recompute none / selective / full, sequence parallelism when
@@ -12,7 +12,7 @@ Offload is tried only when nothing fits without it.
 
 Speed: memory is checked first with the cheap memory-only model and time is computed only for layouts
 that fit, so a 1T-parameter model on 3,072 GPUs is searched in well under 2 s (tests/test_plan_search.py).
-The pipeline bubble uses the closed forms of `costs.pipeline_time`, which agree with the schedule
+The pipeline bubble uses the closed forms of `analytic.pipeline.pipeline_time`, which agree with the schedule
 simulator (`scaletrain.parallel.pipeline.simulate`) for every schedule and small p, m, v (tested).
 """
 
@@ -21,24 +21,25 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, fields
 
+from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import UserError
-from scaletrain.plan.catalog import ModelSpec
-from scaletrain.plan.costs import (
+from scaletrain.plan.analytic.estimate import Estimate, estimate
+from scaletrain.plan.analytic.inputs import (
     DEFAULT_ASSUMPTIONS,
     OFFLOAD,
     RECOMPUTE,
     SCHEDULES,
     Assumptions,
-    Estimate,
     Layout,
     Training,
-    estimate,
     recompute_kind,
 )
+from scaletrain.plan.analytic.tp_nd import MODES as TP_MODES
+from scaletrain.plan.analytic.tp_nd import grid
+from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
 
 LAYOUT_FIELDS = {f.name: f.type for f in fields(Layout)}
-TP_MODES = ("1d", "2d", "2.5d", "3d")
 
 
 def parse_layout(text: str) -> dict:
@@ -162,8 +163,6 @@ def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[
     """(tp_mode, tp, tp_depth, sequence blocks of a micro-batch) to search: 1D over the divisors of the GPU count
     up to a node (heads divisible); 2D / 2.5D / 3D over the q^2, d q^2 (2 <= d <= q) and q^3 grids dividing it
     (any size: their groups are q wide; heads divisible by q, widths by q^2; dense, non-reversible models only)."""
-    from scaletrain.distributed.grid import grid_shape
-
     out = []
     for mode in _options(fixed, "tp_mode", list(TP_MODES)):
         if mode == "1d":
@@ -174,8 +173,6 @@ def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[
         for tp in _options(fixed, "tp", divisors(n_gpus)):
             for depth in _options(fixed, "tp_depth", divisors(tp) if mode == "2.5d" else [1]):
                 if "tp" in fixed and "tp_mode" in fixed:  # asked for: say why it is not a grid
-                    from scaletrain.plan.tp_nd import grid
-
                     grid(mode, tp, depth)
                 s = grid_shape(mode, tp, depth)
                 if s is None or s.q < 2 or (mode == "2.5d" and not 2 <= depth <= s.q) or m.n_experts or m.reversible:

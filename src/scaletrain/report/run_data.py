@@ -142,10 +142,11 @@ def _read_json(path: Path) -> dict | None:
 
 def model_flops_per_token(cfg: Config) -> float:
     """Model FLOPs of one trained token (forward + backward, no recomputation; routed experts only): the
-    planner's `costs.step_flops` for one token, the numerator of MFU (Chowdhery et al., arXiv 2204.02311)."""
-    from scaletrain.plan import catalog, costs
+    planner's `step_flops` for one token, the numerator of MFU (Chowdhery et al., arXiv 2204.02311)."""
+    from scaletrain.plan import catalog
+    from scaletrain.plan.analytic.flops import step_flops
 
-    return costs.step_flops(catalog.from_model_config(cfg.model), 1.0, "none")[0]
+    return step_flops(catalog.from_model_config(cfg.model), 1.0, "none")[0]
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, world: int, peak: Peak) -> float | None:
@@ -207,8 +208,8 @@ class PlannedMemory:
 
 
 def planned_memory(cfg: Config) -> PlannedMemory:
-    """`plan.run_memory` per stage: model states exact; activations where the planner models them."""
-    from scaletrain.plan import run_memory
+    """`plan.exact.run_memory` per stage: model states exact; activations where the planner models them."""
+    from scaletrain.plan.exact import run_memory
 
     try:
         states = run_memory.model_state_bytes_per_stage(cfg)

@@ -34,7 +34,10 @@ import sys
 from dataclasses import dataclass
 
 from scaletrain.errors import UserError
-from scaletrain.plan import costs, hardware, report
+from scaletrain.plan import hardware, report
+from scaletrain.plan.analytic.estimate import Estimate
+from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, Assumptions, Training
+from scaletrain.plan.analytic.params import param_counts, total_params
 from scaletrain.plan.catalog import ModelSpec, check_model
 from scaletrain.plan.search import dedupe, parse_layout, search
 from scaletrain.scaling.laws import PF_DAY, Optimum, get_law, kaplan_loss_compute
@@ -54,9 +57,9 @@ SECONDS_PER_DAY = 86400.0
 def counted_params(m: ModelSpec, law_name: str) -> int:
     """Parameters as the law counts them: non-embedding for Kaplan, all for the others."""
     if law_name == "kaplan":
-        c = costs.param_counts(m)
-        return costs.total_params(m) - c.embedding - c.position - c.head
-    return costs.total_params(m)
+        c = param_counts(m)
+        return total_params(m) - c.embedding - c.position - c.head
+    return total_params(m)
 
 
 def _widths(limit: int = 131072) -> list[tuple[int, int]]:
@@ -116,13 +119,13 @@ class BudgetPlan:
     global_batch: int
     batch_rule: str
     cluster: hardware.Cluster
-    train: costs.Training
-    candidates: list[costs.Estimate]
+    train: Training
+    candidates: list[Estimate]
     evaluated: int
     offload_needed: bool
 
     @property
-    def best(self) -> costs.Estimate:
+    def best(self) -> Estimate:
         return self.candidates[0]
 
     @property
@@ -146,7 +149,7 @@ class BudgetPlan:
         return {
             "law": self.optimum.law, "flops_budget": self.optimum.flops, "params_optimal": self.optimum.params,
             "tokens_optimal": self.optimum.tokens, "params": self.params,
-            "params_total": costs.total_params(self.model),
+            "params_total": total_params(self.model),
             "tokens": self.tokens, "steps": self.steps, "global_batch": self.global_batch,
             "batch_rule": self.batch_rule, "gpus": self.cluster.n_gpus, "gpu": self.cluster.gpu.name,
             "achieved_flops_per_gpu": self.achieved_flops_per_gpu, "mfu": self.best.mfu,
@@ -157,7 +160,7 @@ class BudgetPlan:
 def plan_budget(flops: float, n_gpus: int, gpu: hardware.GPU, law_name: str = "chinchilla-3",
                 global_batch: int | None = None, vocab: int = DEFAULT_VOCAB, seq_len: int = DEFAULT_SEQ_LEN,
                 mlp: str = "gelu", dtype: str = "bf16", attention: str = "flash", dp_overlap: bool = True,
-                fixed: dict | None = None, assumptions: costs.Assumptions = costs.DEFAULT_ASSUMPTIONS,
+                fixed: dict | None = None, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
                 top: int = 5) -> BudgetPlan:
     """Law -> shape -> layout search -> days (see the module doc). UserError if nothing fits."""
     if not (math.isfinite(flops) and flops > 0):
@@ -175,10 +178,10 @@ def plan_budget(flops: float, n_gpus: int, gpu: hardware.GPU, law_name: str = "c
         raise UserError(f"--global-batch must be >= 1, got {global_batch}")
     else:
         rule = "--global-batch"
-    train = costs.Training(global_batch, dtype, attention, dp_overlap)
+    train = Training(global_batch, dtype, attention, dp_overlap)
     result = search(model, gpu, n_gpus, train, fixed or {}, assumptions)
     if not result.candidates or not result.candidates[0].fits:
-        raise UserError(f"no layout of {n_gpus} x {gpu.name} fits the {costs.total_params(model) / 1e9:.3g}B-parameter"
+        raise UserError(f"no layout of {n_gpus} x {gpu.name} fits the {total_params(model) / 1e9:.3g}B-parameter"
                         f" model that {law.name} chooses for {flops:.3g} FLOPs; give more --gpus")
     params = counted_params(model, law.name)
     return BudgetPlan(optimum, model, params, flops / (6.0 * params), global_batch, rule,
@@ -189,18 +192,18 @@ def plan_budget(flops: float, n_gpus: int, gpu: hardware.GPU, law_name: str = "c
 # --------------------------------------------------------------------------- command line (from plan)
 
 
-def _gpu(args: argparse.Namespace, dtype: str) -> tuple[hardware.GPU, costs.Assumptions]:
+def _gpu(args: argparse.Namespace, dtype: str) -> tuple[hardware.GPU, Assumptions]:
     if args.calibrate:  # measured rates are achieved rates already
         from scaletrain.plan.calibrate import calibrate
 
         gpu = calibrate(dtype if dtype in ("fp32", "fp64") else "fp32", max(2, min(args.gpus or 2, 8)))
-        return gpu, costs.Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0)
+        return gpu, Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0)
     if args.cluster:
         gpu, n = hardware.load_cluster(args.cluster)
         if args.gpus is None and n is not None:
             args.gpus = n
-        return gpu, costs.DEFAULT_ASSUMPTIONS
-    return hardware.get_gpu(args.gpu or "a100-80gb"), costs.DEFAULT_ASSUMPTIONS
+        return gpu, DEFAULT_ASSUMPTIONS
+    return hardware.get_gpu(args.gpu or "a100-80gb"), DEFAULT_ASSUMPTIONS
 
 
 def _si(x: float) -> str:
@@ -219,7 +222,7 @@ def print_plan(p: BudgetPlan) -> None:
         ("law", f"{o.law}: N_opt = {o.params:.3e} {what}, D_opt = {o.tokens:.3e} tokens"),
         ("model", f"{m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads, vocab {m.vocab_size}, seq "
                   f"{m.seq_len}: {p.params:.3e} {what} ({miss:+.1%} from N_opt), "
-                  f"{_si(costs.total_params(m))} in all"),
+                  f"{_si(total_params(m))} in all"),
         ("tokens", f"{p.tokens:.3e}  (C / 6N), {p.steps:,.0f} steps of {p.global_batch} x {m.seq_len} tokens"),
         ("global batch", p.batch_rule),
         ("best layout", f"{b.layout.short()}: {b.step_time_s:.3g} s/step, MFU {b.mfu:.1%}, "

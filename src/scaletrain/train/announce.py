@@ -2,7 +2,7 @@
 
 No paper. Starting a run can take 10-30 s on a CPU (tokenizing the corpus once, importing torch in every
 process, building the model), so as soon as the config is valid the launcher prints the layout, the parameter
-count (`plan.costs.total_params`, exactly what `model.gpt` builds), the steps and the output folder, notes a
+count (`plan.analytic.params.total_params`, exactly what `model.gpt` builds), the steps and the output folder, notes a
 warm-up as long as the run, and then one status line per slow phase.
 """
 
@@ -20,8 +20,8 @@ def _say(text: str) -> None:
 
 def first_line(cfg: Config, nproc: int, out: Path) -> None:
     """The run in one line (and a note when the warm-up covers the whole run)."""
+    from scaletrain.plan.analytic.params import total_params
     from scaletrain.plan.catalog import from_model_config
-    from scaletrain.plan.costs import total_params
 
     p, t = cfg.parallel, cfg.train
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}" + (f" ep={p.ep}" if cfg.model.moe.experts else "")

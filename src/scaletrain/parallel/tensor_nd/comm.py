@@ -8,7 +8,7 @@ broadcasts and reduces of SUMMA (Van de Geijn & Watts, 1997), (n-1)/n of the buf
 over the q calls of one SUMMA product each rank is the root once, and a pipelined (chain) broadcast or reduce
 moves (n-1) buffers in the group per call, so each rank sends (q-1) blocks over the product, the same as an
 all-gather (reduce-scatter) of the q blocks. These are the per-processor volumes the Optimus (arXiv 2104.05343),
-Tesseract (arXiv 2105.14500) and 3D (arXiv 2105.14450) papers count; `plan.tp_nd` writes them per layer.
+Tesseract (arXiv 2105.14500) and 3D (arXiv 2105.14450) papers count; `plan.analytic.tp_nd` writes them per layer.
 
 Autograd operators (forward / backward):
     gather_vec     all-gather along a dim / reduce-scatter      (vectors split over a group: 2d biases, norms)

@@ -15,7 +15,7 @@ that group (`parallelize._grad_dim`) once per optimizer step (bucketed, overlapp
 shards the optimizer over it), instead of once per layer and micro-batch. Volume per step: 2(g-1)/g of the
 rank's parameter bytes for the group size g = dp x d, the same all-reduce the paper counts for dp = 1 and one
 micro-batch. So 2.5D with depth d moves the bytes and holds the memory of 2D with d times the data parallelism,
-each replica taking 1/d of the micro-batch (`plan.tp_nd.as_2d`): what differs is who shares a micro-batch.
+each replica taking 1/d of the micro-batch (`plan.analytic.tp_nd.as_2d`): what differs is who shares a micro-batch.
 
 Deviations: as in tp2d.py; and the depth reduction's placement (per step with the data-parallel gradients, not
 per layer).

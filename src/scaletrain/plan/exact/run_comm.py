@@ -8,7 +8,7 @@ our 2-core machine a 64 KiB gloo all-reduce after 0.5 ms of compute takes 0.6-1.
 alpha-beta time, while an 8-byte one takes 0.35-0.5 ms). So, as a profile-guided planner does for its
 layers (PipeDream, arXiv 1806.03377 Sec. 3.1), the calibration times each collective the step will issue
 at its own size, kind and group, each after the run's mean compute between two collectives, and the
-composition (`run_time.predict_step_time`) looks them up (`costs.MeasuredLink`) instead of using
+composition (`run_time.predict_step_time`) looks them up (`analytic.comm.MeasuredLink`) instead of using
 alpha-beta.
 
 The model also assumed that compute hides an asynchronous collective it outlasts. On CPU ranks with a
@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.plan import run_time
-from scaletrain.plan.costs import MeasuredLink
+from scaletrain.plan.analytic.comm import MeasuredLink
+from scaletrain.plan.exact import run_time
+from scaletrain.plan.exact.probe import RunProbe, RunProfile, profile_from_sample
 
 DIMS = ("world", "tp", "dp", "pp", "ep")
 MAX_SIZES = 6  # distinct sizes timed per (dimension, kind); the others are interpolated
@@ -51,7 +52,7 @@ class _Recorder(MeasuredLink):
 
 
 @dataclass
-class _RecordingProfile(run_time.RunProfile):
+class _RecordingProfile(RunProfile):
     log: set = field(default_factory=set)
 
     def link(self, dim: str = "world"):
@@ -207,12 +208,12 @@ def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15,
 
 def gap_between_collectives(cfg: Config, sample: dict) -> float:
     """The mean compute between two of the run's blocking collectives, from one profile sample."""
-    comp = run_time.compute_time(cfg, run_time.profile_from_sample({k: v for k, v in sample.items()
+    comp = run_time.compute_time(cfg, profile_from_sample({k: v for k, v in sample.items()
                                                                     if k != "comm"}))
     return comp / max(run_time.collectives_per_step(cfg), 1)
 
 
-def sample_with_comm(cfg: Config, probe: run_time.RunProbe, mesh) -> dict:
+def sample_with_comm(cfg: Config, probe: RunProbe, mesh) -> dict:
     """One profile sample of this rank's compute followed by the in-place collective times at the gap
     it implies (every rank of the run calls this together)."""
     sample = probe.sample()

@@ -1,7 +1,7 @@
 """Communication per step of the data-parallel synchronisation modes, side by side (`parallel.sync`).
 
 For a data-parallel group of n workers, each holding Ψ parameters (G gradient bytes, P parameter bytes per
-worker), on links of bandwidth B and latency α (the planner's alpha-beta model, `plan.costs`):
+worker), on links of bandwidth B and latency α (the planner's alpha-beta model, `comm.py`):
 
 - BSP, ring all-reduce of the gradients (Patarasuk & Yuan, JPDC 2009): each worker sends 2(n-1)/n x G;
   time 2(n-1)/n x G/B + 2(n-1)α.
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.plan.costs import allreduce_time
+from scaletrain.plan.analytic.comm import allreduce_time, group_link
+from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, DTYPES
+from scaletrain.plan.analytic.params import stage_params
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,6 @@ def for_layout(m, gpu, train, lay, servers: int, local_steps: int, server_bw: fl
                outer: str = "avg", a=None) -> dict:
     """The comparison for one planned layout: its dp group, the parameters one rank holds (the fuller pipeline
     stage), gradient and parameter bytes in the run's dtypes; `server_bw` (bytes/s) defaults to one NIC."""
-    from scaletrain.plan.costs import DEFAULT_ASSUMPTIONS, DTYPES, group_link, stage_params
-
     a = a or DEFAULT_ASSUMPTIONS
     pb, gb, _, _ = DTYPES[train.dtype]
     gb = train.grad_bytes or gb

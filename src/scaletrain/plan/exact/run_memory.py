@@ -38,7 +38,9 @@ import math
 import torch
 import torch.nn as nn
 
-from scaletrain.config import Config
+from scaletrain.config import Config, ModelConfig
+from scaletrain.plan.catalog import ModelSpec
+from scaletrain.plan.exact import tp_nd_memory
 
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW = ("bf16", "fp16")
@@ -129,10 +131,8 @@ def engine_module_on_meta(cfg: Config, pp_rank: int = 0) -> nn.Module:
     if cfg.model.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     model.to(_TORCH[cfg.train.dtype])
-    if cfg.parallel.tp > 1 and cfg.parallel.tp_mode != "1d":  # 2d / 2.5d / 3d: the engine's own pass (tp_nd.py)
-        from scaletrain.plan.tp_nd import shard_meta
-
-        shard_meta(model, cfg)
+    if cfg.parallel.tp > 1 and cfg.parallel.tp_mode != "1d":  # 2d / 2.5d / 3d: the engine's own pass
+        tp_nd_memory.shard_meta(model, cfg)
     elif cfg.parallel.tp > 1:
         _shard_tp_on_meta(model, cfg, cfg.parallel.tp)
     if _experts(cfg) and cfg.parallel.ep > 1:
@@ -295,9 +295,7 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     the attention core, which drops the log-sum-exp; `every:k` is accounted for per segment by the caller.
     """
     if cfg.parallel.tp_mode != "1d" and cfg.parallel.tp > 1:  # 2d / 2.5d / 3d
-        from scaletrain.plan import tp_nd
-
-        return tp_nd.layer_saved_bytes(cfg, recompute)
+        return tp_nd_memory.layer_saved_bytes(cfg, recompute)
     s = _sizes(cfg)
     if s["autocast"]:
         return autocast_layer_saved_bytes(cfg, recompute)
@@ -362,9 +360,7 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
     last stage that does not hold the embedding saves its copy of the tied weight (a buffer, not a
     parameter) per microbatch."""
     if cfg.parallel.tp_mode != "1d" and cfg.parallel.tp > 1:  # 2d / 2.5d / 3d
-        from scaletrain.plan import tp_nd
-
-        return tp_nd.outside_saved_bytes(cfg, first, last, tied_copy)
+        return tp_nd_memory.outside_saved_bytes(cfg, first, last, tied_copy)
     s = _sizes(cfg)
     n, c, t, e, e32 = s["n"], s["c"], s["t"], s["e"], s["e32"]
     rep = t if s["sp"] else 1
@@ -537,3 +533,37 @@ def predicts_activations(cfg: Config) -> bool:
         return False  # autocast modelled without tensor parallelism, dropout and activation offload (docs/gpu.md)
     moe = cfg.model.moe
     return not _experts(cfg) or (moe.router_noise == 0 and not moe.random_routing and moe.expert_dropout == 0)
+
+
+# --------------------------------------------------------------------------- the prediction the trainer logs
+
+
+def implementation_activation_bytes(m: ModelSpec, batch: int, elem: int) -> float:
+    """Bytes our `scaletrain.model.gpt.GPT` saves for backward for one forward of `batch` sequences
+    (distinct storages seen by `saved_tensors_hooks`, parameters excluded) when the token ids are one
+    (batch, seq_len) int64 tensor that is also the target: the count of `activation_bytes` for a plain
+    single-process forward, without the trainer's loader batch. `elem` is 4 (fp32), 8 (fp64) or 2 (bf16)."""
+    cfg = Config(model=ModelConfig(
+        n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, vocab_size=m.vocab_size,
+        d_ff=m.d_ff, mlp=m.mlp, position=m.position, tie_embeddings=m.tie_embeddings, bias=m.bias,
+        dropout=0.1 if m.dropout else 0.0))
+    cfg.train.dtype = {4: "fp32", 8: "fp64", 2: "bf16"}[elem]
+    cfg.train.micro_batch = cfg.train.global_batch = batch
+    loader_batch = 8 * batch * (m.seq_len + 1)  # the trainer's ids are views of it; here ids are targets
+    return activation_bytes(cfg) - loader_batch
+
+
+def predict_run(cfg: Config) -> dict:
+    """The planner's memory prediction for a scaletrain run config, per rank, in bytes: what the trainer
+    will log as `mem_params`, `mem_grads`, `mem_optim` (exact to the byte, for every layout the engine
+    runs: dp, ZeRO 0-3 with padding and offload, tp with the padded vocabulary, pp stages, fp32 / fp64 /
+    bf16 / fp16 with fp32 masters and gradient buffers, AdamW / Adafactor / SM3) and `mem_activations`
+    (exact without dropout, within 10% with it; left out with activation compression, which is not
+    modelled, and for MoE layers with router noise, random routing or expert dropout). MoE layers: exact
+    for every router, dtype and layout (`moe_layer_extra_bytes`). See the module docstring.
+    """
+    states = model_state_bytes(cfg)
+    out = {f"plan_mem_{k}": int(v) for k, v in states.items()}
+    if predicts_activations(cfg):
+        out["plan_mem_activations"] = int(activation_bytes(cfg))
+    return out

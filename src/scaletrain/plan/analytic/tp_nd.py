@@ -1,5 +1,5 @@
-"""The planner's model of 2D, 2.5D and 3D tensor parallelism: communication per layer, memory per rank, and the
-exact bytes of our own runs.
+"""The planner's model of 2D, 2.5D and 3D tensor parallelism: communication per layer and memory per rank
+(the exact bytes of our own runs: `plan/exact/tp_nd_memory.py`).
 
 Papers: Optimus (2D, Xu et al., arXiv 2104.05343), Tesseract (2.5D, Wang et al., arXiv 2105.14500), 3D (Bian et
 al., arXiv 2105.14450); Megatron's 1D (arXiv 1909.08053) for comparison. The engine is `parallel.tensor_nd`.
@@ -26,7 +26,7 @@ norm weight along the column and reduce-scatters its gradient; 3D all-reduces th
 ranks. Full recomputation repeats the forward's collectives. The counted bytes per rank follow `tensor_nd.comm`'s
 conventions (ring: all-reduce 2(n-1)/n, all-gather / reduce-scatter / one broadcast or reduce (n-1)/n of the
 buffer), so `layer_comm_bytes` is what the engine's CommStats measure, to the byte (tests/test_tensor_nd.py).
-Time: alpha-beta on each group's link (`costs.group_link`: the row group is q consecutive ranks, the column q
+Time: alpha-beta on each group's link (`comm.group_link`: the row group is q consecutive ranks, the column q
 ranks q apart, the depth q^2 apart); the q broadcasts (reduces) of one SUMMA product cost one all-gather
 (reduce-scatter) of the q blocks.
 
@@ -34,8 +34,7 @@ Memory: every activation of a layer is split over all t ranks (t = q^2, d q^2, q
 model is Korthikanti et al.'s fully partitioned form (arXiv 2205.05198, the sequence-parallel formula
 s b h / t (34 + 5 a s / h)); parameters: 2D and 3D hold 1/t of every matrix, 2.5D 1/q^2 (replicated over the d
 depth layers, whose gradients are summed with data parallelism: ZeRO shards over dp x d), 3D keeps vectors as
-1/q replicated over q^2 ranks. For our own runs `shard_meta`, `layer_saved_bytes` and `outside_saved_bytes` give
-the engine's bytes exactly (`plan.run_memory` calls them).
+1/q replicated over q^2 ranks. For our own runs `plan.exact.tp_nd_memory` gives the engine's bytes exactly.
 
 Where each wins (docs/tensor_parallel.md): per layer 1D moves ~8 B T h e bytes per rank whatever t is; 2D moves
 ~3(q-1)/q^2 e (7 B T h + 12 h^2) (GELU, f = 4h): the activation term falls as 1/q but the weight term 36 h^2/q
@@ -45,9 +44,15 @@ t spans nodes (its all-reduces then run on the inter-node links while 2D's row g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from scaletrain.distributed.grid import GridShape, grid_shape
 from scaletrain.errors import UserError
+from scaletrain.plan.analytic.comm import allreduce_time, gather_time, group_link
+from scaletrain.plan.analytic.inputs import Assumptions, Layout
+from scaletrain.plan.analytic.params import StageParams, param_counts
+from scaletrain.plan.catalog import ModelSpec
+from scaletrain.plan.hardware import GPU
 
 MODES = ("1d", "2d", "2.5d", "3d")
 
@@ -83,15 +88,13 @@ class Dims:
     e32: int = 4  # bytes per element of the layer norms' statistics (fp32 under bf16 / fp16)
 
 
-def grid(mode: str, tp: int, depth: int = 1) -> tuple[int, int]:
-    """(d, q) of the grid; UserError when tp does not form one."""
-    from scaletrain.distributed.grid import grid_shape
-
+def grid(mode: str, tp: int, depth: int = 1) -> GridShape:
+    """The grid of `tp` ranks in `mode` (`distributed.grid`); UserError when tp does not form one."""
     s = grid_shape(mode, tp, depth)
     if s is None:
         need = {"2d": "q*q", "2.5d": f"{depth}*q*q", "3d": "q*q*q"}[mode]
         raise UserError(f"tp ({tp}) is not {need} for tp_mode={mode}")
-    return s.depth, s.q
+    return s
 
 
 def _linears(x: Dims) -> list[tuple[int, int, str]]:
@@ -109,9 +112,9 @@ def layer_collectives(mode: str, tp: int, x: Dims, depth: int = 1, recompute: st
         n_fwd = 2 * (2 if recompute == "full" else 1)
         return [Collective("all_reduce", "tp", tp, act, n_fwd, "fwd"),
                 Collective("all_reduce", "tp", tp, act, 2, "bwd")]
-    d, q = grid(mode, tp, depth)
-    rows = {"2d": q, "2.5d": d * q, "3d": q * q}[mode]
-    n = x.B * x.T // rows  # the rank's tokens
+    g = grid(mode, tp, depth)
+    q = g.q
+    n = x.B * x.T // g.row_blocks  # the rank's tokens
     e = x.e
     fwd_times = 2 if recompute == "full" else 1
     for cin, cout, role in _linears(x):
@@ -163,14 +166,13 @@ def group_strides(mode: str, tp: int, depth: int = 1) -> dict[str, tuple[int, in
     """(size, stride) of each grid group inside the tp group (consecutive global ranks within it)."""
     if mode == "1d":
         return {"tp": (tp, 1)}
-    d, q = grid(mode, tp, depth)
+    g = grid(mode, tp, depth)
+    d, q = g.depth, g.q
     return {"row": (q, 1), "col": (q, q), "dep": (d, q * q), "dep_row": (q * q, 1), "dep_col": (q * q, q)}
 
 
 def collective_time(c: Collective, link) -> float:
-    """Alpha-beta time of all calls of `c` on `link` (a (bandwidth, latency) pair or costs.MeasuredLink)."""
-    from scaletrain.plan.costs import allreduce_time, gather_time
-
+    """Alpha-beta time of all calls of `c` on `link` (a (bandwidth, latency) pair or comm.MeasuredLink)."""
     if c.kind == "all_reduce":
         return c.calls * allreduce_time(c.size, c.n, link)
     if c.kind in ("broadcast", "reduce"):  # q calls of one product = one all-gather (reduce-scatter) of q blocks
@@ -179,13 +181,11 @@ def collective_time(c: Collective, link) -> float:
     return c.calls * gather_time(c.size, c.n, link, c.kind)
 
 
-def layer_comm_time(mode: str, tp: int, x: Dims, gpu, a, depth: int = 1, recompute: str = "none",
+def layer_comm_time(mode: str, tp: int, x: Dims, gpu: GPU, a: Assumptions, depth: int = 1, recompute: str = "none",
                     tp_stride: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's tp collectives for one micro-batch (recomputation's repeated
     forward collectives are counted in the backward, where they run). `tp_stride`: the tp group's first rank
     spacing (1: Megatron's order, tp innermost)."""
-    from scaletrain.plan.costs import group_link
-
     links = {g: group_link(gpu, size, stride * tp_stride, a) for g, (size, stride) in
              group_strides(mode, tp, depth).items()}
     fwd = bwd = 0.0
@@ -203,7 +203,7 @@ def layer_comm_time(mode: str, tp: int, x: Dims, gpu, a, depth: int = 1, recompu
 # --------------------------------------------------------------------------- memory (the planner's model)
 
 
-def check_layout(m, lay) -> None:
+def check_layout(m: ModelSpec, lay: Layout) -> None:
     """UserError for a grid layout the engine (or the papers) do not define (see config._validate_tp_nd)."""
     if lay.tp_mode not in MODES:
         raise UserError(f"tp_mode must be one of {', '.join(MODES)}, got {lay.tp_mode!r}")
@@ -211,7 +211,8 @@ def check_layout(m, lay) -> None:
         raise UserError(f"tp_depth ({lay.tp_depth}) needs tp_mode=2.5d")
     if lay.tp_mode == "1d":
         return
-    d, q = grid(lay.tp_mode, lay.tp, lay.tp_depth)
+    g = grid(lay.tp_mode, lay.tp, lay.tp_depth)
+    d, q = g.depth, g.q
     if q < 2 or (lay.tp_mode == "2.5d" and d < 2):
         raise UserError(f"tp_mode={lay.tp_mode} needs q >= 2 (and tp_depth >= 2 for 2.5d), got tp ({lay.tp})")
     if m.n_heads % q or m.kv_heads % q:
@@ -220,7 +221,7 @@ def check_layout(m, lay) -> None:
     if m.d_model % (q * q) or m.ffn % (q * q):
         raise UserError(f"d_model ({m.d_model}) and the MLP size ({m.ffn}) must be divisible by q*q ({q * q}) of "
                         f"tp_mode={lay.tp_mode}")
-    rows = {"2d": q, "2.5d": d * q, "3d": q * q}[lay.tp_mode]
+    rows = g.row_blocks
     if lay.micro_batch % rows:
         raise UserError(f"micro_batch ({lay.micro_batch}) is not divisible by the {rows} sequence blocks of "
                         f"tp_mode={lay.tp_mode}")
@@ -239,31 +240,28 @@ def check_layout(m, lay) -> None:
         raise UserError(f"reversible blocks {why}")
 
 
-def as_2d(lay):
+def as_2d(lay: Layout) -> Layout:
     """The 2D layout a 2.5D one costs the same as: each of the d depth layers is a q x q SUMMA grid on 1/d of the
     micro-batch's sequences with the same weight blocks, and the depth's gradient sum is a data-parallel
     reduction (tp2p5d.py), so 2.5D (dp, d, q, micro-batch b) moves the bytes and holds the memory of 2D (dp x d,
     q, micro-batch b / d) on the same ranks (the depth fibre is q^2 ranks apart, like the next dp replica)."""
-    from dataclasses import replace
-
-    d, q = grid(lay.tp_mode, lay.tp, lay.tp_depth)
+    g = grid(lay.tp_mode, lay.tp, lay.tp_depth)
+    d, q = g.depth, g.q
     if lay.micro_batch % d:
         raise UserError(f"micro_batch ({lay.micro_batch}) is not divisible by tp_depth ({d})")
     return replace(lay, tp_mode="2d", tp=q * q, tp_depth=1, dp=lay.dp * d, micro_batch=lay.micro_batch // d)
 
 
-def dims_of(m, micro_batch: int, elem: int) -> Dims:
+def dims_of(m: ModelSpec, micro_batch: int, elem: int) -> Dims:
     """The `Dims` of a catalog model's layer for one micro-batch in `elem`-byte elements."""
     return Dims(micro_batch, m.seq_len, m.d_model, m.ffn, m.mlp, m.bias, m.kv_heads * m.head_dim, elem, max(elem, 4))
 
 
-def stage_params(m, lay):
-    """`costs.StageParams` of the first and last pipeline stage's rank: 2D / 2.5D hold 1/q^2 of everything
+def stage_params(m: ModelSpec, lay: Layout) -> tuple[StageParams, StageParams]:
+    """`params.StageParams` of the first and last pipeline stage's rank: 2D / 2.5D hold 1/q^2 of everything
     (vectors split too), 3D 1/q^3 of every matrix and 1/q of every vector (replicated over q^2 ranks)."""
-    from scaletrain.plan.costs import StageParams, param_counts
-
     c = param_counts(m)
-    d, q = grid(lay.tp_mode, lay.tp, lay.tp_depth)
+    q = grid(lay.tp_mode, lay.tp, lay.tp_depth).q
     h, b = m.d_model, int(m.bias)
     if lay.tp_mode == "3d":
         vec = c.layer_rep + b * (m.kv_heads * m.head_dim * 2 + h + (2 if m.mlp == "swiglu" else 1) * m.ffn)
@@ -279,92 +277,3 @@ def stage_params(m, lay):
         return (StageParams(first + norm + head, 0.0),) * 2
     last = lps * per_layer + norm + (head if c.head else emb)
     return StageParams(first, 0.0), StageParams(last, 0.0)
-
-
-# --------------------------------------------------------------------------- our own runs, exact
-
-
-def shard_meta(model, cfg) -> None:
-    """Give the meta-device GPT every rank's shard shapes by running the engine's own pass with a grid of no groups
-    (`tensor_nd.shard_gpt`: the same placements; all ranks hold equal shapes)."""
-    from scaletrain.parallel.tensor_nd import make_plan, shard_gpt
-    from scaletrain.parallel.tensor_nd.grid import Grid, shape_of
-
-    shard_gpt(model, make_plan(cfg, Grid(shape_of(cfg), 0, 0, 0)))
-
-
-def _local(cfg) -> dict:
-    from scaletrain.model.gpt import ffn_size
-    from scaletrain.parallel.tensor_nd.grid import padded, shape_of
-
-    s = shape_of(cfg)
-    m, dtype = cfg.model, cfg.train.dtype
-    low = dtype in ("bf16", "fp16")
-    e = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}[dtype]
-    q = s.q
-    return dict(mode=s.mode, q=q, n=cfg.train.micro_batch // s.row_blocks * m.seq_len, T=m.seq_len,
-                c=m.d_model // q, f=ffn_size(m) // q, nh=m.n_heads // q, hd=m.d_model // m.n_heads, e=e,
-                e32=4 if low else e, low=low, bias=int(m.bias), V=m.vocab_size,
-                Vl=padded(m.vocab_size, q * q if s.mode == "3d" else q) // q,
-                lookup=(cfg.train.micro_batch // (s.depth if s.mode == "2.5d" else 1)) * m.seq_len)
-
-
-def _norm_bytes(s: dict) -> int:
-    """One norm for one micro-batch: x_hat and 1/sigma per token (fp32 under bf16 / fp16), and the weight chunk
-    its product keeps: the gathered chunk in 2D / 2.5D, nothing in 3D (a view of the parameter), its fp32 copy
-    under bf16 / fp16."""
-    weight = s["c"] * 4 if s["low"] else (s["c"] * s["e"] if s["mode"] != "3d" else 0)
-    return s["n"] * (s["c"] + 1) * s["e32"] + weight
-
-
-def layer_saved_bytes(cfg, recompute: str = "none") -> int:
-    """Bytes one block of the grid modes saves for backward for one micro-batch, as `tensor_nd` does it
-    (`plan.run_memory.layer_saved_bytes` for 1D). Per token of the rank (n = its sequences x T), elements of its
-    blocks (c = h/q, f = MLP/q, nh = heads/q): two norms (`_norm_bytes`) and their outputs, the inputs of qkv and
-    fc (2c); the qkv output (3c: q, k, v are views), the attention output (c, the projection's input), the
-    flash kernel's log-sum-exp (nh, fp32 under bf16 / fp16); the MLP's 2f (GELU) or 4f (SwiGLU) -- the element
-    counts of 1D's split part, all divided by t. Dropout (the global masks: bool, the explicit attention's
-    probabilities, mask and dropped probabilities, nh T each), RoPE (the rotated q and k, 2c, kept besides the
-    qkv output that v views; plus the projection's input copy with the flash kernel) and selective recomputation
-    (no log-sum-exp) follow the same attention code as 1D. `full` / `every`: the block input only."""
-    s = _local(cfg)
-    n, c, f, nh, e, e32, T = s["n"], s["c"], s["f"], s["nh"], s["e"], s["e32"], s["T"]
-    if recompute in ("full", "every"):
-        return n * c * e
-    m = cfg.model
-    mlp = (4 if m.mlp == "swiglu" else 2) * f
-    dropout = m.dropout > 0
-    explicit = dropout and recompute != "selective"  # the global dropout's explicit attention
-    if explicit:
-        core = 3 * c * e + nh * T * (2 * e + 1) + c * e
-    else:
-        core = 3 * c * e + c * e + (0 if recompute == "selective" else nh * e32)
-    total = 2 * _norm_bytes(s) + n * (2 * c * e + core + mlp * e) + (T * T if explicit else 0)
-    if dropout:
-        total += n * 2 * c  # the two residual dropouts' bool masks
-    if m.position == "rope":  # the rotated q and k; with the flash kernel the projection's input is a copy too
-        extra = 2 if explicit or recompute == "selective" else 3
-        total += n * extra * c * e + (0 if e == 8 else 2 * T * s["hd"] * e)
-    return total
-
-
-def outside_saved_bytes(cfg, first: bool, last: bool, tied_copy: bool) -> int:
-    """What one micro-batch saves outside the blocks: first stage: the looked-up ids (int64) and their
-    out-of-range mask for every sequence the rank's embedding looks up (the whole micro-batch; the depth layer's
-    in 2.5D), the positions (int64 T) and the embedding dropout's mask; last stage: the final norm and its
-    output (the head's input), then the loss: the local softmax (V'/q per token, fp32 or wider), the local
-    targets (int64) and their mask, and a pipeline stage's copy of the tied table."""
-    s = _local(cfg)
-    n, c, e = s["n"], s["c"], s["e"]
-    total = 0
-    if first:
-        total += 9 * s["lookup"]
-        if cfg.model.position == "learned":
-            total += 8 * s["T"]
-        if cfg.model.dropout > 0:
-            total += n * c
-    if last:
-        total += _norm_bytes(s) + n * c * e + n * s["Vl"] * s["e32"] + 9 * n
-        if tied_copy:
-            total += s["Vl"] // (s["q"] if s["mode"] == "3d" else 1) * c * e
-    return total

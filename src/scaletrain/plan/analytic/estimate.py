@@ -1,0 +1,137 @@
+"""The entry of the analytic cost model: `estimate` gives the memory per category, step time, MFU, pipeline
+bubble and communication of one layout of a model on a GPU, after `check_layout` has refused impossible ones.
+
+Every number the planner prints comes from one formula, each in the module of its term, with its paper:
+`params` (parameter counts), `flops`, `memory` (bytes per category), `comm` (links and collective times),
+`zero3` (ZeRO-3's exposed communication), `pipeline` (schedules in closed form: bubble, in-flight chunks),
+`step_time` (step time, MFU, bytes per dimension), `tp_nd` (2D / 2.5D / 3D tensor parallelism). Our own runs
+are predicted exactly by `plan.exact` (memory through `predict_run`, step time after `--calibrate`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from scaletrain.errors import UserError
+from scaletrain.plan.analytic import tp_nd
+from scaletrain.plan.analytic.inputs import (
+    DEFAULT_ASSUMPTIONS,
+    OFFLOAD,
+    SCHEDULES,
+    Assumptions,
+    Layout,
+    Training,
+    recompute_kind,
+)
+from scaletrain.plan.analytic.memory import optimizer_bytes, rank_memory
+from scaletrain.plan.analytic.params import stage_params
+from scaletrain.plan.analytic.step_time import step_cost
+from scaletrain.plan.catalog import ModelSpec
+from scaletrain.plan.hardware import GPU
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    microbatches: int
+    memory: dict[str, float]
+    capacity: float
+    step_time_s: float = math.inf
+    tokens_per_s: float = 0.0
+    model_tflops_per_gpu: float = 0.0
+    hardware_tflops_per_gpu: float = 0.0
+    mfu: float = 0.0
+    bubble_fraction: float = 0.0
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.capacity
+
+    @property
+    def over_by(self) -> float:
+        return self.memory["total"] - self.capacity
+
+    @property
+    def dominant(self) -> str:
+        if not self.time_breakdown:
+            return "-"
+        return max(self.time_breakdown, key=self.time_breakdown.get)
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.to_dict(),
+            "fits": self.fits,
+            "memory_bytes": {k: int(round(v)) for k, v in self.memory.items()},
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "comm_bytes_per_step": {k: int(round(v)) for k, v in self.comm_bytes.items()},
+            "time_breakdown_s": self.time_breakdown,
+            "microbatches": self.microbatches,
+            "dominant_cost": self.dominant,
+        }
+
+
+def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None = None) -> int:
+    """Raise UserError for an impossible layout; return the number of microbatches per dp rank."""
+    for name in ("dp", "tp", "pp", "ep", "micro_batch", "virtual_stages"):
+        if getattr(lay, name) < 1:
+            raise UserError(f"layout {name} must be >= 1, got {getattr(lay, name)}")
+    if n_gpus is not None and lay.world != n_gpus:
+        raise UserError(f"layout dp ({lay.dp}) x tp ({lay.tp}) x pp ({lay.pp}) = {lay.world}"
+                        f" does not match --gpus ({n_gpus})")
+    if lay.tp_mode != "1d" or lay.tp_depth != 1:  # 2d / 2.5d / 3d: the grid's own constraints
+        tp_nd.check_layout(m, lay)
+    elif m.n_heads % lay.tp:
+        raise UserError(f"heads ({m.n_heads}) is not divisible by tp ({lay.tp})")
+    elif m.kv_heads % lay.tp and lay.tp % m.kv_heads:
+        raise UserError(f"kv heads ({m.kv_heads}) and tp ({lay.tp}) do not divide each other")
+    chunks = lay.pp * lay.virtual_stages
+    if m.n_layers % chunks:
+        raise UserError(f"layers ({m.n_layers}) is not divisible by pp ({lay.pp}) x virtual_stages"
+                        f" ({lay.virtual_stages}) = {chunks}")
+    if lay.zero not in (0, 1, 2, 3):
+        raise UserError(f"zero must be 0, 1, 2 or 3, got {lay.zero}")
+    recompute_kind(lay.recompute)
+    if lay.schedule not in SCHEDULES:
+        raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, got {lay.schedule!r}")
+    if lay.offload not in OFFLOAD:
+        raise UserError(f"offload must be one of {', '.join(OFFLOAD)}, got {lay.offload!r}")
+    if lay.offload in ("params", "nvme") and lay.zero != 3:
+        raise UserError(f"offload={lay.offload} needs zero=3")
+    if lay.virtual_stages > 1 and lay.schedule != "interleaved":
+        raise UserError(f"virtual_stages ({lay.virtual_stages}) > 1 needs schedule=interleaved")
+    if lay.ep > 1 and (not m.n_experts or m.n_experts % lay.ep or lay.dp % lay.ep):
+        raise UserError(f"ep ({lay.ep}) must divide experts ({m.n_experts}) and dp ({lay.dp})")
+    if lay.sequence_parallel and lay.tp == 1:
+        raise UserError("sequence_parallel needs tp > 1")
+    split = lay.micro_batch * lay.dp
+    if train.global_batch % split:
+        raise UserError(f"global batch ({train.global_batch}) is not divisible by micro_batch"
+                        f" ({lay.micro_batch}) x dp ({lay.dp}) = {split}")
+    mbs = train.global_batch // split
+    if lay.schedule == "interleaved" and lay.pp > 1 and mbs % lay.pp:
+        raise UserError(f"interleaved schedule needs microbatches ({mbs}) divisible by pp ({lay.pp})")
+    return mbs
+
+
+def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions = DEFAULT_ASSUMPTIONS,
+             n_gpus: int | None = None, memory_only: bool = False) -> Estimate:
+    """Memory, time and communication of one layout. Raises UserError for impossible layouts."""
+    mbs = check_layout(m, train, lay, n_gpus)
+    if lay.tp_mode == "2.5d":  # the same bytes and times as 2d with d times the dp (tp_nd.as_2d)
+        return replace(estimate(m, gpu, train, tp_nd.as_2d(lay), a, n_gpus, memory_only), layout=lay)
+    # 2d / 3d (tp_nd.py): their parameters per rank
+    first, last = tp_nd.stage_params(m, lay) if lay.tp_mode != "1d" else stage_params(m, lay)
+    memory = rank_memory(m, train, lay, a, first, last, mbs)
+    est = Estimate(lay, mbs, memory, gpu.memory_bytes)
+    if memory_only:
+        return est
+    k, _ = optimizer_bytes(m, train)
+    return replace(est, **vars(step_cost(m, gpu, train, lay, a, first, last, mbs, k)))

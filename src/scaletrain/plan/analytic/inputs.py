@@ -1,0 +1,151 @@
+"""The inputs of one estimate of the analytic cost model: the layout (how the model is split: dp, tp, pp, ep,
+ZeRO stage, micro-batch, recomputation, schedule, offload), the training settings (batch, dtype, attention
+kernel, optimizer) and the time model's assumptions, with the enumerations they take their values from.
+
+Bytes per element follow mixed-precision training (Micikevicius et al., arXiv 1710.03740) with the ZeRO
+paper's K = 12 optimizer bytes per parameter for Adam (Rajbhandari et al., arXiv 1910.02054 Sec. 3.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.errors import UserError
+
+RECOMPUTE = ("none", "selective", "full")  # and "every:k" (segments of k blocks, Chen et al. arXiv 1604.06174)
+
+
+def recompute_kind(spec: str) -> tuple[str, int]:
+    """("none" | "selective" | "full", k): `every:k` recomputes like `full` but keeps one input per k
+    blocks (k = 1 for the others)."""
+    if spec.startswith("every:"):
+        try:
+            k = int(spec.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k >= 1:
+            return "full", k
+    if spec in RECOMPUTE:
+        return spec, 1
+    raise UserError(f"recompute must be one of {', '.join(RECOMPUTE)} or every:k, got {spec!r}")
+
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "2bw")
+OFFLOAD = ("none", "optimizer", "params", "nvme")
+OPTIMIZERS = ("adamw", "adafactor", "sm3")
+# bytes per element of parameters / gradients / activations, and K (optimizer bytes per parameter)
+DTYPES = {
+    "bf16": (2, 2, 2, 12),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper, K = 12)
+    "fp16": (2, 2, 2, 12),
+    "fp32": (4, 4, 4, 8),  # plain Adam in fp32: m + v
+    "fp64": (8, 8, 8, 16),
+}
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch: int
+    dtype: str = "bf16"
+    attention: str = "flash"
+    """`flash` (no s x s scores stored, fused kernel) or `standard` (scores, softmax, dropout stored)."""
+    dp_overlap: bool = True
+    """Gradient reduction overlapped with the backward pass (PyTorch DDP buckets); Megatron-LM 2021 and
+    Korthikanti 2022 did not overlap."""
+    optimizer_k: float | None = None
+    """Optimizer bytes per parameter, sharded by ZeRO; None = what `optimizer` keeps in this dtype."""
+    optimizer: str = "adamw"
+    """adamw (two moments), adafactor (factored second moment, Shazeer & Stern arXiv 1804.04235) or sm3
+    (one accumulator per row and per column, Anil et al. arXiv 1901.11150); see `optimizer_bytes`."""
+    first_moment: bool = False
+    """Adafactor with beta1 / SM3 with momentum: one more element-wise state per parameter."""
+    grad_bytes: int | None = None
+    """Bytes per gradient element; None = the dtype's (2 in bf16/fp16; our engine keeps fp32 buffers: 4)."""
+    param_bytes: int | None = None
+    """Bytes per parameter element; None = the dtype's (autocast keeps fp32 parameters, 4, with bf16 compute)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    offload: str = "none"
+    tp_mode: str = "1d"
+    """`1d` (Megatron), `2d`, `2.5d`, `3d` (plan/analytic/tp_nd.py)."""
+    tp_depth: int = 1
+    """The depth d of tp_mode=2.5d."""
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute",
+                                               "schedule", "virtual_stages", "sequence_parallel", "offload",
+                                               "tp_mode", "tp_depth")}
+
+    def short(self) -> str:
+        mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth})" if self.tp_depth > 1
+                                                                      else ")")
+        s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
+        s += f" z{self.zero} mb{self.micro_batch} {self.recompute}"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        if self.sequence_parallel:
+            s += " sp"
+        if self.offload != "none":
+            s += f" off:{self.offload}"
+        return s
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The constants of the time model. Each is a stated assumption, not a measurement."""
+
+    link_efficiency: float = 0.8
+    """Fraction of the link bandwidth a large NCCL collective reaches (bus bandwidth / link)."""
+    gemm_half_dim: float = 64.0
+    """GEMM efficiency falls as d/(d + d0) with the sharded hidden size d = h/t (small GEMMs are slower)."""
+    attn_efficiency: float = 0.5
+    """Unfused attention batched matmuls (QK^T, AV) run at this fraction of the GEMM efficiency."""
+    mem_traffic: float = 2.0
+    """HBM bytes moved by the element-wise work of a forward pass per byte of activations it stores
+    (each stored tensor written once and read once); backward moves twice that."""
+    hbm_efficiency: float = 0.8
+    tp_overlap: float = 0.0
+    """Fraction of backward tp communication hidden behind weight-gradient GEMMs."""
+    fragmentation: float = 0.05
+    """Allocator fragmentation allowance, a fraction of everything else (ZeRO-R's M_D)."""
+    reserved_bytes: float = 1.0 * (1 << 30)
+    """CUDA context, NCCL and cuBLAS workspaces per GPU."""
+    bucket_bytes: float = 25 * (1 << 20)
+    """DP gradient bucket (PyTorch DDP default 25 MiB), two in flight."""
+    cpu_adam_params_per_s: float = 1.0e9
+    """CPU Adam throughput per GPU's share of host cores (ZeRO-Offload, arXiv 2101.06840)."""
+    nvme_read_bw: float = 1.6e9
+    """offload=nvme: NVMe read bytes/s per GPU's share of the node's drives (a DGX-2 of ZeRO-Infinity,
+    arXiv 2104.07857 Sec. 8: ~25 GB/s over 16 GPUs). `scaletrain plan --config --calibrate` measures our own."""
+    nvme_write_bw: float = 1.0e9
+    """offload=nvme: NVMe write bytes/s per GPU's share."""
+    zero3_style: str = "prefetch"
+    """How the ZeRO-3 implementation moves parameters (`zero3_exposed_time`). `prefetch`: one all-gather
+    per layer, issued one layer ahead, gradients reduce-scattered while the backward goes on (our engine,
+    PyTorch FSDP arXiv 2304.11277, DeepSpeed since its coalesced collectives of late 2021). `per-tensor`:
+    DeepSpeed ZeRO-3 up to v0.4 (the runs of arXiv 2104.04473 Table 2): one all-gather per weight behind a
+    device synchronise, so only the next weight's gather hides behind the current compute; weights are
+    gathered again for the recomputed forward, and each gradient reduce-scatter is waited for."""
+    zero3_link_bw: float | None = None
+    """Per-GPU bandwidth (bytes/s) ZeRO-3's collectives reach over a dp group that spans nodes; None = a
+    ring over all the node's NICs (`group_link`). Set it from a measurement of your implementation."""
+
+
+DEFAULT_ASSUMPTIONS = Assumptions()
