@@ -143,7 +143,7 @@ def plan_table() -> None:
         cells = []
         for mode in ("1d", "2d", "3d"):
             lay = Layout(tp=64, dp=16, zero=1, micro_batch=mb, recompute="full", tp_mode=mode,
-                               sequence_parallel=mode == "1d")
+                         sequence_parallel=mode == "1d")
             est = estimate(m, gpu, train, lay, n_gpus=1024)
             fit = f"{est.memory['total'] / 2**30:.0f} GiB" + ("" if est.fits else " > 80")
             cells.append(f"{est.step_time_s:.1f} s, tp comm {est.time_breakdown['tp_comm']:.1f} s, {fit}")

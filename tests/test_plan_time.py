@@ -1,5 +1,5 @@
 """The planner's step time: our own CPU runs after calibration (plan/exact/run_time.py) and the ZeRO-3
-exposed-communication model (zero3_exposed_time).
+exposed-communication model (plan/analytic/zero3.py).
 
 Step time against `scaletrain train`: the machine is shared with other developers' jobs (2 cores, load
 average often 10+), so a single timing can be off by 2x. The test therefore (1) runs with one intra-op

@@ -400,4 +400,4 @@ def test_planner_grid_moves_fewer_bytes_but_topology_can_make_1d_faster():
     assert step("2d", 64) < step("1d", 64) and step("1d", 16) < step("2d", 16)
     with pytest.raises(UserError, match="sequence_parallel with tp_mode=2d"):
         estimate(m, gpu, Training(2048, "bf16"), Layout(tp=64, dp=16, micro_batch=16,
-                       tp_mode="2d", sequence_parallel=True), n_gpus=1024)
+                                                        tp_mode="2d", sequence_parallel=True), n_gpus=1024)

@@ -205,7 +205,7 @@ def run(args) -> int:
         raise UserError(f"--global-batch must be >= 1, got {args.global_batch}")
     cluster = hardware.Cluster(gpu, args.gpus)
     train = Training(args.global_batch, args.dtype, args.attention, not args.no_dp_overlap,
-                           optimizer=args.optimizer, first_moment=args.first_moment)
+                     optimizer=args.optimizer, first_moment=args.first_moment)
     fixed = parse_layout(args.layout)
     result = search(model, gpu, args.gpus, train, fixed, _assumptions(args))
     top = dedupe(result.candidates, args.top)
@@ -265,10 +265,10 @@ def config_layout(cfg) -> Layout:
     """The planner's description of the layout `scaletrain train` runs for this config."""
     par, t = cfg.parallel, cfg.train
     return Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero, micro_batch=t.micro_batch,
-                        recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
-                        virtual_stages=par.virtual_stages,
-                        sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
-                        tp_mode=par.tp_mode, tp_depth=par.tp_depth)
+                  recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
+                  virtual_stages=par.virtual_stages,
+                  sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
+                  tp_mode=par.tp_mode, tp_depth=par.tp_depth)
 
 
 def config_training(cfg) -> Training:
@@ -282,7 +282,7 @@ def config_training(cfg) -> Training:
     attention = "standard" if cfg.model.dropout > 0 else "flash"
     if t.precision == "autocast-bf16":  # fp32 parameters, gradients and moments; bf16 matmuls and activations
         return Training(t.global_batch, "bf16", attention, True, optimizer_k=8 if cfg.optim.name == "adamw"
-                              else 0, grad_bytes=4, param_bytes=4)
+                        else 0, grad_bytes=4, param_bytes=4)
     return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem)
 
 

@@ -208,8 +208,7 @@ def measure_comm(cfg: Config, mesh, gap_s: float, repeats: int = 15,
 
 def gap_between_collectives(cfg: Config, sample: dict) -> float:
     """The mean compute between two of the run's blocking collectives, from one profile sample."""
-    comp = run_time.compute_time(cfg, profile_from_sample({k: v for k, v in sample.items()
-                                                                    if k != "comm"}))
+    comp = run_time.compute_time(cfg, profile_from_sample({k: v for k, v in sample.items() if k != "comm"}))
     return comp / max(run_time.collectives_per_step(cfg), 1)
 
 
