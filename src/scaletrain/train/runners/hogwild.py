@@ -38,12 +38,13 @@ from scaletrain.config import Config
 from scaletrain.distributed.process_group import DistEnv
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.async_dp.versions import LogFile, Member, Update
+from scaletrain.train.runners import rank_checkpoint as ckpt
+from scaletrain.train.runners.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import TrainResult
 
 RECORD = 4  # per ticket: version read, version written, worker, coordinates lost
 
@@ -235,8 +236,6 @@ class HogwildRunner:
             dist.barrier()
 
     def run(self):
-        from scaletrain.train.trainer import TrainResult
-
         t = self.cfg.train
         result = TrainResult(params=self.n_params, resumed_from=self.step)
         root = self.rank == 0

@@ -41,16 +41,18 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.distributed.process_group import DistEnv
+from scaletrain.distributed.process_group import DistEnv, pick_device
+from scaletrain.errors import CheckpointError
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.server import ServerShard, ShardLayout, add_in_order
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.async_dp.versions import LogFile, Member, Update
+from scaletrain.train.runners import rank_checkpoint as ckpt
+from scaletrain.train.runners.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import TrainResult
 
 # message tags
 CTRL, PUSH, REPLY, PARAMS, CMD = 11, 12, 13, 14, 15
@@ -206,8 +208,6 @@ class _Server:
         try:
             self.shard.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as e:
-            from scaletrain.errors import CheckpointError
-
             raise CheckpointError(f"checkpoint {found} does not fit the model: {str(e).splitlines()[0]}") from None
         self.version = int(meta["step"])
         return self.version
@@ -582,8 +582,6 @@ class PSRunner:
     """The run loop of one rank of a ps job, with the interface of `Trainer` that the commands use."""
 
     def __init__(self, cfg: Config, out: Path | None, env: DistEnv | None, progress: bool = False):
-        from scaletrain.distributed.process_group import pick_device
-
         p = cfg.parallel
         self.cfg, self.out = cfg, out
         self.rank = env.rank if env else 0
@@ -611,8 +609,6 @@ class PSRunner:
             self.step = int(meta["step"]) if found is not None else 0
 
     def run(self):
-        from scaletrain.train.trainer import TrainResult
-
         t0 = time.perf_counter()
         self.role.run()
         result = TrainResult(params=self.n_params, resumed_from=self.step)
