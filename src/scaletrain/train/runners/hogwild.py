@@ -10,13 +10,13 @@ its write then overwrote (docs/async.md).
 The parameters live in one file in /dev/shm (`torch.from_file(shared=True)`, a shared memory map: no
 transport). Worker w, for each ticket n it draws from a shared counter (the job's store):
   1. reads the shared parameters into its own model (the version it reads is counted in the store),
-  2. computes the gradient of ticket n (`model.Ticket`, loss averaged over the slice) and clips it,
+  2. computes the gradient of ticket n (`async_dp.model.Ticket`, loss averaged over the slice) and clips it,
   3. reads the current shared parameters again, applies its own optimizer's step (each worker keeps its own
      optimizer state, as each process does in PyTorch's Hogwild example), counts the coordinates that changed
      in shared memory since that read, and writes the result back; the update's version is the store's count.
 With `parallel.hogwild_lock=true` steps 1 and 3 are each done under an OS lock (flock): every update is then
-atomic and the run is ASP with one gradient per update, which `replay.py` reproduces bit for bit from the
-version log. One update per ticket, learning rate of the ticket's step.
+atomic and the run is ASP with one gradient per update, which `parallel/async_dp/replay.py` reproduces bit for bit
+from the version log. One update per ticket, learning rate of the ticket's step.
 
 Evaluation and checkpoints wait for a quiet step (every ticket of the steps before it applied).
 """
