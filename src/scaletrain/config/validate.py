@@ -3,7 +3,7 @@ touched; every violated constraint raises `ConfigError` whose message names the 
 
 from __future__ import annotations
 
-from scaletrain.config.schema import DTYPES, SCHEDULES, Config, ParallelConfig
+from scaletrain.config.schema import ASYNC_KEYS, DTYPES, SCHEDULES, Config, ParallelConfig
 from scaletrain.errors import ConfigError
 
 
@@ -306,9 +306,7 @@ def _validate_async(cfg: Config, world_size: int | None) -> list[str]:
     except ConfigError as e:
         errors.append(str(e))
     default = ParallelConfig()
-    owners = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
-              "local_steps": "local", "outer": "local", "outer_lr": "local", "outer_momentum": "local"}
-    for key, mode in owners.items():
+    for key, mode in ASYNC_KEYS.items():
         if getattr(p, key) != getattr(default, key) and p.sync != mode:
             errors.append(f"parallel.{key} ({getattr(p, key)}) is used only with parallel.sync={mode}, "
                           f"got parallel.sync={p.sync}")
