@@ -9,11 +9,11 @@ from harness import TINY, make_config
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, validate
+from scaletrain.config.parse import parse_slow_ranks
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.hogwild import check_one_machine
 from scaletrain.parallel.async_dp.server import assign_tensors
-from scaletrain.parallel.async_dp.straggler import parse_slow_ranks
 from scaletrain.plan import async_costs
 
 pytestmark = pytest.mark.usefixtures("one_thread")

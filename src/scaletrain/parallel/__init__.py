@@ -1,49 +1,51 @@
 """Parallelism on torch.distributed: data parallel (bucketed, overlapped), ZeRO 1-3 with offload, and the
 passes that apply tensor and pipeline parallelism to the plain model.
 
-For your own `nn.Module`, two small entry points:
+For your own `nn.Module`, two small entry points (`api.py`):
 
     import scaletrain.parallel as stp
     opt = stp.zero(model, stage=3, lr=3e-4, weight_decay=0.1)      # or stp.data_parallel(model, torch.optim.AdamW(...))
-    for x, y in batches:                                            # this rank's share of the batch
-        opt.begin_micro(0, 1)
-        loss = loss_fn(model(x), y)                                 # a per-rank mean loss
-        loss.backward()
-        opt.finish_backward()                                       # wait for the gradient collectives
-        opt.clip_grad_norm(1.0)
-        opt.step()
-        opt.zero_grad()
 
-Both average gradients over the group (reduce="mean"), the convention for per-rank mean losses.
+The names are loaded on first use, so importing `scaletrain.parallel.rules` (and the pipeline's and the asynchronous
+modes' rules), the torch-free validation rules that scaletrain/__init__.py registers, does not import torch.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from scaletrain.parallel.parallelize import ReplicatedOptimizer
-from scaletrain.parallel.zero import ZeroOptimizer
+if TYPE_CHECKING:
+    from scaletrain.parallel.api import data_parallel, zero
+    from scaletrain.parallel.parallelize import ReplicatedOptimizer
+    from scaletrain.parallel.zero import ZeroOptimizer
 
-
-def data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None,
-                  bucket_mb: float = 25.0) -> ReplicatedOptimizer:
-    """Bucketed, backward-overlapped gradient averaging over `group` (default: the whole job) around
-    `optimizer`. The model's replicas must start equal (same init or a broadcast)."""
-    group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-    params = [p for p in model.parameters() if p.requires_grad]
-    return ReplicatedOptimizer(params, optimizer, group, bucket_mb, reduce="mean", world_norm=False)
-
-
-def zero(model: nn.Module, stage: int, group: dist.ProcessGroup | None = None, *, lr: float = 1e-3,
-         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-         bucket_mb: float = 25.0, offload: str = "none", units=None) -> ZeroOptimizer:
-    """ZeRO stage 1, 2 or 3 with AdamW over `group` (default: the whole job). Stage 3 shards by `units`
-    (default: the root plus every element of every nn.ModuleList)."""
-    group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-    return ZeroOptimizer(model, stage, group, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         bucket_mb=bucket_mb, offload=offload, reduce="mean", units=units)
-
-
+_EXPORTS = {"ReplicatedOptimizer": "parallelize", "ZeroOptimizer": "zero"}
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "data_parallel", "zero"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _entry_point(name: str) -> property:
+    """`zero` and `data_parallel` name both an entry point of api.py and a submodule (zero.py, data_parallel.py).
+    Importing a submodule binds it on its package; this property keeps the name the entry point and ignores that
+    binding (the submodules stay in sys.modules, where imports find them)."""
+
+    def get(module: types.ModuleType) -> Any:
+        return getattr(importlib.import_module(f"{__name__}.api"), name)
+
+    return property(get, lambda module, value: None)
+
+
+class _Package(types.ModuleType):
+    data_parallel = _entry_point("data_parallel")
+    zero = _entry_point("zero")
+
+
+sys.modules[__name__].__class__ = _Package

@@ -14,9 +14,12 @@ proves what they applied. `bsp` is the synchronous trainer (`scaletrain.train.tr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scaletrain.config import Config
-from scaletrain.distributed.process_group import DistEnv
+
+if TYPE_CHECKING:  # (torch-free at import: parallel/async_dp/rules.py is registered by scaletrain/__init__.py)
+    from scaletrain.distributed.process_group import DistEnv
 
 
 def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: bool = False, reshard: bool = False,
