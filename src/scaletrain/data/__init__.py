@@ -6,8 +6,9 @@ rules that scaletrain/__init__.py registers, does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from scaletrain import lazy
 
 if TYPE_CHECKING:
     from scaletrain.data.corpus import load_tokens
@@ -16,8 +17,4 @@ if TYPE_CHECKING:
 _EXPORTS = {"load_tokens": "corpus", "BatchLoader": "loader"}
 __all__ = ["BatchLoader", "load_tokens"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy.exports(__name__, _EXPORTS)

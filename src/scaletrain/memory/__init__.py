@@ -7,8 +7,9 @@ rules that scaletrain/__init__.py registers, does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from scaletrain import lazy
 
 if TYPE_CHECKING:
     from scaletrain.memory.compress import (
@@ -26,8 +27,4 @@ _EXPORTS = {name: "compress" for name in ("ActivationCompressor", "CompressionSt
 __all__ = ["ActivationCompressor", "CompressionStats", "KindStats", "MaskedActivation", "apply_compress", "pack_bits",
            "unpack_bits"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy.exports(__name__, _EXPORTS)

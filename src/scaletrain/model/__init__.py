@@ -6,8 +6,9 @@ rules that scaletrain/__init__.py registers, does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from scaletrain import lazy
 
 if TYPE_CHECKING:
     from scaletrain.model.gpt import GPT, build_gpt, count_params, loss_sum
@@ -15,8 +16,4 @@ if TYPE_CHECKING:
 _EXPORTS = {"GPT": "gpt", "count_params": "gpt", "loss_sum": "gpt", "build_gpt": "gpt"}
 __all__ = ["GPT", "build_gpt", "count_params", "loss_sum"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy.exports(__name__, _EXPORTS)

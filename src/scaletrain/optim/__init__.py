@@ -7,8 +7,9 @@ rules that scaletrain/__init__.py registers, does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from scaletrain import lazy
 
 if TYPE_CHECKING:
     from scaletrain.optim.adafactor import Adafactor, StateShard
@@ -20,8 +21,4 @@ _EXPORTS = {"Adafactor": "adafactor", "StateShard": "adafactor", "SM3": "sm3", "
 __all__ = ["OPTIMIZERS", "SM3", "Adafactor", "StateShard", "build_optimizer", "config_hyper", "lr_multiplier",
            "state_bytes"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy.exports(__name__, _EXPORTS)

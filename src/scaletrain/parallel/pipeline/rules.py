@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from scaletrain.config.rules import rule
 from scaletrain.config.schema import PARTITION_KINDS, SCHEDULES, Config
-from scaletrain.parallel.pipeline.check import validate_pipeline
 
 
 @rule("inputs")
@@ -37,6 +36,8 @@ def schedule(cfg: Config, world_size: int | None) -> list[str]:
     if p.microbatches and p.microbatches != accum:  # config/validate.py says it
         return []
     if p.pp > 1:
+        from scaletrain.parallel.pipeline.check import validate_pipeline  # the schedules' code, only when pp > 1
+
         errors = validate_pipeline(m.n_layers, p.pp, p.virtual_stages, accum, p.schedule, p.partition)
         if p.zero == 3 and p.schedule == "2bw":
             errors.append("parallel.zero=3 with parallel.schedule=2bw is not available: PipeDream-2BW keeps its "
