@@ -222,6 +222,13 @@ class ParallelConfig:
     """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
 
 
+ASYNC_KEYS = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
+              "local_steps": "local", "outer": "local", "outer_lr": "local", "outer_momentum": "local"}
+"""The `parallel.*` keys of the asynchronous modes, each with the `parallel.sync` it belongs to (docs/async.md):
+validate() refuses one set off its default under another mode, `plan --config` resets them to time a BSP step,
+and the runners' checkpoints record those that shape the saved state."""
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from scaletrain.config.parse import parse_slow_ranks
 from scaletrain.config.rules import rule
-from scaletrain.config.schema import OUTER_MODES, SYNC_MODES, Config, ParallelConfig, or_list
+from scaletrain.config.schema import ASYNC_KEYS, OUTER_MODES, SYNC_MODES, Config, ParallelConfig, or_list
 from scaletrain.errors import ConfigError
-
-# the parallel.* keys of the asynchronous modes, each with the parallel.sync it belongs to
-OWNERS = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
-          "local_steps": "local", "outer": "local", "outer_lr": "local", "outer_momentum": "local"}
 
 
 @rule("combinations")
@@ -29,7 +25,7 @@ def sync(cfg: Config, world_size: int | None) -> list[str]:
     except ConfigError as e:
         errors.append(str(e))
     default = ParallelConfig()
-    for key, mode in OWNERS.items():
+    for key, mode in ASYNC_KEYS.items():
         if getattr(p, key) != getattr(default, key) and p.sync != mode:
             errors.append(f"parallel.{key} ({getattr(p, key)}) is used only with parallel.sync={mode}, "
                           f"got parallel.sync={p.sync}")
