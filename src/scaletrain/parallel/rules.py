@@ -11,7 +11,6 @@ from __future__ import annotations
 from scaletrain.config.rules import rule
 from scaletrain.config.schema import OFFLOADS, PRECISIONS, TP_MODES, ZERO_STAGES, Config, or_list
 from scaletrain.config.sizes import ffn_size
-from scaletrain.distributed.grid import grid_shape
 
 
 @rule("values")
@@ -96,6 +95,8 @@ def tensor_grid(cfg: Config, world_size: int | None) -> list[str]:
         return [f"parallel.tp_depth must be >= 1, got {p.tp_depth}"]
     if mode == "1d":
         return []
+    from scaletrain.distributed.grid import grid_shape  # (only for the grid modes: start-up stays small)
+
     shape = grid_shape(mode, p.tp, p.tp_depth)
     if shape is None:
         need = {"2d": "a square q x q", "2.5d": f"parallel.tp_depth ({p.tp_depth}) x q x q", "3d": "a cube q x q x q"}
