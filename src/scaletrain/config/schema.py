@@ -1,7 +1,8 @@
 """The run configuration's schema: a tree of typed dataclasses, one docstring (the string literal) under each field.
 
 Imports nothing of the engine, so every layer can read it; `scaletrain config show --doc` prints the docstrings.
-Loading (YAML, `--set`) is `config/load.py`; the checks are `config/validate.py` and the features' rules (`config/rules.py`).
+Loading (YAML, `--set`) is `config/load.py`; the checks are `config/validate.py` and the features' rules
+(`config/rules.py`).
 """
 
 from __future__ import annotations
