@@ -9,10 +9,10 @@ from harness import TINY, make_config
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, validate
+from scaletrain.config.parse import parse_slow_ranks
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.server import assign_tensors
-from scaletrain.parallel.async_dp.straggler import parse_slow_ranks
 from scaletrain.plan.analytic import async_costs
 from scaletrain.train.runners.hogwild import check_one_machine
 

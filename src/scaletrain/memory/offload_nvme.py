@@ -582,7 +582,7 @@ def nvme_optimizer(engine, cfg, mesh, comm, device: torch.device) -> NvmeZeroOpt
     module is on meta (`meta_gpt`) and is materialised unit by unit here. Reports the file bytes per category."""
     import weakref
 
-    from scaletrain.memory.accounting import add_memory_report
+    from scaletrain.device.accounting import add_memory_report
 
     module = engine.module
     o, p = cfg.optim, cfg.parallel

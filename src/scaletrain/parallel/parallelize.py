@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.config import Config
+from scaletrain.device.accounting import SavedTensorCounter
 from scaletrain.distributed.comm import CommStats
 from scaletrain.distributed.mesh import Mesh
-from scaletrain.memory.accounting import SavedTensorCounter
 from scaletrain.model import build_gpt, count_params, loss_sum
 from scaletrain.model.moe import set_grad_scale
 from scaletrain.parallel.data_parallel import BucketedAllReduce

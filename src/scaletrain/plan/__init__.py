@@ -16,14 +16,9 @@ machine), `search` (enumerate and rank layouts), `report` (table, explanation, J
 
 from __future__ import annotations
 
+from scaletrain import lazy
 
-def __getattr__(name: str):
-    """`predict_run` from the exact half, imported on first use so that `scaletrain plan` starts without torch."""
-    if name == "predict_run":
-        from scaletrain.plan.exact.run_memory import predict_run
+_EXPORTS = {"predict_run": "exact.run_memory"}  # loaded on first use: `scaletrain plan` starts without torch
 
-        return predict_run
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["predict_run"]
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy.exports(__name__, _EXPORTS)

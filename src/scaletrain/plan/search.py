@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, fields
 
+from scaletrain.config.schema import TP_MODES
 from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import UserError
 from scaletrain.plan.analytic.estimate import Estimate, estimate
@@ -34,7 +35,6 @@ from scaletrain.plan.analytic.inputs import (
     Training,
     recompute_kind,
 )
-from scaletrain.plan.analytic.tp_nd import MODES as TP_MODES
 from scaletrain.plan.analytic.tp_nd import grid
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU

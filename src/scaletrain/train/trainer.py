@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from scaletrain.config import Config
 from scaletrain.data import BatchLoader, load_tokens
+from scaletrain.device.accounting import memory_reports, peak_bytes, tensor_bytes
 from scaletrain.device.attention import probe_run
 from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
 from scaletrain.device.timing import StepTimer
@@ -30,7 +31,6 @@ from scaletrain.distributed.comm import CommStats, all_reduce, all_reduce_max_li
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.distributed.process_group import DistEnv, pick_device
 from scaletrain.errors import TrainingDiverged
-from scaletrain.memory.accounting import memory_reports, peak_bytes, tensor_bytes
 from scaletrain.memory.precision import DynamicLossScaler
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step

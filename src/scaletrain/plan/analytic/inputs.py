@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.config.schema import OFFLOADS, OPTIMIZER_NAMES, RECOMPUTE_KINDS
+from scaletrain.config.schema import SCHEDULES as _SCHEDULES
 from scaletrain.errors import UserError
 
-RECOMPUTE = ("none", "selective", "full")  # and "every:k" (segments of k blocks, Chen et al. arXiv 1604.06174)
+RECOMPUTE = tuple(k for k in RECOMPUTE_KINDS if k != "every")  # and every:k (segments of k blocks, arXiv 1604.06174)
 
 
 def recompute_kind(spec: str) -> tuple[str, int]:
@@ -30,9 +32,9 @@ def recompute_kind(spec: str) -> tuple[str, int]:
     raise UserError(f"recompute must be one of {', '.join(RECOMPUTE)} or every:k, got {spec!r}")
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "2bw")
-OFFLOAD = ("none", "optimizer", "params", "nvme")
-OPTIMIZERS = ("adamw", "adafactor", "sm3")
+SCHEDULES = ("1f1b", *(s for s in _SCHEDULES if s != "1f1b"))  # the config's, 1F1B (the default) listed first
+OFFLOAD = OFFLOADS
+OPTIMIZERS = tuple(o for o in OPTIMIZER_NAMES if o != "sgd")  # the config's, SGD aside: no planner term for it
 # bytes per element of parameters / gradients / activations, and K (optimizer bytes per parameter)
 DTYPES = {
     "bf16": (2, 2, 2, 12),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper, K = 12)

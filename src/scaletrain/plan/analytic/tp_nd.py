@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from scaletrain.config.schema import TP_MODES
 from scaletrain.distributed.grid import GridShape, grid_shape
 from scaletrain.errors import UserError
 from scaletrain.plan.analytic.comm import allreduce_time, gather_time, group_link
@@ -53,8 +54,6 @@ from scaletrain.plan.analytic.inputs import Assumptions, Layout
 from scaletrain.plan.analytic.params import StageParams, param_counts
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
-
-MODES = ("1d", "2d", "2.5d", "3d")
 
 
 @dataclass(frozen=True)
@@ -204,9 +203,9 @@ def layer_comm_time(mode: str, tp: int, x: Dims, gpu: GPU, a: Assumptions, depth
 
 
 def check_layout(m: ModelSpec, lay: Layout) -> None:
-    """UserError for a grid layout the engine (or the papers) do not define (see config._validate_tp_nd)."""
-    if lay.tp_mode not in MODES:
-        raise UserError(f"tp_mode must be one of {', '.join(MODES)}, got {lay.tp_mode!r}")
+    """UserError for a grid layout the engine (or the papers) do not define (see parallel/rules.py, tensor_grid)."""
+    if lay.tp_mode not in TP_MODES:
+        raise UserError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {lay.tp_mode!r}")
     if lay.tp_mode != "2.5d" and lay.tp_depth != 1:
         raise UserError(f"tp_depth ({lay.tp_depth}) needs tp_mode=2.5d")
     if lay.tp_mode == "1d":

@@ -6,7 +6,7 @@ the same modes is `plan/analytic/tp_nd.py`.
 
 from __future__ import annotations
 
-from scaletrain.model.gpt import ffn_size
+from scaletrain.config.sizes import ffn_size
 from scaletrain.parallel.tensor_nd import make_plan, shard_gpt
 from scaletrain.parallel.tensor_nd.grid import Grid, padded, shape_of
 
