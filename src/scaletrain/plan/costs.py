@@ -753,8 +753,8 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
             buffers += 2 * per_layer * pb
             if lay.offload == "params":
                 params = 0.0
-        if lay.offload == "nvme":  # ZeRO-Infinity: only staging buffers stay (memory/offload_nvme.resident_bytes)
-            from scaletrain.memory.offload_nvme import STEP_CHUNK
+        if lay.offload == "nvme":  # ZeRO-Infinity: only staging buffers stay (offload_costs.resident_bytes)
+            from scaletrain.parallel.zero_nvme import STEP_CHUNK
 
             params = grads = optim = 0.0
             layer_shard = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
@@ -888,14 +888,15 @@ def _time(est: Estimate, m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a
     t_opt, t_off = 0.0, 0.0
     if lay.offload == "none":
         t_opt = shard * (2 * k + gb + pb + 4) / hbm  # read m, v, master, grad; write them and the param
-    elif lay.offload == "nvme":  # disk I/O behind the compute, the step streamed (memory/offload_nvme.step_time)
-        from scaletrain.memory.offload_nvme import step_time
+    elif lay.offload == "nvme":  # disk I/O behind the compute, the step streamed (offload_costs.step_time)
+        from scaletrain.parallel.zero_nvme import STEP_CHUNK
+        from scaletrain.plan.offload_costs import step_time
 
         pc = param_counts(m)
         layer = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
         units = [max(shard - lps * layer, 1.0)] + [layer] * int(round(lps))
         exposed, streamed = step_time(units, pb, pb == 2, gb, mbs, True, a.nvme_read_bw, a.nvme_write_bw, t_pipe,
-                                      shard / a.cpu_adam_params_per_s)
+                                      shard / a.cpu_adam_params_per_s, STEP_CHUNK)
         t_off = exposed + streamed + 2 * mbs * st.total * pb / (gpu.host_bw * a.link_efficiency)
     else:
         t_off = shard * (gb + pb) / (gpu.host_bw * a.link_efficiency) + shard / a.cpu_adam_params_per_s

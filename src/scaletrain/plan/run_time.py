@@ -189,8 +189,7 @@ class RunProbe:
         from scaletrain.memory.recompute import apply_recompute
 
         if self.cfg.memory.recompute != "none" or self.cfg.memory.offload_activations:
-            mesh = types.SimpleNamespace(group=lambda name: None)
-            apply_recompute(types.SimpleNamespace(module=self.model), self.cfg, mesh)
+            apply_recompute(types.SimpleNamespace(module=self.model), self.cfg.memory)
 
     def _install_hooks(self, low: bool) -> None:
         """The engine's per-parameter gradient hook: fp32 accumulation (mixed precision) or a readiness
@@ -243,7 +242,7 @@ class RunProbe:
             p.grad = torch.randn(p.shape, generator=g, dtype=dtype) * 1e-3
         name = cfg.optim.name if cfg.parallel.zero == 0 else "adamw"
         self.opt = build_optimizer(name, [{"params": self.opt_params, "weight_decay": cfg.optim.weight_decay}],
-                                   **config_hyper(cfg))
+                                   **config_hyper(cfg.optim, cfg.train.lr))
         self.low_params = [torch.empty(s, dtype=run_memory._TORCH[cfg.train.dtype]) for s in shapes] if low else []
 
     def _build_loader(self) -> None:
@@ -593,12 +592,13 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
     sync = 3 * _allreduce(8, world, link) if world > 1 else 0.0
 
     nvme_io = 0.0
-    if par.offload == "nvme":  # ZeRO-Infinity: disk I/O behind the compute, the step streamed (memory/offload_nvme)
-        from scaletrain.memory.offload_nvme import _plan_shards, step_time
+    if par.offload == "nvme":  # ZeRO-Infinity: disk I/O behind the compute, the step streamed (parallel/zero_nvme)
+        from scaletrain.parallel.zero_nvme import STEP_CHUNK
+        from scaletrain.plan.offload_costs import step_time
 
-        shards, e_, low, ge = _plan_shards(cfg)
+        shards, e_, low, ge = run_memory.nvme_shards(cfg)
         exposed, streamed = step_time(shards, e_, low, ge, mb, par.nvme_grads, prof.disk_read_bw, prof.disk_write_bw,
-                                      compute, prof.optimizer)
+                                      compute, prof.optimizer, STEP_CHUNK)
         nvme_io = exposed + streamed - prof.optimizer  # what the disk adds to the in-memory step
     total = compute + dp_comm + prof.optimizer + nvme_io + prof.loader + sync
     tp_comm = mb * (stage_blocks * tp_block + tp_embed + tp_head)

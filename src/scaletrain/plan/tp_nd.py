@@ -290,14 +290,14 @@ def shard_meta(model, cfg) -> None:
     from scaletrain.parallel.tensor_nd import make_plan, shard_gpt
     from scaletrain.parallel.tensor_nd.grid import Grid, shape_of
 
-    shard_gpt(model, make_plan(cfg, Grid(shape_of(cfg), 0, 0, 0)))
+    shard_gpt(model, make_plan(Grid(shape_of(cfg.parallel), 0, 0, 0), cfg.train.micro_batch, cfg.model.d_model))
 
 
 def _local(cfg) -> dict:
     from scaletrain.model.gpt import ffn_size
     from scaletrain.parallel.tensor_nd.grid import padded, shape_of
 
-    s = shape_of(cfg)
+    s = shape_of(cfg.parallel)
     m, dtype = cfg.model, cfg.train.dtype
     low = dtype in ("bf16", "fp16")
     e = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}[dtype]
