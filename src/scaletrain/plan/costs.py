@@ -40,6 +40,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from scaletrain.errors import UserError
+from scaletrain.optim.registry import OPTIMIZERS as OPTIMIZER_SPECS
+from scaletrain.optim.registry import optimizer_spec
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
 
@@ -652,7 +654,7 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
     return mbs
 
 
-OPTIMIZERS = ("adamw", "adafactor", "sm3")
+OPTIMIZERS = tuple(name for name, spec in OPTIMIZER_SPECS.items() if spec.sharded)  # the ones layouts can shard
 
 
 def factored_statistics(m: ModelSpec) -> float:
@@ -676,7 +678,7 @@ def optimizer_bytes(m: ModelSpec, train: Training) -> tuple[float, float]:
     pb, _, _, k_default = DTYPES[train.dtype]
     if train.optimizer_k is not None:
         return train.optimizer_k, 0.0
-    if train.optimizer == "adamw":
+    if not optimizer_spec(train.optimizer).factored:  # AdamW: K of the dtype
         return k_default, 0.0
     state = 4 if pb == 2 else pb
     master = 4 if pb == 2 else 0

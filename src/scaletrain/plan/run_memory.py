@@ -160,17 +160,17 @@ def optimizer_state_bytes(cfg: Config, params: list[torch.Tensor], state_elem: i
     """Bytes of the configured optimizer's state for these (local) parameters (ZeRO 0). Adafactor / SM3 keep
     their row / column statistics of the whole matrix on every tensor-parallel rank (`_st_global_shape` of a
     tp-split meta parameter) and their element-wise states for the local elements."""
+    from scaletrain.optim import optimizer_spec, state_elements
     from scaletrain.parallel.zero_factored import state_sizes
 
     o = cfg.optim
+    spec = optimizer_spec(o.name)
     total = 0
     for p in params:
         numel = p.numel()
-        if o.name == "adamw":
-            total += 2 * numel * state_elem + _step_bytes()
-            continue
-        if o.name == "sgd":  # torch's SGD: a momentum buffer only when momentum is on
-            total += numel * state_elem if o.momentum > 0 else 0
+        if not spec.factored:  # AdamW's two moments and step; SGD's momentum buffer only when momentum is on
+            total += state_elements(spec, numel, o.momentum > 0) * state_elem
+            total += _step_bytes() if spec.step_tensor else 0
             continue
         shape = getattr(p, "_st_global_shape", tuple(p.shape))
         sizes = state_sizes(o.name, shape, numel, beta1=o.use_beta1, momentum=o.momentum > 0)
