@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -244,6 +245,16 @@ class ReplicatedOptimizer(EngineOptimizer):
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state and the fp32 masters (the asynchronous runners' per-worker checkpoints)."""
+        return {"opt": self.opt.state_dict(), "masters": self.masters or []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state["opt"])
+        if self.masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.masters, state["masters"])
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         states = [v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
