@@ -30,7 +30,7 @@ all-reduces run one after the other after backward (after a barrier, so it is co
 Hidden fraction = 1 - exposed / blocking.
 
 Memory (ZeRO-3 vs FSDP2): the bytes each rank holds for parameters, gradients and optimizer state after
-the optimizer step (before zero_grad), counted from tensor storages with `memory.accounting.tensor_bytes`
+the optimizer step (before zero_grad), counted from tensor storages with `device.accounting.tensor_bytes`
 (FSDP2: the local shards of its DTensors); and the peak RSS of fresh processes that train only that side
 for a few steps, with the RSS at start (after imports and data loading) for reference.
 
@@ -126,7 +126,7 @@ class Side:
 
 
 def _held(params, grads, optim) -> dict[str, int]:
-    from scaletrain.memory.accounting import tensor_bytes
+    from scaletrain.device.accounting import tensor_bytes
 
     return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optim": tensor_bytes(optim)}
 

@@ -16,7 +16,7 @@ tokens/s is the median over blocks (wall clock, the device synchronised at each 
 trainer / plain. MFU = model FLOPs per token (6N + attention, `model.gpt.model_flops_per_token`, recomputation not
 counted) x tokens/s / the device's peak bf16 FLOP/s (`plan.hardware`; on a CPU only with --peak-tflops).
 Peak memory: `torch.cuda.max_memory_allocated` over the variant on CUDA, the peak of live tensor bytes over one
-trainer step (`memory.accounting.TensorPeak`) on CPU. The trainer's measured bytes per category are compared with
+trainer step (`device.accounting.TensorPeak`) on CPU. The trainer's measured bytes per category are compared with
 the planner's run-exact prediction (`plan_mem_*`, what `scaletrain plan --config` prints as run_prediction), and
 the planner's predicted step time and memory total come from `scaletrain plan --config FILE --gpu GPU --json`.
 
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from scaletrain.config import load_config, validate
 from scaletrain.data import BatchLoader, load_tokens
+from scaletrain.device.accounting import TensorPeak
 from scaletrain.device.kernels import adamw_kernel
-from scaletrain.memory.accounting import TensorPeak
 from scaletrain.model import build_gpt
 from scaletrain.model.gpt import model_flops_per_token
 from scaletrain.train.schedule import lr_at

@@ -2,7 +2,7 @@
 
 For each activation-recomputation mode (none, selective, full, every:k): the bytes saved for backward at
 the end of the forward (`mem_activations`, saved-tensor hooks), the peak bytes of tensors allocated during
-a training step (`memory.accounting.TensorPeak`: saved activations, the recomputation's working set,
+a training step (`device.accounting.TensorPeak`: saved activations, the recomputation's working set,
 temporaries) and the median step time; next to them the planner's numbers from `plan.costs`: stored
 activations (`layer_activation_bytes` per layer plus the embedding / head terms of `estimate`), the
 recomputation's working set (one layer for full, k layers for every:k) and the extra hardware FLOPs
@@ -30,7 +30,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from scaletrain.config import load_config, validate
-from scaletrain.memory.accounting import TensorPeak
+from scaletrain.device.accounting import TensorPeak
 from scaletrain.plan.catalog import from_model_config
 from scaletrain.plan.costs import Layout, Training, estimate, layer_activation_bytes, predict_run, step_flops
 from scaletrain.plan.hardware import get_gpu

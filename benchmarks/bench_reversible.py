@@ -3,7 +3,7 @@
 1. Depth sweep: for standard blocks, full recomputation and reversible blocks (`model.reversible`, RevNet arXiv
    1707.04585 / Reformer arXiv 2001.04451) at 2..16 layers: the bytes saved for backward (`mem_activations`) and
    the planner's prediction (`plan_mem_activations`, `plan.run_memory`), the peak bytes of tensors allocated
-   during a step (`memory.accounting.TensorPeak`, gradients already allocated), and the median step time. The
+   during a step (`device.accounting.TensorPeak`, gradients already allocated), and the median step time. The
    reversible model is a different architecture (attention and MLP of width d_model/2 on two halves of the
    stream); the standard model of width d_model/2 has about the same block parameters and is shown beside it.
 2. Reconstruction: how far the input rebuilt from the output of a stack of reversible blocks is from the true
@@ -31,7 +31,7 @@ import time
 import torch
 
 from scaletrain.config import load_config, validate
-from scaletrain.memory.accounting import TensorPeak
+from scaletrain.device.accounting import TensorPeak
 from scaletrain.model import build_gpt, loss_sum
 from scaletrain.model.reversible import reversible_blocks
 from scaletrain.train.trainer import Trainer

@@ -44,9 +44,9 @@ def _config(args, overrides: dict, world: int):
 
 
 def _engine(cfg):
+    from scaletrain.device.accounting import tensor_bytes
     from scaletrain.distributed.comm import CommStats
     from scaletrain.distributed.mesh import Mesh, ParallelDims
-    from scaletrain.memory.accounting import tensor_bytes
     from scaletrain.parallel.parallelize import build_engine
 
     comm = CommStats()

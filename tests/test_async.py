@@ -22,9 +22,9 @@ import pytest
 import torch
 from harness import TINY, assert_same_run, make_config, run_ranks, train_reference
 
-from scaletrain.parallel.async_dp import make_trainer
 from scaletrain.parallel.async_dp.replay import replay
 from scaletrain.plan import async_costs
+from scaletrain.train.runner import make_trainer
 
 RTOL, ATOL = 1e-9, 1e-11
 PS = {"parallel.sync": "ps", "parallel.dp": 3, "train.global_batch": 6, "parallel.servers": 1}

@@ -1,4 +1,4 @@
-"""The asynchronous runners' per-rank checkpoints (parallel/async_dp/rank_checkpoint.py; docs/async.md):
+"""The asynchronous runners' per-rank checkpoints (train/runners/rank_checkpoint.py; docs/async.md):
 corrupted or unsafe files are CheckpointError, and what they cannot do is refused before any process starts, one
 line on stderr naming the values, exit 2, nothing in the run folder changed: `--reshard` and `--init-from` with
 parallel.sync != bsp, resuming under another layout (dp 2 -> 4), a bsp config over an asynchronous run's
@@ -19,9 +19,9 @@ from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.errors import CheckpointError
 from scaletrain.guards import mark_run
-from scaletrain.parallel.async_dp import rank_checkpoint as rc
-from scaletrain.parallel.async_dp.common import async_signature
 from scaletrain.train import checkpoint as dcp_ckpt
+from scaletrain.train.runners import rank_checkpoint as rc
+from scaletrain.train.runners.common import async_signature
 
 TINY = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=16", "train.steps=2",
         "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0"]
@@ -145,8 +145,8 @@ def test_sample_and_checkpoint_inspect_refuse_an_async_checkpoint_in_one_line(as
 def test_a_resume_keeps_config_yaml_and_records_the_changes(tmp_path):
     """Issue 21 (c) for the asynchronous runners too: a resume with another train.lr / train.steps keeps the run's
     config.yaml and appends the change to resumes.jsonl; current_config (report, replay) applies it."""
-    from scaletrain.parallel.async_dp.common import Metrics
-    from scaletrain.train.resume import HISTORY, current_config
+    from scaletrain.config.run import HISTORY, current_config
+    from scaletrain.train.runners.common import Metrics
 
     out = tmp_path / "run"
     first = load_config(None, TINY + LOCAL2)

@@ -9,12 +9,12 @@ from harness import TINY, make_config
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, validate
+from scaletrain.config.parse import parse_slow_ranks
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.async_dp.gate import Gate
-from scaletrain.parallel.async_dp.hogwild import check_one_machine
 from scaletrain.parallel.async_dp.server import assign_tensors
-from scaletrain.parallel.async_dp.straggler import parse_slow_ranks
 from scaletrain.plan import async_costs
+from scaletrain.train.runners.hogwild import check_one_machine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,7 +150,7 @@ def test_gate_reissues_a_lost_workers_ticket():
 
 
 def _two_hogwild_workers():
-    from scaletrain.parallel.async_dp import make_trainer
+    from scaletrain.train.runner import make_trainer
 
     cfg = make_config({**TINY, "parallel.sync": "hogwild", "parallel.dp": 2})
     a, b = make_trainer(cfg, None, None), make_trainer(cfg, None, None)

@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scaletrain.config.parse import parse_modes
 from scaletrain.errors import ConfigError
-from scaletrain.memory import ActivationCompressor, MaskedActivation, pack_bits, parse_modes, unpack_bits
+from scaletrain.memory import ActivationCompressor, MaskedActivation, pack_bits, unpack_bits
 
 # Relative gradient error ||g - g_ref|| / ||g_ref||, max over all parameters and the input, of an MLP
 # whose saved activations are stored in the format. Measured: bf16 ~1.7e-3, int8 ~1e-2 to 1.8e-2.
@@ -190,7 +191,7 @@ def test_attach_compresses_every_forward_and_cleans_up_after_errors():
 def test_none_mode_measures_what_autograd_saves():
     """With no encoding the stats equal the memory accounting module's saved-activation bytes on a GPT."""
     from scaletrain.config import ModelConfig
-    from scaletrain.memory.accounting import SavedTensorCounter
+    from scaletrain.device.accounting import SavedTensorCounter
     from scaletrain.model.gpt import GPT
 
     torch.manual_seed(0)
@@ -265,8 +266,8 @@ def test_views_of_a_block_encoded_base_with_a_short_last_block_decode_to_the_rig
 
 def test_int8_block_divides_every_width_tensor_parallelism_splits():
     from scaletrain.config import ModelConfig
+    from scaletrain.config.sizes import ffn_size
     from scaletrain.memory.compress import int8_block
-    from scaletrain.model.gpt import ffn_size
 
     for d, h, mlp in ((32, 4, "gelu"), (128, 4, "swiglu"), (720, 12, "gelu"), (12288, 96, "gelu"),
                       (96, 6, "swiglu")):

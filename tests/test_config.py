@@ -79,3 +79,36 @@ def test_design_keys_exist():
                 "train.micro_batch", "train.seed", "train.lr", "train.dtype", "data.source"]:
         section, name = key.split(".")
         assert hasattr(getattr(cfg, section), name), key
+
+
+def test_validate_refuses_to_run_without_rules(monkeypatch):
+    """An empty registry is an internal error, never a silent pass (the rule modules were not imported)."""
+    from scaletrain.config import rules
+
+    monkeypatch.setattr(rules, "_RULES", {name: [] for name in rules._RULES})
+    with pytest.raises(RuntimeError, match="no validation rules are registered"):
+        validate(Config())
+
+
+def test_every_rules_module_is_registered_by_the_package_root():
+    """Each feature's rules.py registers at least one rule, and the package root imports it (so importing any
+    scaletrain module registers every rule)."""
+    from pathlib import Path
+
+    import scaletrain
+    from scaletrain.config import rules
+
+    root = Path(scaletrain.__file__).parent
+    found = {".".join(("scaletrain", *p.relative_to(root).with_suffix("").parts)) for p in root.rglob("rules.py")}
+    found.discard("scaletrain.config.rules")  # the registry itself
+    registering = {fn.__module__ for stage in rules.STAGES for fn in rules.registered(stage.name)}
+    assert found and found == registering, sorted(found ^ registering)
+
+
+def test_closed_sets_load_as_their_type_and_validate_names_unknown_values():
+    cfg = load_config(None, ["parallel.zero=2", "parallel.tp_mode=2.5d", "parallel.schedule=1f1b"])
+    assert (cfg.parallel.zero, cfg.parallel.tp_mode, cfg.parallel.schedule) == (2, "2.5d", "1f1b")
+    with pytest.raises(ConfigError, match="parallel.zero: expected an integer, got 'two'"):
+        load_config(None, ["parallel.zero=two"])
+    with pytest.raises(ConfigError, match=r"^parallel.tp_mode must be one of 1d, 2d, 2.5d, 3d, got '4d'$"):
+        validate(load_config(None, ["parallel.tp_mode=4d"]))

@@ -15,10 +15,10 @@ import torch.nn as nn
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, validate
+from scaletrain.device.accounting import TensorPeak
 from scaletrain.distributed.comm import CommStats
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
-from scaletrain.memory.accounting import TensorPeak
 from scaletrain.memory.compress import apply_compress_pass
 from scaletrain.optim import state_bytes
 from scaletrain.parallel.data_parallel import ReplicatedOptimizer

@@ -3,8 +3,9 @@
 import torch
 
 from scaletrain.config import ModelConfig
+from scaletrain.config.sizes import ffn_size
 from scaletrain.model import build_gpt, count_params
-from scaletrain.model.gpt import ffn_size, model_flops_per_token
+from scaletrain.model.gpt import model_flops_per_token
 from scaletrain.model.init import gpt_rules, init_value
 
 

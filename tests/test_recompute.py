@@ -16,11 +16,12 @@ import torch
 from harness import assert_same_run, run_ranks, train_reference
 
 from scaletrain.config import load_config, validate
+from scaletrain.config.parse import parse_recompute
+from scaletrain.device.accounting import SavedTensorCounter, memory_reports
 from scaletrain.distributed.comm import CommStats
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
-from scaletrain.memory.accounting import SavedTensorCounter, memory_reports
-from scaletrain.memory.recompute import apply_recompute, parse_recompute
+from scaletrain.memory.recompute import apply_recompute
 from scaletrain.model import build_gpt
 from scaletrain.parallel.engine import Engine
 from scaletrain.parallel.parallelize import build_engine

@@ -276,7 +276,7 @@ def test_profile_steps_and_tensorboard_are_validated(monkeypatch):
         with pytest.raises(ConfigError, match=msg):
             validate(load_config(None, [f"train.profile_steps={spec}"]))
     validate(load_config(None, ["train.profile_steps=5", "train.tensorboard=true"]))
-    monkeypatch.setattr("scaletrain.report.tensorboard.available", lambda: False)
+    monkeypatch.setattr("scaletrain.report.rules.tensorboard_available", lambda: False)
     with pytest.raises(ConfigError, match=r"train.tensorboard=true needs the tensorboard package"):
         validate(load_config(None, ["train.tensorboard=true"]))
 

@@ -25,8 +25,8 @@ import torch
 from harness import TINY, make_config, measured_and_planned, run_ranks, train_reference
 
 from scaletrain.config import load_config, validate
+from scaletrain.device.accounting import SavedTensorCounter, TensorPeak
 from scaletrain.errors import ConfigError
-from scaletrain.memory.accounting import SavedTensorCounter, TensorPeak
 from scaletrain.model import build_gpt, loss_sum
 from scaletrain.model.dropout import begin_step
 from scaletrain.model.moe import begin_step as begin_moe_step

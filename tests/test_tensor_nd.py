@@ -215,7 +215,7 @@ def _per_layer(probe) -> tuple[dict, int]:
 
 
 def _dims(overrides):
-    from scaletrain.model.gpt import ffn_size
+    from scaletrain.config.sizes import ffn_size
     from scaletrain.plan.tp_nd import Dims
 
     cfg = make_config({**TINY, **overrides})

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from scaletrain import __version__
+    from scaletrain.version import __version__
 
     return f"scaletrain {__version__}"
 

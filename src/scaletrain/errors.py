@@ -1,6 +1,8 @@
 """Errors that mean "the user's input is wrong": the CLI prints their one-line message and exits 2.
 
-Everything else that goes wrong is an internal failure (exit 1, with a traceback for the developers).
+Everything else that goes wrong is an internal failure (exit 1, with a traceback for the developers), but for
+`TrainingDiverged`: a run whose loss became NaN or infinite, raised by the trainer and by the asynchronous workers'
+model (parallel/async_dp/model.py), reported as one line (exit 1).
 """
 
 
@@ -20,3 +22,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is corrupted or does not match the run."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 
+from scaletrain.config.schema import MLPS, POSITIONS
 from scaletrain.errors import UserError
 from scaletrain.guards import positive_float
 from scaletrain.optim import optimizer_spec
@@ -39,11 +40,11 @@ def add_parser(subparsers) -> None:
                     ("--kv-heads", "key/value heads (GQA)"), ("--experts", "MoE experts per layer"),
                     ("--top-k", "experts per token")):
         dims.add_argument(flag, type=int, help=h)
-    dims.add_argument("--mlp", choices=("gelu", "swiglu"), help="MLP kind (default gelu)")
+    dims.add_argument("--mlp", choices=MLPS, help="MLP kind (default gelu)")
     dims.add_argument("--capacity-factor", type=positive_float,
                       help="MoE expert slots per routed token-choice (default 1.25; 1.0 for catalog models)")
     dims.add_argument("--moe-every", type=int, help="every k-th block is MoE (default 1)")
-    dims.add_argument("--position", choices=("learned", "rope"), help="position encoding (default learned)")
+    dims.add_argument("--position", choices=POSITIONS, help="position encoding (default learned)")
     dims.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                       help="output layer shares the embedding (default yes)")
     dims.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,

@@ -1,5 +1,5 @@
 """The `scaletrain replay` command line, torch-free so that `scaletrain --help`, `plan` and `scaling` start
-without importing torch; the command itself is `parallel/async_dp/command.py` (Hogwild, arXiv 1106.5730;
+without importing torch; the command itself is `train/replay_check.py` (Hogwild, arXiv 1106.5730;
 parameter servers, Li et al. OSDI 2014)."""
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def cmd_train(args) -> int:
     first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
     status(f"loading data ({cfg.data.source})")
     load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
-    from scaletrain.train.resume import check_run
+    from scaletrain.train.runner import check_run
 
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
     if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
@@ -127,7 +127,7 @@ def cmd_train(args) -> int:
     for item in args.set:
         argv += ["--set", item]
     if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
-        from scaletrain.parallel.async_dp.launch import launch_ps
+        from scaletrain.train.runners.launch import launch_ps
 
         return launch_ps(nproc, argv, out, cfg)
     if args.rdzv_endpoint:
@@ -159,7 +159,7 @@ def warn_if_too_big(cfg: Config, nproc: int) -> None:
 
 def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None) -> int:
     """The single-process run; a diverged loss is one line on stderr (exit 1), as on N processes."""
-    from scaletrain.train.trainer import TrainingDiverged
+    from scaletrain.errors import TrainingDiverged
 
     try:
         return run_worker(cfg, out, None, reshard, init_from)
@@ -173,7 +173,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     from scaletrain.distributed import process_group as distributed
     from scaletrain.distributed.launch import WorkerContext
     from scaletrain.multinode.job import supervise
-    from scaletrain.parallel.async_dp import make_trainer
+    from scaletrain.train.runner import make_trainer
 
     rank = env.rank if env else 0
     supervised = cfg.parallel.sync == "bsp"

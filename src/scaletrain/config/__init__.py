@@ -2,7 +2,8 @@
 
 Every field has a docstring (the string literal under it); `scaletrain config show` prints the resolved tree.
 `validate()` is the one place where user input is checked: every violated constraint raises `ConfigError` whose
-message names the values, before any process starts or any output is touched.
+message names the values, before any process starts or any output is touched. The checks of each feature live beside
+it (its `rules.py`, registered with `config/rules.py`); config/ imports nothing of the engine.
 """
 
 from scaletrain.config.load import config_from_dict, flatten, load_config, set_value

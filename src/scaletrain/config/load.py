@@ -20,6 +20,11 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _is_text(typ: Any) -> bool:
+    """A str field, or a closed set of strings (a Literal of the schema)."""
+    return typ is str or (typing.get_origin(typ) is typing.Literal and isinstance(typing.get_args(typ)[0], str))
+
+
 def _convert(value: Any, typ: Any, key: str) -> Any:
     """Convert a YAML or command-line value to the field's type, or raise ConfigError naming it."""
     origin = typing.get_origin(typ)
@@ -28,6 +33,8 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         typ = args[0]
+    if origin is typing.Literal:  # a closed set: converted to its values' type here, the value checked by validate()
+        typ = type(typing.get_args(typ)[0])
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -108,7 +115,7 @@ def set_value(cfg: Config, dotted: str, raw: str) -> None:
                 value = yaml.safe_load(raw) if raw != "" else ""
             except yaml.YAMLError:
                 value = raw
-            if hints[part] is str and not isinstance(value, str):
+            if _is_text(hints[part]) and not isinstance(value, str):
                 value = raw  # keep strings such as "1f1b" or "007" verbatim
             setattr(node, part, _convert(value, hints[part], dotted))
         else:

@@ -1,19 +1,70 @@
 """The run configuration's schema: a tree of typed dataclasses, one docstring (the string literal) under each field.
 
 Imports nothing of the engine, so every layer can read it; `scaletrain config show --doc` prints the docstrings.
-Loading (YAML, `--set`) is `config/load.py`; the checks are `config/validate.py`.
+Loading (YAML, `--set`) is `config/load.py`; the checks are `config/validate.py` and the features' rules
+(`config/rules.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 
-DTYPES = ("fp32", "fp64", "bf16", "fp16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw")
+# The closed sets of values, each defined once: the field that takes one is annotated with its Literal, and every
+# module that lists, checks or branches on the values reads them here (`get_args` gives the tuple for messages).
+Dtype = Literal["fp32", "fp64", "bf16", "fp16"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "2bw"]
+TpMode = Literal["1d", "2d", "2.5d", "3d"]
+SyncMode = Literal["bsp", "ps", "hogwild", "local"]
+OuterMode = Literal["avg", "diloco"]
+Router = Literal["topk", "switch", "expert_choice"]
+OptimizerName = Literal["adamw", "adafactor", "sm3", "sgd"]
+ZeroStage = Literal[0, 1, 2, 3]
+Offload = Literal["none", "optimizer", "params", "nvme"]
+Precision = Literal["dtype", "autocast-bf16"]
+Mlp = Literal["gelu", "swiglu"]
+Position = Literal["learned", "rope"]
+Norm = Literal["layernorm", "rmsnorm"]
+DropoutImpl = Literal["global", "torch"]
+LrSchedule = Literal["cosine", "constant"]
+Device = Literal["auto", "cpu", "cuda"]
+OnNan = Literal["stop", "skip"]
+RecomputeKind = Literal["none", "selective", "full", "every"]
+"""The kinds of memory.recompute (`every` is written every:k); config/parse.py reads the string."""
+CompressMode = Literal["none", "relu-mask", "bf16", "int8"]
+"""The modes of memory.compress, which takes one or a comma list; config/parse.py reads the string."""
+PartitionKind = Literal["uniform", "params", "time"]
+"""The named ways of parallel.partition, which also takes block counts such as 2,3,3."""
+
+DTYPES: tuple[str, ...] = get_args(Dtype)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+TP_MODES: tuple[str, ...] = get_args(TpMode)
+SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
+ROUTERS: tuple[str, ...] = get_args(Router)
+OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
+OFFLOADS: tuple[str, ...] = get_args(Offload)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+MLPS: tuple[str, ...] = get_args(Mlp)
+POSITIONS: tuple[str, ...] = get_args(Position)
+NORMS: tuple[str, ...] = get_args(Norm)
+RECOMPUTE_KINDS: tuple[str, ...] = get_args(RecomputeKind)
+COMPRESS_MODES: tuple[str, ...] = get_args(CompressMode)
+PARTITION_KINDS: tuple[str, ...] = get_args(PartitionKind)
+DROPOUT_IMPLS: tuple[str, ...] = get_args(DropoutImpl)
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
+DEVICES: tuple[str, ...] = get_args(Device)
+ON_NAN: tuple[str, ...] = get_args(OnNan)
+OUTER_MODES: tuple[str, ...] = get_args(OuterMode)
+ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
+
+
+def or_list(values: tuple[Any, ...]) -> str:
+    """A closed set as validate()'s messages spell it: `a, b or c`."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 @dataclass
@@ -24,7 +75,7 @@ class MoEConfig:
     """Replace every k-th MLP by an MoE layer (blocks k-1, 2k-1, ...; GShard uses 2, arXiv 2006.16668)."""
     top_k: int = 2
     """Experts per token (`topk` router); the expected experts per token c of `expert_choice`."""
-    router: str = "topk"
+    router: Router = "topk"
     """`topk` (Shazeer et al., arXiv 1701.06538), `switch` (top-1, arXiv 2101.03961) or `expert_choice`
     (Zhou et al., arXiv 2202.09368)."""
     capacity_factor: float = 1.25
@@ -61,15 +112,15 @@ class ModelConfig:
     """Vocabulary size; 256 for the byte tokenizer."""
     d_ff: int = 0
     """MLP hidden size; 0 means 4 * d_model (GELU) or the 8/3 * d_model rounding of LLaMA (SwiGLU)."""
-    mlp: str = "gelu"
+    mlp: Mlp = "gelu"
     """MLP kind: `gelu` (GPT-2) or `swiglu` (Shazeer, arXiv 2002.05202)."""
-    position: str = "learned"
+    position: Position = "learned"
     """Position encoding: `learned` (GPT-2) or `rope` (RoFormer, arXiv 2104.09864)."""
     tie_embeddings: bool = True
     """Share the token embedding and the output projection (Press & Wolf, arXiv 1608.05859)."""
     dropout: float = 0.0
     """Dropout probability on attention weights and residual branches."""
-    dropout_impl: str = "global"
+    dropout_impl: DropoutImpl = "global"
     """`global`: every mask is a hash of (seed, step, site, global element index), so every layout drops what one
     process drops (model/dropout.py; attention then runs unfused when dropout > 0 in training); `torch`:
     torch's dropout and SDPA's fused attention dropout (faster, but masks depend on the layout)."""
@@ -77,7 +128,7 @@ class ModelConfig:
     """Biases in linear layers and layer norms."""
     norm_eps: float = 1e-5
     """Layer-norm epsilon."""
-    norm: str = "layernorm"
+    norm: Norm = "layernorm"
     """Normalisation layers: `layernorm` (GPT-2) or `rmsnorm` (LLaMA, arXiv 1910.07467; with model.bias a bias
     is added after the gain)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -97,9 +148,9 @@ class ParallelConfig:
     """Tensor-parallel degree (Megatron-LM, arXiv 1909.08053)."""
     pp: int = 1
     """Pipeline-parallel degree (number of stages)."""
-    zero: int = 0
+    zero: ZeroStage = 0
     """ZeRO stage over the data-parallel group: 0 (plain DP), 1, 2 or 3 (arXiv 1910.02054)."""
-    offload: str = "none"
+    offload: Offload = "none"
     """ZeRO-Offload: `none`, `optimizer` (optimizer states and step on the CPU), `params` (ZeRO-3 only) or `nvme`
     (ZeRO-Infinity, arXiv 2104.07857, ZeRO-3 only: parameter, master, AdamW and gradient shards in files under
     parallel.offload_dir, streamed back just in time; docs/memory.md)."""
@@ -116,7 +167,7 @@ class ParallelConfig:
     """Size of the gradient buckets reduced together, in MiB."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside the tp group (arXiv 2205.05198)."""
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, 2bw."""
     microbatches: int = 0
     """Pipeline microbatches per step; 0 means global_batch / (micro_batch * dp)."""
@@ -136,7 +187,7 @@ class ParallelConfig:
     flight_recorder: int = 256
     """Launched runs: each rank records its last N collectives and point-to-point messages; when one times out
     the ranks' records are matched into a report naming the operation and step (docs/multinode.md); 0: off."""
-    sync: str = "bsp"
+    sync: SyncMode = "bsp"
     """Data-parallel synchronisation (docs/async.md): `bsp` (all-reduce every step), `ps` (parameter servers, Li et
     al. OSDI 2014), `hogwild` (shared memory, no lock; Niu et al. arXiv 1106.5730) or `local` (local SGD, Lin et al.
     arXiv 1808.07217; DiLoCo with parallel.outer=diloco, arXiv 2311.08105)."""
@@ -151,7 +202,7 @@ class ParallelConfig:
     gradient per update); false is the paper's lock-free Hogwild."""
     local_steps: int = 8
     """local: optimizer steps each worker takes alone between two synchronisations (the paper's H)."""
-    outer: str = "avg"
+    outer: OuterMode = "avg"
     """local: `avg` sets the parameters to the workers' average; `diloco` applies the average change with an outer
     Nesterov optimizer (outer_lr, outer_momentum)."""
     outer_lr: float = 0.7
@@ -164,12 +215,19 @@ class ParallelConfig:
     ps_tolerate_loss: bool = False
     """ps with staleness=-1: when a worker dies, continue with the others (its data is given to them) instead of
     stopping the job; needs scaletrain's own launcher (`train --nproc`), which does not stop the job on a death."""
-    tp_mode: str = "1d"
+    tp_mode: TpMode = "1d"
     """How the parallel.tp ranks split the model: `1d` (Megatron-LM), `2d` (Optimus, SUMMA on a q x q grid, arXiv
     2104.05343), `2.5d` (Tesseract, parallel.tp_depth x q x q, arXiv 2105.14500) or `3d` (q x q x q, arXiv
     2105.14450); 2d/2.5d/3d also split every activation (docs/tensor_parallel.md)."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
+
+
+ASYNC_KEYS = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
+              "local_steps": "local", "outer": "local", "outer_lr": "local", "outer_momentum": "local"}
+"""The `parallel.*` keys of the asynchronous modes, each with the `parallel.sync` it belongs to (docs/async.md):
+validate() refuses one set off its default under another mode, `plan --config` resets them to time a BSP step,
+and the runners' checkpoints record those that shape the saved state."""
 
 
 @dataclass
@@ -188,13 +246,13 @@ class TrainConfig:
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
-    lr_schedule: str = "cosine"
+    lr_schedule: LrSchedule = "cosine"
     """`cosine` (warm-up then cosine decay to min_lr) or `constant` (warm-up then constant)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    dtype: str = "fp32"
+    dtype: Dtype = "fp32"
     """Parameter and compute dtype: fp32, fp64 (tight equivalence tests), bf16, fp16."""
-    precision: str = "dtype"
+    precision: Precision = "dtype"
     """`dtype`: parameters, activations and matmuls in train.dtype (bf16/fp16 keep fp32 masters, docs/precision.md);
     `autocast-bf16`: fp32 parameters, gradients and optimizer state, matmuls and attention in bf16 under
     torch.autocast (needs train.dtype=fp32; the fast setting on GPUs, docs/gpu.md)."""
@@ -214,9 +272,9 @@ class TrainConfig:
     checkpoint_async: bool = False
     """Write checkpoints in the background from a host copy of the state while training goes on; the next save
     waits for the previous one (docs/checkpoints.md)."""
-    device: str = "auto"
+    device: Device = "auto"
     """`auto` (cuda when present, else cpu), `cpu` or `cuda`."""
-    on_nan: str = "stop"
+    on_nan: OnNan = "stop"
     """A NaN/inf loss (fp32, fp64, bf16): `stop` the run naming step and rank, or `skip` the step."""
     loss_scale: float = 65536.0
     """fp16: initial dynamic loss scale (Micikevicius et al., arXiv 1710.03740)."""
@@ -242,7 +300,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimizerName = "adamw"
     """Optimizer: `adamw`, `adafactor` (arXiv 1804.04235), `sm3` (arXiv 1901.11150) or `sgd` (torch's, with
     optim.momentum; L2 weight decay in the gradient; the inner optimizer of local SGD, arXiv 1808.07217)."""
     weight_decay: float = 0.1

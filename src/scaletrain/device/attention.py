@@ -80,7 +80,7 @@ def probe_sdpa(device: torch.device, dtype: torch.dtype, heads: int, seq_len: in
 
 def probe_run(cfg, device: torch.device, param_dtype: torch.dtype) -> AttentionRecord:
     """The record for a run config: per-rank heads under tensor parallelism, the autocast dtype if any."""
-    from scaletrain.memory.autocast import autocast_dtype
+    from scaletrain.device.dtypes import autocast_dtype
 
     m = cfg.model
     dtype = autocast_dtype(cfg) or param_dtype

@@ -1,6 +1,6 @@
 """CUDA memory beside our accounting: what the caching allocator saw, next to the planner's prediction.
 
-`memory/accounting.py` counts bytes by category (parameters, gradients, optimizer state, saved activations) from
+`device/accounting.py` counts bytes by category (parameters, gradients, optimizer state, saved activations) from
 tensor storages, on any device; the planner predicts the same categories (`plan_mem_*`). On CUDA a run also logs
 the allocator's own numbers, maxed over ranks: `mem_cuda_max_allocated` (`torch.cuda.max_memory_allocated`: the
 peak of live tensor bytes, the number to compare with the sum of the categories plus temporaries) and

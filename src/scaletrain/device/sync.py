@@ -94,9 +94,3 @@ class HostSyncs(TorchDispatchMode):
             for owner, attr, original in reversed(self._patched):
                 setattr(owner, attr, original)
             self._patched.clear()
-
-    def by_label(self) -> dict[Any, list[Sync]]:
-        out: dict[Any, list[Sync]] = {}
-        for e in self.events:
-            out.setdefault(e.label, []).append(e)
-        return out

@@ -28,12 +28,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from scaletrain.config.schema import TP_MODES
 from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import ConfigError
 
 ORDER = ("pp", "dp", "tp")  # outermost to innermost
 EXPERT_DIMS = ("ep", "edp")  # groups inside dp (expert parallelism), built after the grid's
-TP_MODES = ("1d", "2d", "2.5d", "3d")
 # the tp grid's groups: the axes of the (pp, dp, depth, row, col) view that vary inside each
 TP_GRID_GROUPS = {"tp_row": (4,), "tp_col": (3,), "tp_dep": (2,), "tp_dep_row": (2, 4), "tp_dep_col": (2, 3),
                   "dp_dep": (1, 2)}

@@ -63,7 +63,7 @@ def hf_kind(m: ModelConfig) -> str:
 
 def hf_config(m: ModelConfig) -> dict[str, Any]:
     """config.json for the model (transformers >= 4.46 reads it)."""
-    from scaletrain.model.gpt import ffn_size
+    from scaletrain.config.sizes import ffn_size
 
     kind = hf_kind(m)
     if kind == "gpt2":
@@ -200,7 +200,7 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
 def check_hf_config(hf: dict[str, Any], m: ModelConfig, where: Path) -> str:
     """The architecture (`gpt2` / `llama`) if the HF config describes the run's model; else UserError naming the
     first differing values (HF's value vs this run's config key)."""
-    from scaletrain.model.gpt import ffn_size
+    from scaletrain.config.sizes import ffn_size
 
     kind = hf.get("model_type")
     if kind not in ("gpt2", "llama"):

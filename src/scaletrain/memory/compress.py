@@ -31,7 +31,7 @@ d_model/tp, d_ff/tp): a block never straddles two tp ranks, and rows are tokens,
 or expert holds them.
 
 The compression ratio is measured as the ops run (`CompressionStats`): `bytes_before` is the bytes
-of distinct storages autograd would have kept (parameters excluded, as in `memory.accounting`),
+of distinct storages autograd would have kept (parameters excluded, as in `device.accounting`),
 `bytes_after` what is kept instead; per encoding, `by_kind` compares each encoded slot with the
 tensor it replaces. ReLU note: in plain PyTorch a ReLU's saved output usually shares its storage
 with the next layer's saved input, so `relu-mask` alone adds numel/8 bytes there; it saves memory
@@ -58,28 +58,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scaletrain.config.parse import parse_modes
+from scaletrain.config.sizes import ffn_size
+from scaletrain.device.accounting import add_memory_report, count_kept, count_saved
 from scaletrain.errors import ConfigError
-from scaletrain.memory.accounting import add_memory_report, count_kept, count_saved
 
-MODES = ("none", "relu-mask", "bf16", "int8")
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def parse_modes(spec: str | Sequence[str] | None) -> frozenset[str]:
-    """`"none"`, one mode, a comma/plus-separated string (`"relu-mask,int8"`) or a list -> set of modes."""
-    if spec is None:
-        return frozenset()
-    parts = spec.replace("+", ",").split(",") if isinstance(spec, str) else list(spec)
-    modes = {str(p).strip().lower() for p in parts if str(p).strip()}
-    bad = sorted(modes - set(MODES))
-    if bad:
-        raise ConfigError(f"memory.compress mode {', '.join(bad)} is not one of {', '.join(MODES)}")
-    if "none" in modes and len(modes) > 1:
-        others = ", ".join(sorted(modes - {"none"}))
-        raise ConfigError(f"memory.compress 'none' cannot be combined with {others}")
-    if {"bf16", "int8"} <= modes:
-        raise ConfigError("memory.compress takes one of bf16 and int8, not both")
-    return frozenset(modes - {"none"})
 
 
 # ----------------------------------------------------------------------------- bit packing
@@ -158,17 +142,6 @@ class CompressionStats:
         key = id(base)
         self._counted[key] = weakref.ref(base, lambda _r, k=key, d=self._counted: d.pop(k, None))
         self.bytes_before += base.untyped_storage().nbytes()
-
-    def as_metrics(self) -> dict[str, float]:
-        """Flat fields for metrics.jsonl."""
-        out: dict[str, float] = {
-            "compress_bytes_before": self.bytes_before,
-            "compress_bytes_after": self.bytes_after,
-            "compress_ratio": self.ratio,
-        }
-        for kind, k in self.by_kind.items():
-            out[f"compress_ratio_{kind.replace('-', '_')}"] = k.ratio
-        return out
 
 
 # ----------------------------------------------------------------------------- 1-bit masks
@@ -471,8 +444,6 @@ def int8_block(model_cfg: Any, cap: int = 64) -> int:
     """The int8 block of a GPT (`ModelConfig`): the largest divisor, up to `cap`, of g = gcd(head size,
     d_ff / gcd(n_heads, d_ff)). Every legal tp divides n_heads and d_ff, so g divides every width tp splits —
     the head size (q, k and v of one head stay on one rank), d_model/tp (whole heads) and d_ff/tp."""
-    from scaletrain.model.gpt import ffn_size
-
     ff = ffn_size(model_cfg)
     g = math.gcd(model_cfg.d_model // model_cfg.n_heads, ff // math.gcd(model_cfg.n_heads, ff))
     return max(b for b in range(1, min(g, cap) + 1) if g % b == 0)

@@ -204,30 +204,6 @@ def hold_copy(t: torch.Tensor, arena: Arena, device: torch.device | None = None,
     return held
 
 
-def refusals(cfg: Any) -> list[str]:
-    """What `validate()` refuses for memory.contiguous: a run with nothing for the arenas to hold."""
-    mem, p, t = cfg.memory, cfg.parallel, cfg.train
-    errors = []
-    if mem.contiguous and mem.recompute.strip().lower() == "none" and not mem.offload_activations and p.zero < 2:
-        errors.append(f"memory.contiguous has nothing to hold with memory.recompute=none, no activation offload and "
-                      f"parallel.zero={p.zero}: it arranges activation checkpoints and ZeRO-2/3's transient gradient "
-                      "buffers (plain data parallelism and ZeRO-1 already keep their gradient buckets for the whole "
-                      "run)")
-    window = getattr(t, "profile_steps", "").strip()
-    if mem.count_allocations and window and t.device != "cuda":
-        from scaletrain.report.profile import parse_steps
-
-        try:
-            first, last = parse_steps(window)
-        except Exception:  # noqa: BLE001 - validate() reports the syntax error itself
-            first, last = 0, -1
-        if first <= 2 <= last:
-            errors.append(f"memory.count_allocations counts step 2 with torch.profiler on CPU, which "
-                          f"train.profile_steps ({window}) also records: profilers do not nest (profile other "
-                          "steps, or count on CUDA)")
-    return errors
-
-
 def engine_arena(engine: Any) -> Arena:
     """The run's arena (one per engine), created on first use."""
     arena = getattr(engine, "arena", None)
@@ -250,7 +226,7 @@ def apply_contiguous(engine: Any) -> Arena:
         return out
 
     engine.forward_backward = forward_backward
-    from scaletrain.memory.accounting import add_memory_report
+    from scaletrain.device.accounting import add_memory_report
 
     add_memory_report(engine, lambda: {"mem_arena_bytes": arena.nbytes})
     return arena

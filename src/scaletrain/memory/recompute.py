@@ -30,7 +30,7 @@ The checkpoint stores its inputs through the saved-tensor hooks active around it
 offload are saved-tensor hooks placed around that call and see only the checkpoint's inputs. The RNG
 state is stashed and restored by the checkpoint, so dropout masks are the same in the recomputation
 and gradients are bit-identical to `none`. What the hooks keep is reported to the activation counter
-of `memory.accounting` (`count_kept`), so `mem_activations` is the bytes really kept on the device.
+of `device.accounting` (`count_kept`), so `mem_activations` is the bytes really kept on the device.
 """
 
 from __future__ import annotations
@@ -48,35 +48,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from scaletrain.config.parse import parse_recompute
+from scaletrain.device.accounting import add_memory_report, count_kept, count_saved
 from scaletrain.distributed.comm import all_gather_single
 from scaletrain.errors import ConfigError
-from scaletrain.memory.accounting import add_memory_report, count_kept, count_saved
 from scaletrain.memory.contiguous import Arena, Held, engine_arena, hold_copy
 from scaletrain.model.dropout import GlobalDropout, dropout_context
 from scaletrain.model.moe import MoE
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class RecomputeMode:
-    kind: str  # none | full | selective | every
-    k: int = 1  # segment length for `every`
-
-
-def parse_recompute(spec: str) -> RecomputeMode:
-    """`none`, `full`, `selective` or `every:k` (k >= 1) -> RecomputeMode; ConfigError otherwise."""
-    s = str(spec).strip().lower()
-    if s in ("none", "full", "selective"):
-        return RecomputeMode(s)
-    if s.startswith("every:"):
-        try:
-            k = int(s.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        if k >= 1:
-            return RecomputeMode("full") if k == 1 else RecomputeMode("every", k)
-    raise ConfigError(f"memory.recompute must be none, full, selective or every:k with k >= 1, got {spec!r}")
 
 
 # ----------------------------------------------------------------------------- hooks on kept checkpoints

@@ -81,17 +81,3 @@ def init_parameters(model: nn.Module, seed: int, rules: list[tuple[str, Init]]) 
     """Fill every (already materialised) parameter of `model` from (seed, name)."""
     for name, p in model.named_parameters():  # tied parameters appear once, under their first name
         p.copy_(init_value(name, tuple(p.shape), seed, rules).to(p.dtype))
-
-
-def build_gpt(cfg, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    """Build the plain GPT on the meta device, materialise it on `device` and initialise it."""
-    from scaletrain.model.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model.to_empty(device=device)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.wte.weight
-    model.to(dtype)
-    init_parameters(model, seed, gpt_rules(cfg.n_layers, cfg.moe.switch_init_scale))
-    return model

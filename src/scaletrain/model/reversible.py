@@ -42,16 +42,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from scaletrain.config import Config, ModelConfig
-from scaletrain.memory.accounting import count_kept, uncount_kept
+from scaletrain.config import ModelConfig
+from scaletrain.config.sizes import half_config
+from scaletrain.device.accounting import count_kept, uncount_kept
+from scaletrain.model.block import Block
 from scaletrain.model.dropout import DropoutContext, GlobalDropout
-from scaletrain.model.gpt import Block, ffn_size
 from scaletrain.model.moe import MoE
-
-
-def half_config(cfg: ModelConfig) -> ModelConfig:
-    """The config the sub-layers are built with: width d_model / 2 (an explicit d_ff is kept)."""
-    return dataclasses.replace(cfg, d_model=cfg.d_model // 2)
 
 
 class Link:
@@ -239,43 +235,3 @@ class _ReversibleFn(torch.autograd.Function):
 
 def reversible_blocks(module: nn.Module) -> list[ReversibleBlock]:
     return [m for m in module.modules() if isinstance(m, ReversibleBlock)]
-
-
-def refusals(cfg: Config) -> list[str]:
-    """What `validate()` refuses with model.reversible=true, one reason each (empty when it is off)."""
-    m, p, mem = cfg.model, cfg.parallel, cfg.memory
-    if not m.reversible:
-        return []
-    from scaletrain.memory.recompute import parse_recompute
-
-    errors: list[str] = []
-    if m.d_model % 2:
-        return [f"model.reversible splits the stream into two halves: model.d_model ({m.d_model}) must be even"]
-    half = half_config(m)
-    if half.d_model % m.n_heads:
-        errors.append(f"model.reversible: each half of model.d_model ({m.d_model}) has {half.d_model} features, "
-                      f"not divisible by model.n_heads ({m.n_heads})")
-    elif m.position == "rope" and (half.d_model // m.n_heads) % 2:
-        errors.append(f"model.reversible with rope needs an even head size, got d_model/2/n_heads = "
-                      f"{half.d_model // m.n_heads}")
-    if p.tp > 1 and ffn_size(half) % p.tp:  # (the halves' width follows from n_heads % tp, checked by validate)
-        errors.append(f"model.reversible: the halves' MLP hidden size ({ffn_size(half)}) is not divisible by "
-                      f"parallel.tp ({p.tp})")
-    try:
-        kind = parse_recompute(mem.recompute).kind
-    except Exception:  # noqa: BLE001 - validate() reports the syntax error itself
-        kind = "none"
-    if kind in ("full", "every"):
-        errors.append(f"memory.recompute={mem.recompute} with model.reversible: reversible blocks keep no "
-                      "activations for a checkpoint to drop (use none, or selective to bound the reverse pass)")
-    if mem.offload_activations:
-        errors.append("memory.offload_activations with model.reversible: reversible blocks keep no activations to "
-                      "offload")
-    if mem.compress.strip().lower() not in ("", "none"):
-        errors.append(f"memory.compress={mem.compress} with model.reversible: reversible blocks save nothing for "
-                      "backward to encode")
-    if p.pp > 1 and p.schedule == "zb-h1":
-        errors.append("parallel.schedule=zb-h1 with model.reversible: the reverse pass rebuilds a block's input and "
-                      "its weight gradients together, so zero bubble cannot defer the weight part")
-    return errors
-

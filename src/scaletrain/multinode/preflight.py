@@ -65,9 +65,9 @@ def local_facts(rank: int, local_rank: int, cfg_dict: dict[str, Any], interface:
                 net_reason: str = "") -> RankFacts:
     import torch
 
-    import scaletrain
+    from scaletrain.version import __version__
 
-    return RankFacts(rank, socket.gethostname(), local_rank, os.getpid(), torch.__version__, scaletrain.__version__,
+    return RankFacts(rank, socket.gethostname(), local_rank, os.getpid(), torch.__version__, __version__,
                      platform.python_version(), config_sha(cfg_dict), cfg_dict, interface, address, net_reason,
                      machine=machine_id())
 

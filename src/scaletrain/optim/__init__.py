@@ -1,15 +1,16 @@
 """Optimizers: torch's AdamW and SGD and the memory-efficient Adafactor (arXiv 1804.04235) and SM3 (arXiv 1901.11150).
 
-`registry` describes each optimizer once (torch-free: the planner and the checks read it); `build` turns a name into
-an optimizer (`build_optimizer`) and counts its state (`state_bytes`). This package root imports no torch: the
-torch-using names below are loaded on first use.
+`registry.py` describes each optimizer once (torch-free: the planner and the validation rules read it); `build.py`
+turns a name into an optimizer (`build_optimizer`) and counts its state (`state_bytes`). The torch-using names below
+are loaded on first use (PEP 562), so importing `scaletrain.optim.rules`, the torch-free validation rules that
+scaletrain/__init__.py registers, or the registry does not import torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
+from scaletrain import lazy
 from scaletrain.optim.registry import (
     OPTIMIZERS,
     OptimizerSpec,
@@ -19,15 +20,14 @@ from scaletrain.optim.registry import (
     state_elements,
 )
 
-_LAZY = {"build_optimizer": "build", "decay_groups": "build", "optimizer_class": "build", "state_bytes": "build",
-         "Adafactor": "adafactor", "StateShard": "adafactor", "SM3": "sm3"}
+if TYPE_CHECKING:
+    from scaletrain.optim.adafactor import Adafactor, StateShard
+    from scaletrain.optim.build import build_optimizer, decay_groups, optimizer_class, state_bytes
+    from scaletrain.optim.sm3 import SM3
 
+_EXPORTS = {"Adafactor": "adafactor", "StateShard": "adafactor", "SM3": "sm3", "build_optimizer": "build",
+            "decay_groups": "build", "optimizer_class": "build", "state_bytes": "build"}
 __all__ = ["OPTIMIZERS", "SM3", "Adafactor", "OptimizerSpec", "StateShard", "build_optimizer", "config_hyper",
-           "decay_groups", "lr_multiplier", "optimizer_class", "optimizer_spec", "state_bytes",
-           "state_elements"]
+           "decay_groups", "lr_multiplier", "optimizer_class", "optimizer_spec", "state_bytes", "state_elements"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"scaletrain.optim.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'scaletrain.optim' has no attribute {name!r}")
+__getattr__ = lazy.exports(__name__, _EXPORTS)

@@ -1,7 +1,8 @@
 """Build the optimizer `optim.name` selects (`registry.OPTIMIZERS`), its parameter groups, and its state's bytes.
 
 `build_optimizer(name, param_groups, **hyper)` is the one place that turns a name into an optimizer object;
-`state_bytes(optimizer)` is what a run reports as `mem_optim`.
+`state_bytes(optimizer)` is what a run reports as `mem_optim`. The package re-exports these names
+(`from scaletrain.optim import build_optimizer`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from scaletrain.device.accounting import optimizer_tensors, tensor_bytes
 from scaletrain.errors import ConfigError
-from scaletrain.memory.accounting import optimizer_tensors, tensor_bytes
 from scaletrain.optim.registry import optimizer_spec
 
 

@@ -14,7 +14,7 @@ untouched. Inductor fuses the elementwise work between matmuls (bias, GELU, resi
 (C++/OpenMP with the machine's compiler) and GPU (Triton). fp64 runs compile too, which is what the equivalence
 test uses.
 
-What it is not made to work with is refused by `compile_errors` (validate()), each with its reason.
+What it is not made to work with is refused by validate() (`parallel/rules.py`), each with its reason.
 """
 
 from __future__ import annotations
@@ -23,60 +23,6 @@ import os
 from typing import Any
 
 import torch
-
-REFUSED = {  # (condition on the config, reason)
-    "zb": (lambda c: c.parallel.pp > 1 and c.parallel.schedule == "zb-h1",
-           "the zero-bubble schedule splits each block's backward into an input pass and a weight pass, while a "
-           "compiled block has one backward (it would run twice, retaining its graph)"),
-    "tp": (lambda c: c.parallel.tp > 1,
-           "the tensor-parallel layers' collectives inside each block break its graph, and the pieces recompile per "
-           "block until torch.compile falls back to eager; compile is made to work with dp, ZeRO 0-3 and pp"),
-    "moe": (lambda c: c.model.moe.experts > 0,
-            "mixture-of-experts routing has data-dependent shapes and Python-side statistics"),
-    "dropout": (lambda c: c.model.dropout > 0 or c.model.moe.expert_dropout > 0,
-                "layout-independent dropout keys its masks by Python values that change every micro-batch "
-                "(recompiling the blocks), and torch's compiled dropout draws from another stream than eager"),
-    "compress": (lambda c: c.memory.compress != "none",
-                 "activation compression packs saved tensors with saved-tensor hooks inside the blocks"),
-    "offload_activations": (lambda c: c.memory.offload_activations,
-                            "activation offload moves saved tensors with saved-tensor hooks inside the blocks"),
-    "partition_checkpoints": (lambda c: c.memory.partition_checkpoints,
-                              "partitioned checkpoints gather with saved-tensor hooks inside the blocks"),
-    "reversible": (lambda c: c.model.reversible,
-                   "reversible blocks recompute their inputs in a custom backward that compile is not proven with"),
-    "contiguous": (lambda c: c.memory.contiguous,
-                   "the contiguous arenas hand out saved tensors through hooks inside the blocks"),
-    "tp_mode": (lambda c: c.parallel.tp_mode != "1d",
-                "the 2D / 2.5D / 3D layers' collectives inside each block break its graph"),
-}
-KEYS = {"zb": "parallel.schedule", "tp": "parallel.tp", "moe": "model.moe.experts", "dropout": "model.dropout",
-        "compress": "memory.compress", "offload_activations": "memory.offload_activations",
-        "partition_checkpoints": "memory.partition_checkpoints", "reversible": "model.reversible",
-        "contiguous": "memory.contiguous", "tp_mode": "parallel.tp_mode"}
-
-
-def compile_errors(cfg: Any) -> list[str]:
-    """One line per setting train.compile=true is refused with."""
-    if not cfg.train.compile:
-        return []
-    errors = []
-    name = compile_backend()
-    if name not in torch._dynamo.list_backends(exclude_tags=()):
-        errors.append(f"{BACKEND_ENV}={name} is not a torch.compile backend "
-                      f"(known: {', '.join(torch._dynamo.list_backends(exclude_tags=()))})")
-    for key, (applies, why) in REFUSED.items():
-        if applies(cfg):
-            value = _value(cfg, KEYS[key])
-            errors.append(f"train.compile=true with {KEYS[key]}={value} is not available: {why}")
-    return errors
-
-
-def _value(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
-
 
 BACKEND = "inductor"  # what train.compile uses
 BACKEND_ENV = "SCALETRAIN_COMPILE_BACKEND"  # another torch.compile backend, e.g. aot_eager (same capture, no codegen)
@@ -87,6 +33,14 @@ def compile_backend() -> str:
     runs the captured graphs as they are: it tells a capture problem from a code-generation one, and the tests use it
     to keep compile time out of their budget)."""
     return os.environ.get(BACKEND_ENV) or BACKEND
+
+
+def compile_backend_errors() -> list[str]:
+    """The backend train.compile would use, when torch.compile does not know it (validate() reports it)."""
+    name, known = compile_backend(), torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        return [f"{BACKEND_ENV}={name} is not a torch.compile backend (known: {', '.join(known)})"]
+    return []
 
 
 def apply_compile(engine: Any, backend: str | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from scaletrain.memory.accounting import SavedTensorCounter
+from scaletrain.device.accounting import SavedTensorCounter
 from scaletrain.model import loss_sum
 from scaletrain.model.moe import set_grad_scale
 

@@ -90,7 +90,7 @@ def _optimizer(engine: Engine, cfg: Config, mesh: Mesh, comm: CommStats, device:
     if p.zero == 0:
         return ReplicatedOptimizer.from_config(params, o, p, lr, mesh, comm, dim=_grad_dim(cfg))
     if p.offload == "nvme":
-        from scaletrain.memory.accounting import add_memory_report
+        from scaletrain.device.accounting import add_memory_report
         from scaletrain.parallel.zero_nvme import NvmeZeroOptimizer
 
         opt = NvmeZeroOptimizer.from_config(engine.module, cfg.model, o, p, cfg.train.seed, lr, mesh, comm, device)

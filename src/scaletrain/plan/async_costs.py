@@ -88,12 +88,12 @@ def as_bsp(cfg):
     import dataclasses
 
     from scaletrain.config import ParallelConfig
+    from scaletrain.config.schema import ASYNC_KEYS
 
     out = copy.deepcopy(cfg)
     default = ParallelConfig()
     for f in dataclasses.fields(ParallelConfig):
-        if f.name in ("sync", "servers", "staleness", "ps_tolerate_loss", "hogwild_lock", "local_steps", "outer",
-                      "outer_lr", "outer_momentum", "slow_ranks"):
+        if f.name in ("sync", *ASYNC_KEYS, "slow_ranks"):
             setattr(out.parallel, f.name, getattr(default, f.name))
     return out
 

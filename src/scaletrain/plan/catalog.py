@@ -22,6 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from scaletrain.config.schema import MLPS, or_list
 from scaletrain.errors import UserError
 
 
@@ -119,8 +120,8 @@ def check_model(m: ModelSpec) -> ModelSpec:
         raise UserError(f"hidden size ({m.width}) is not divisible by heads ({m.n_heads})")
     if m.n_heads % m.kv_heads:
         raise UserError(f"heads ({m.n_heads}) is not divisible by kv heads ({m.kv_heads})")
-    if m.mlp not in ("gelu", "swiglu"):
-        raise UserError(f"mlp must be gelu or swiglu, got {m.mlp!r}")
+    if m.mlp not in MLPS:
+        raise UserError(f"mlp must be {or_list(MLPS)}, got {m.mlp!r}")
     if m.n_experts < 0 or (m.n_experts and not 1 <= m.top_k <= m.n_experts):
         raise UserError(f"top-k ({m.top_k}) must be in 1..experts ({m.n_experts})")
     if m.n_experts and not (m.capacity_factor > 0 and 1 <= m.moe_every <= m.n_layers):

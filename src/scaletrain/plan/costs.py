@@ -39,13 +39,15 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
+from scaletrain.config.schema import OFFLOADS, RECOMPUTE_KINDS
+from scaletrain.config.schema import SCHEDULES as _SCHEDULES
 from scaletrain.errors import UserError
 from scaletrain.optim.registry import OPTIMIZERS as OPTIMIZER_SPECS
 from scaletrain.optim.registry import optimizer_spec
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
 
-RECOMPUTE = ("none", "selective", "full")  # and "every:k" (segments of k blocks, Chen et al. arXiv 1604.06174)
+RECOMPUTE = tuple(k for k in RECOMPUTE_KINDS if k != "every")  # and every:k (segments of k blocks, arXiv 1604.06174)
 
 
 def recompute_kind(spec: str) -> tuple[str, int]:
@@ -61,8 +63,8 @@ def recompute_kind(spec: str) -> tuple[str, int]:
     if spec in RECOMPUTE:
         return spec, 1
     raise UserError(f"recompute must be one of {', '.join(RECOMPUTE)} or every:k, got {spec!r}")
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "2bw")
-OFFLOAD = ("none", "optimizer", "params", "nvme")
+SCHEDULES = ("1f1b", *(s for s in _SCHEDULES if s != "1f1b"))  # the config's, 1F1B (the default) listed first
+OFFLOAD = OFFLOADS
 # bytes per element of parameters / gradients / activations, and K (optimizer bytes per parameter)
 DTYPES = {
     "bf16": (2, 2, 2, 12),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper, K = 12)

@@ -266,7 +266,7 @@ def model_state_bytes_per_stage(cfg: Config) -> list[dict[str, int]]:
 
 
 def _sizes(cfg: Config) -> dict:
-    from scaletrain.model.gpt import ffn_size
+    from scaletrain.config.sizes import ffn_size
 
     m, par, dtype = cfg.model, cfg.parallel, cfg.train.dtype
     t = par.tp
@@ -478,7 +478,7 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
 
 def _block_bytes(cfg: Config, lo: int, hi: int) -> int:
     """Saved bytes of blocks lo..hi-1 for one microbatch (MoE blocks counted as such)."""
-    from scaletrain.memory.recompute import parse_recompute
+    from scaletrain.config.parse import parse_recompute
 
     mode = parse_recompute(cfg.memory.recompute)
     if mode.kind == "every":
@@ -518,7 +518,7 @@ def reversible_chunk_bytes(cfg: Config, last: bool) -> int:
 def rope_table_bytes(cfg: Config) -> int:
     """RoPE's float64 cos/sin tables (T x hd/2 each), computed once per forward of a stage and saved
     as such in fp64 (no cast), shared by every block; block checkpoints (full / every:k) do not keep them."""
-    from scaletrain.memory.recompute import parse_recompute
+    from scaletrain.config.parse import parse_recompute
 
     if cfg.model.position != "rope":
         return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, fields
 
+from scaletrain.config.schema import TP_MODES
 from scaletrain.errors import UserError
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.costs import (
@@ -38,7 +39,6 @@ from scaletrain.plan.costs import (
 from scaletrain.plan.hardware import GPU
 
 LAYOUT_FIELDS = {f.name: f.type for f in fields(Layout)}
-TP_MODES = ("1d", "2d", "2.5d", "3d")
 
 
 def parse_layout(text: str) -> dict:

@@ -47,9 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.config.schema import TP_MODES
 from scaletrain.errors import UserError
-
-MODES = ("1d", "2d", "2.5d", "3d")
 
 
 @dataclass(frozen=True)
@@ -204,9 +203,9 @@ def layer_comm_time(mode: str, tp: int, x: Dims, gpu, a, depth: int = 1, recompu
 
 
 def check_layout(m, lay) -> None:
-    """UserError for a grid layout the engine (or the papers) do not define (see config._validate_tp_nd)."""
-    if lay.tp_mode not in MODES:
-        raise UserError(f"tp_mode must be one of {', '.join(MODES)}, got {lay.tp_mode!r}")
+    """UserError for a grid layout the engine (or the papers) do not define (see parallel/rules.py, tensor_grid)."""
+    if lay.tp_mode not in TP_MODES:
+        raise UserError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {lay.tp_mode!r}")
     if lay.tp_mode != "2.5d" and lay.tp_depth != 1:
         raise UserError(f"tp_depth ({lay.tp_depth}) needs tp_mode=2.5d")
     if lay.tp_mode == "1d":
@@ -294,7 +293,7 @@ def shard_meta(model, cfg) -> None:
 
 
 def _local(cfg) -> dict:
-    from scaletrain.model.gpt import ffn_size
+    from scaletrain.config.sizes import ffn_size
     from scaletrain.parallel.tensor_nd.grid import padded, shape_of
 
     s = shape_of(cfg.parallel)

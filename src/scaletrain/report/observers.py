@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from scaletrain.report.profile import StepProfiler, parse_steps
+from scaletrain.config.parse import parse_steps
+from scaletrain.report.profile import StepProfiler
 
 
 def warn(what: str, error: BaseException) -> None:

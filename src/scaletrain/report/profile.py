@@ -11,27 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scaletrain.errors import ConfigError
-
 PROFILE_DIR = "profile"
-
-
-def parse_steps(spec: str) -> tuple[int, int] | None:
-    """`a:b` (or `a`) -> (a, b), inclusive optimizer steps; "" -> None. ConfigError on anything else."""
-    spec = spec.strip()
-    if not spec:
-        return None
-    parts = spec.split(":")
-    try:
-        nums = [int(x) for x in parts]
-    except ValueError:
-        nums = []
-    if len(parts) not in (1, 2) or len(nums) != len(parts):
-        raise ConfigError(f"train.profile_steps must be a:b (first and last step to profile), got {spec!r}")
-    a, b = nums[0], nums[-1]
-    if not 1 <= a <= b:
-        raise ConfigError(f"train.profile_steps ({spec}) needs 1 <= a <= b, got a={a}, b={b}")
-    return a, b
 
 
 class StepProfiler:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from scaletrain.config import Config, config_from_dict, validate
+from scaletrain.config.run import current_config
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.report.runinfo import MEMORY_RANKS, RUN_INFO
 
@@ -104,8 +105,6 @@ def load_run(out: str | Path) -> RunData:
     cfg_path = out / "config.yaml"
     if not cfg_path.is_file():
         raise UserError(f"{out} is not a scaletrain run (no config.yaml)")
-    from scaletrain.train.resume import current_config
-
     try:  # config.yaml is the config the run started with; resumes.jsonl has what later invocations changed
         cfg = validate(config_from_dict(current_config(out)))
     except yaml.YAMLError as e:

@@ -183,7 +183,7 @@ def memory(run: RunData) -> Section:
                      [series(psteps, [_mib_num(v) for v in peak], "peak")]))
     s.add(Table(["rank", "category", "measured MiB", "planned MiB"], rows, id="memory-table"))
     notes = ["Measured: bytes of the tensors each rank holds per category after its first step "
-             "(memory/accounting.py); planned: plan.run_memory for the rank's pipeline stage. Peak: "
+             "(device/accounting.py); planned: plan.run_memory for the rank's pipeline stage. Peak: "
              + ("torch.cuda.max_memory_allocated." if "cuda" in run.device_types() else
                 "the process's maximum resident set size (ru_maxrss), which includes the Python interpreter "
                 "and torch itself.")]

@@ -64,7 +64,7 @@ def device_name(device: torch.device) -> str:
 
 
 def versions() -> dict[str, str]:
-    from scaletrain import __version__
+    from scaletrain.version import __version__
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "scaletrain": __version__,
            "platform": platform.platform()}

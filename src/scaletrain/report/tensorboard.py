@@ -34,12 +34,6 @@ def flatten(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tensorboard") is not None
-
-
 class TensorBoardLog:
     """A SummaryWriter on OUT/tb for the rows written to metrics.jsonl."""
 

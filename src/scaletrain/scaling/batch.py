@@ -8,7 +8,7 @@ trial needs is measured, not predicted:
   statistics reset before each trial); an out-of-memory error means "does not fit". The limit is the
   device's total memory unless `--memory-limit` is given.
 - on CPU, which has no allocator statistics worth trusting, the project's accounting
-  (`scaletrain.memory.accounting`): the bytes of the distinct storages of parameters, gradients and
+  (`scaletrain.device.accounting`): the bytes of the distinct storages of parameters, gradients and
   optimizer state after the step (`tensor_bytes`), plus the bytes autograd saved for backward during the
   forward (`SavedTensorCounter`). Temporaries that live only inside one operation (e.g. the gradient of
   the logits) are not in it, so it is a lower bound of the true peak. `--memory-limit` is required.
@@ -134,7 +134,7 @@ def single_process_notes(cfg) -> list[str]:
 
 def measure_cpu(cfg, micro_batch: int, limit: int) -> Trial:
     """One real step; bytes = parameters + gradients + optimizer state + saved activations (accounting)."""
-    from scaletrain.memory.accounting import tensor_bytes
+    from scaletrain.device.accounting import tensor_bytes
     from scaletrain.train.trainer import Trainer
 
     trainer = Trainer(trial_config(cfg, micro_batch))

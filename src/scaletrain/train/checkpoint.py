@@ -40,21 +40,21 @@ import torch.distributed as dist
 
 from scaletrain.errors import CheckpointError, UserError
 from scaletrain.train import dcp_io
+from scaletrain.train.checkpoint_dirs import (
+    COMPLETE,
+    DCP_FORMAT,
+    RANK_FORMAT,
+    format_of,
+    fsync_dir,
+    latest,
+    prune,
+    step_dir,
+)
 from scaletrain.train.shards import Block
 from scaletrain.train.state import Entry
 
-FORMAT = "scaletrain-dcp/1"
-COMPLETE = "COMPLETE"
+FORMAT = DCP_FORMAT
 META = "meta.json"
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256_file(path: Path) -> str:
@@ -96,30 +96,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-# --------------------------------------------------------------------------- directories
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    dirs = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and not d.name.endswith(".tmp")]
-    return sorted((d for d in dirs if (d / COMPLETE).exists()), key=lambda d: d.name)
-
-
-def latest(root: Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
-def prune(root: Path, keep: int) -> None:
-    for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- reading
 
 
@@ -129,11 +105,8 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
     if any(directory.glob("rank*.pt")) and not (directory / dcp_io.INDEX).exists():
-        from scaletrain.parallel.async_dp.rank_checkpoint import FORMAT as ASYNC_FORMAT
-        from scaletrain.parallel.async_dp.rank_checkpoint import is_async_checkpoint
-
-        if is_async_checkpoint(directory):
-            raise CheckpointError(f"{directory} is a per-rank checkpoint of an asynchronous run ({ASYNC_FORMAT}, "
+        if format_of(directory) == RANK_FORMAT:
+            raise CheckpointError(f"{directory} is a per-rank checkpoint of an asynchronous run ({RANK_FORMAT}, "
                                   "parallel.sync=ps/hogwild/local): resume it with that run's parallel.sync, which "
                                   "cannot change, and without --reshard")
         raise CheckpointError(f"{directory} is a checkpoint in the old per-rank format (rankNNNNN.pt), which this "

@@ -10,17 +10,21 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
+from scaletrain.config import config_from_dict, validate
+from scaletrain.config.run import current_config
 from scaletrain.errors import CheckpointError, UserError
+from scaletrain.parallel.async_dp.model import WorkerModel
+from scaletrain.parallel.async_dp.replay import replay
+from scaletrain.parallel.async_dp.server import ShardLayout
+from scaletrain.parallel.async_dp.versions import VersionLog
+from scaletrain.train.runners import rank_checkpoint as ckpt
+from scaletrain.train.runners.common import find_resume
 
 
 def final_params(out: Path, cfg) -> tuple[dict[str, torch.Tensor], int]:
     """The run's parameters at its newest checkpoint (gathered from the servers' shards for ps), and its step."""
-    from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
-    from scaletrain.parallel.async_dp.common import find_resume
-    from scaletrain.parallel.async_dp.model import WorkerModel
-    from scaletrain.parallel.async_dp.server import ShardLayout
-
     found, meta = find_resume(out, cfg)
     if found is None:
         raise CheckpointError(f"no complete checkpoint in {out / 'checkpoints'}")
@@ -40,13 +44,6 @@ def final_params(out: Path, cfg) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def cmd_replay(args) -> int:
-    import yaml
-
-    from scaletrain.config import config_from_dict, validate
-    from scaletrain.parallel.async_dp.replay import replay
-    from scaletrain.parallel.async_dp.versions import VersionLog
-    from scaletrain.train.resume import current_config
-
     out = Path(args.out)
     if not (out / "config.yaml").is_file():
         raise UserError(f"{out} is not a scaletrain run (no config.yaml)")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import Config, flatten
+from scaletrain.config.run import HISTORY
 from scaletrain.errors import CheckpointError
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import dcp_io
@@ -35,7 +36,6 @@ IDENTITY = ("model.", "optim.", "train.seed", "train.global_batch", "train.dtype
             "data.val_fraction")
 LAYOUT = ("parallel.", "train.micro_batch", "memory.")
 NOT_LAYOUT = ("parallel.timeout_s", "parallel.offload_dir", "parallel.nvme_prefetch", "memory.budget_gb")
-HISTORY = "resumes.jsonl"
 
 
 def kind(key: str) -> str:
@@ -86,41 +86,6 @@ def check_compatible(found: Path, meta: dict[str, Any], cfg: Config, world: int,
             f"run's layout is {describe_layout(cfg.to_dict(), world)}" + (f" ({listed})" if listed else "")
             + ": add --reshard to continue under the new layout")
     return diffs
-
-
-def current_config(out: Path) -> dict[str, Any]:
-    """The config in effect in a run: `config.yaml` (the config it started with) with the changes each resume
-    recorded in `resumes.jsonl` applied in order (a line cut by a kill is skipped). Raises OSError / yaml errors of
-    config.yaml as reading it does."""
-    import yaml
-
-    config = yaml.safe_load((Path(out) / "config.yaml").read_text()) or {}
-    history = Path(out) / HISTORY
-    lines = history.read_text().splitlines() if history.exists() else []
-    for line in lines:
-        try:
-            changed = json.loads(line).get("changed", {})
-        except (ValueError, AttributeError):
-            continue
-        for key, values in changed.items():
-            node, *path = [config, *key.split(".")]
-            for part in path[:-1]:
-                node = node.setdefault(part, {}) if isinstance(node, dict) else {}
-            if isinstance(node, dict) and isinstance(values, list) and len(values) == 2:
-                node[path[-1]] = values[1]
-    return config
-
-
-def check_run(out: Path, cfg: Config, world: int, reshard: bool, init_from: str | Path | None = None) -> None:
-    """Before launching: refuse (CheckpointError) if the newest checkpoint in `out` cannot be resumed by `cfg`."""
-    if cfg.parallel.sync != "bsp":  # per-rank checkpoints of the asynchronous runners (docs/async.md)
-        from scaletrain.parallel.async_dp.common import check_async_run
-
-        check_async_run(Path(out), cfg, reshard, init_from)
-        return
-    found = ckpt.latest(Path(out) / "checkpoints")
-    if found is not None:
-        check_compatible(found, ckpt.read_meta(found), cfg, world, reshard)
 
 
 # --------------------------------------------------------------------------- engine state

@@ -23,13 +23,14 @@ import torch.distributed as dist
 
 from scaletrain.config import Config
 from scaletrain.data import BatchLoader, load_tokens
+from scaletrain.device.accounting import memory_reports, peak_bytes, tensor_bytes
 from scaletrain.device.attention import probe_run
 from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
 from scaletrain.device.timing import StepTimer
 from scaletrain.distributed.comm import CommStats, all_reduce, all_reduce_max_list
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.distributed.process_group import DistEnv, pick_device
-from scaletrain.memory.accounting import memory_reports, peak_bytes, tensor_bytes
+from scaletrain.errors import TrainingDiverged
 from scaletrain.memory.precision import DynamicLossScaler
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step
@@ -40,13 +41,10 @@ from scaletrain.report.observers import RunObservers
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
 from scaletrain.train.pending import first_bad_loss, resolve_rows
+from scaletrain.train.progress import Progress
 from scaletrain.train.schedule import lr_at
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
 
 
 @dataclass
@@ -324,7 +322,7 @@ class Trainer:
         t = self.cfg.train
         result = TrainResult(params=self.n_params, resumed_from=self.step)
         metrics = open(self.out / "metrics.jsonl", "a") if self.out is not None and self.rank == 0 else None
-        bar = _Progress(t.steps, self.step) if self.progress else None
+        bar = Progress(t.steps, self.step) if self.progress else None
         tokens, elapsed = 0, 0.0
         last = min(t.steps, stop_after) if stop_after is not None else t.steps
         pending: list[dict[str, Any]] = []  # rows whose device values are not read yet
@@ -402,22 +400,3 @@ def _seeded_rng_state(seed: int, device: torch.device) -> dict[str, Any]:
     state = ckpt.rng_state(device)
     ckpt.set_rng_state(outer, device)
     return state
-
-
-class _Progress:
-    """A rich progress bar: step, loss, tokens/s, ETA (only on an interactive terminal)."""
-
-    def __init__(self, total: int, start: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                          TextColumn("ETA"), TimeRemainingColumn(), transient=False)
-        self.task = self.p.add_task("train", total=total, completed=start, loss="-", tps="-")
-        self.p.start()
-
-    def update(self, step: int, row: dict[str, Any]) -> None:
-        self.p.update(self.task, completed=step, loss=f"{row['loss']:.4f}", tps=f"{row['tokens_per_s']:,.0f}")
-
-    def close(self) -> None:
-        self.p.stop()

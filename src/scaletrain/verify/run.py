@@ -23,7 +23,7 @@ SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_l
 
 
 def run(cfg: Config, env=None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    from scaletrain.parallel.async_dp import make_trainer
+    from scaletrain.train.runner import make_trainer
 
     t = make_trainer(cfg, None, env)  # the Trainer, or an asynchronous mode's runner (parallel.sync)
     return t.run().losses, t.full_state()

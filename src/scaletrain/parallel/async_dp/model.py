@@ -21,6 +21,7 @@ from scaletrain.config import Config
 from scaletrain.data import BatchLoader, load_tokens
 from scaletrain.distributed.comm import CommStats
 from scaletrain.distributed.mesh import Mesh, ParallelDims
+from scaletrain.errors import TrainingDiverged
 from scaletrain.model.init import name_seed
 from scaletrain.parallel.norms import squared_norm
 from scaletrain.parallel.parallelize import build_engine
@@ -123,8 +124,6 @@ class WorkerModel:
             total = self.engine.forward_backward(micro, scale)
         loss = float(total)
         if not loss == loss or loss in (float("inf"), float("-inf")):
-            from scaletrain.train.trainer import TrainingDiverged
-
             raise TrainingDiverged(f"loss is {loss} at step {ticket.step} (ticket {ticket.n}, data-parallel slice "
                                    f"{ticket.slice})")
         return loss

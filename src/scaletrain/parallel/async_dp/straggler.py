@@ -11,27 +11,7 @@ from __future__ import annotations
 
 import time
 
-from scaletrain.errors import ConfigError
-
-
-def parse_slow_ranks(spec: str, dp: int) -> dict[int, float]:
-    """`"1:0.5,3:2"` -> {1: 0.5, 3: 2.0}: data-parallel rank -> extra time as a fraction of its compute."""
-    out: dict[int, float] = {}
-    if not spec.strip():
-        return out
-    for item in spec.split(","):
-        rank, sep, factor = item.strip().partition(":")
-        try:
-            r, f = int(rank), float(factor)
-        except ValueError:
-            raise ConfigError(f"parallel.slow_ranks: expected rank:factor items such as 1:0.5, got {spec!r}") from None
-        if not sep or not 0 <= r < dp or not f >= 0 or f == float("inf"):
-            raise ConfigError(f"parallel.slow_ranks: {item.strip()!r} needs a data-parallel rank in [0, "
-                              f"parallel.dp ({dp})) and a finite factor >= 0")
-        if r in out:
-            raise ConfigError(f"parallel.slow_ranks: rank {r} given twice in {spec!r}")
-        out[r] = f
-    return out
+from scaletrain.config.parse import parse_slow_ranks
 
 
 class Straggler:

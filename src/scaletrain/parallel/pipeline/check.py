@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from scaletrain.config.schema import PARTITION_KINDS, SCHEDULES
 from scaletrain.parallel.pipeline.schedules import (
-    SCHEDULES,
     Action,
     Op,
     batches,
@@ -295,7 +295,7 @@ def validate_pipeline(n_layers: int, p: int, v: int, m: int, schedule: str, part
     if schedule not in SCHEDULES:
         return [f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"]
     errors = []
-    if partition not in ("uniform", "params", "time"):
+    if partition not in PARTITION_KINDS:
         try:
             counts = [int(x) for x in partition.split(",")]
         except ValueError:

@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from scaletrain.device.accounting import SavedTensorCounter
 from scaletrain.distributed.comm import CommStats
-from scaletrain.memory.accounting import SavedTensorCounter
 from scaletrain.parallel.pipeline.schedules import Action, Op, batches, build_2bw_step, rank_chunk_to_stage
 from scaletrain.parallel.pipeline.simulate import Event
 from scaletrain.parallel.pipeline.trace import PipelineTrace

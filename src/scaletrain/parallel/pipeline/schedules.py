@@ -69,7 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw")
+from scaletrain.config.schema import SCHEDULES
 
 
 class Op(Enum):

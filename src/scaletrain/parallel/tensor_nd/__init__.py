@@ -64,7 +64,7 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
 def shard_gpt(model: nn.Module, plan) -> None:
     """Swap the plain GPT's modules for the plan's layers, in place (the same names, so state dicts, recomputation
     and pipeline stages see the plain model's structure)."""
-    from scaletrain.model.gpt import MLP, CausalSelfAttention, SwiGLU
+    from scaletrain.model.block import MLP, CausalSelfAttention, SwiGLU
     from scaletrain.model.norm import RMSNorm
 
     tied = model.cfg.tie_embeddings

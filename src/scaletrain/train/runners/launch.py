@@ -29,7 +29,7 @@ from pathlib import Path
 
 from scaletrain.config import Config
 from scaletrain.distributed.launch import LOG_DIR_ENV, free_port, report_failure
-from scaletrain.parallel.async_dp.ps import DEAD_KEY
+from scaletrain.train.runners.ps import DEAD_KEY
 
 
 def role(rank: int, servers: int) -> str:

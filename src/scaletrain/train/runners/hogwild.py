@@ -10,13 +10,13 @@ its write then overwrote (docs/async.md).
 The parameters live in one file in /dev/shm (`torch.from_file(shared=True)`, a shared memory map: no
 transport). Worker w, for each ticket n it draws from a shared counter (the job's store):
   1. reads the shared parameters into its own model (the version it reads is counted in the store),
-  2. computes the gradient of ticket n (`model.Ticket`, loss averaged over the slice) and clips it,
+  2. computes the gradient of ticket n (`async_dp.model.Ticket`, loss averaged over the slice) and clips it,
   3. reads the current shared parameters again, applies its own optimizer's step (each worker keeps its own
      optimizer state, as each process does in PyTorch's Hogwild example), counts the coordinates that changed
      in shared memory since that read, and writes the result back; the update's version is the store's count.
 With `parallel.hogwild_lock=true` steps 1 and 3 are each done under an OS lock (flock): every update is then
-atomic and the run is ASP with one gradient per update, which `replay.py` reproduces bit for bit from the
-version log. One update per ticket, learning rate of the ticket's step.
+atomic and the run is ASP with one gradient per update, which `parallel/async_dp/replay.py` reproduces bit for bit
+from the version log. One update per ticket, learning rate of the ticket's step.
 
 Evaluation and checkpoints wait for a quiet step (every ticket of the steps before it applied).
 """
@@ -38,12 +38,13 @@ from scaletrain.config import Config
 from scaletrain.distributed.process_group import DistEnv
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.async_dp.versions import LogFile, Member, Update
+from scaletrain.train.runners import rank_checkpoint as ckpt
+from scaletrain.train.runners.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import TrainResult
 
 RECORD = 4  # per ticket: version read, version written, worker, coordinates lost
 
@@ -235,8 +236,6 @@ class HogwildRunner:
             dist.barrier()
 
     def run(self):
-        from scaletrain.train.trainer import TrainResult
-
         t = self.cfg.train
         result = TrainResult(params=self.n_params, resumed_from=self.step)
         root = self.rank == 0

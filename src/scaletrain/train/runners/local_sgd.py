@@ -34,11 +34,12 @@ from scaletrain.distributed.comm import CommStats, all_reduce
 from scaletrain.distributed.process_group import DistEnv, pick_device
 from scaletrain.errors import CheckpointError
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, find_resume, observers
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
+from scaletrain.train.runners import rank_checkpoint as ckpt
+from scaletrain.train.runners.common import Metrics, async_signature, find_resume, observers
 from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import TrainResult
 
 
 class LocalSGDRunner:
@@ -171,8 +172,6 @@ class LocalSGDRunner:
         self.comm.reset()
 
     def run(self, stop_after: int | None = None):
-        from scaletrain.train.trainer import TrainResult
-
         t, p = self.cfg.train, self.cfg.parallel
         result = TrainResult(params=self.n_params, resumed_from=self.step)
         root = self.rank == 0

@@ -1,24 +1,30 @@
 """What every asynchronous mode's runner shares with the synchronous trainer: the run signature a checkpoint
-must match, `config.yaml`, `metrics.jsonl` (trimmed on resume), the progress bar and a barrier over a subset of
-ranks that does not need a process group (the store of the default group; used when a rank may be gone).
+must match, `config.yaml` and `resumes.jsonl`, `metrics.jsonl` (trimmed on resume), the progress bar and the
+reporting hooks, and the store of the default process group (counters, the launcher's death notices).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
 
 from scaletrain.config import Config
+from scaletrain.config.run import current_config
+from scaletrain.config.schema import ASYNC_KEYS
 from scaletrain.errors import CheckpointError, UserError
-from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
-from scaletrain.train.resume import current_config, differences, record_resume, record_start, trim_metrics
+from scaletrain.report.observers import RunObservers
+from scaletrain.train.progress import Progress
+from scaletrain.train.resume import differences, record_resume, record_start, trim_metrics
+from scaletrain.train.runners import rank_checkpoint as ckpt
 
-SYNC_KEYS = ("sync", "servers", "staleness", "hogwild_lock", "local_steps", "outer", "outer_lr", "outer_momentum")
+# the synchronisation settings that shape a runner's saved state (ps_tolerate_loss only changes what the
+# coordinator does when a worker dies)
+SYNC_KEYS = ("sync", *(k for k in ASYNC_KEYS if k != "ps_tolerate_loss"))
 
 
 def run_signature(cfg: Config) -> dict[str, Any]:
@@ -87,10 +93,6 @@ def record_config(out: Path, cfg: Config, resume_step: int) -> None:
 def observers(cfg: Config, out: Path | None, rank: int, device, world: int, step: int):
     """The trainer's reporting hooks (run_info.json, TensorBoard, the HTML report; report/observers.py) for an
     asynchronous runner. Collective: every rank of the job constructs them at the same point."""
-    from types import SimpleNamespace
-
-    from scaletrain.report.observers import RunObservers
-
     if out is not None and rank == 0:
         out.mkdir(parents=True, exist_ok=True)  # run_info.json is written before the first checkpoint or metric
     return RunObservers(SimpleNamespace(cfg=cfg, out=out, rank=rank, device=device, step=step,
@@ -114,9 +116,7 @@ class Metrics:
         trim_metrics(out, resume_step)
         self.f = open(out / "metrics.jsonl", "a")
         if progress:
-            from scaletrain.train.trainer import _Progress
-
-            self.bar = _Progress(cfg.train.steps, resume_step)
+            self.bar = Progress(cfg.train.steps, resume_step)
 
     def write(self, row: dict[str, Any]) -> None:
         step = row["step"]
@@ -158,27 +158,3 @@ def default_store(unwrap: bool = False):
     while unwrap and isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
-
-
-class StoreBarrier:
-    """A barrier over `ranks` through the store: works when other ranks of the job are gone (a process group's
-    barrier would wait for them). Each use is a new generation, so it can be reused."""
-
-    def __init__(self, store, name: str, ranks: list[int], timeout_s: float):
-        self.store, self.name, self.ranks, self.timeout_s = store, name, list(ranks), timeout_s
-        self.generation = 0
-
-    def __call__(self) -> None:
-        if self.store is None or len(self.ranks) <= 1:
-            return
-        self.generation += 1
-        key = f"{self.name}/{self.generation}"
-        arrived = self.store.add(key, 1)
-        if arrived == len(self.ranks):
-            self.store.set(key + "/open", "1")
-        deadline = time.monotonic() + self.timeout_s
-        while not self.store.check([key + "/open"]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"barrier {key}: {arrived} of {len(self.ranks)} ranks arrived within "
-                                   f"{self.timeout_s:.0f} s")
-            time.sleep(0.005)

@@ -1,24 +1,24 @@
 """Parameter server with bounded staleness: BSP (k = 0), SSP (k > 0) and ASP (k = -1) on gloo point-to-point.
 
 Roles (Li et al., "Scaling distributed machine learning with the parameter server", OSDI 2014): ranks
-0..S-1 are servers, each holding a shard of whole tensors and their optimizer state (`server.py`); ranks
-S..S+dp-1 are the workers. Server 0 is also the coordinator: it hands out work and decides the order of
+0..S-1 are servers, each holding a shard of whole tensors and their optimizer state (`parallel/async_dp/server.py`);
+ranks S..S+dp-1 are the workers. Server 0 is also the coordinator: it hands out work and decides the order of
 everything, so every server applies the same updates in the same order and serves pulls of one version.
 
 A worker's loop is one round trip per ticket: push the gradient of its last ticket (one message per server,
 server 0's last) together with a request for work; receive a grant (ticket n, version v) and pull version v
-from every server; compute the gradient of ticket n (`model.Ticket`: the data of a synchronous run's dp
-rank n mod dp at step n // dp + 1, scaled by 1 / tokens of the global batch). Server 0's receiving thread
+from every server; compute the gradient of ticket n (`async_dp.model.Ticket`: the data of a synchronous run's
+dp rank n mod dp at step n // dp + 1, scaled by 1 / tokens of the global batch). Server 0's receiving thread
 takes the requests from any worker in arrival order.
 
 Update i applies the first dp gradients to arrive after update i - 1, summed in ticket order: one global
 batch's worth, as in K-async SGD with K = dp (Dutta et al., arXiv 1803.01113). The staleness bound
-(`parallel.staleness` = k) is enforced when a ticket is granted: a gradient computed on version r must be
-applied by update r + k + 1, and since the worst case is that every gradient in flight arrives before it, a
-grant is made only while (gradients in flight + 1) <= (r_min + k + 1 - v) x dp - (pushes already waiting),
-r_min the oldest version in flight (SSP, Ho et al., NIPS 2013, stated in versions). With k = 0 this admits
-exactly the dp tickets of step v + 1 on version v: BSP, the single-process run's arithmetic (up to the order
-of additions). k = -1 grants always (ASP).
+(`parallel.staleness` = k, `parallel/async_dp/gate.py`) is enforced when a ticket is granted: a gradient computed
+on version r must be applied by update r + k + 1, and since the worst case is that every gradient in flight
+arrives before it, a grant is made only while (gradients in flight + 1) <= (r_min + k + 1 - v) x dp - (pushes
+already waiting), r_min the oldest version in flight (SSP, Ho et al., NIPS 2013, stated in versions). With k = 0
+this admits exactly the dp tickets of step v + 1 on version v: BSP, the single-process run's arithmetic (up to
+the order of additions). k = -1 grants always (ASP).
 
 Evaluation and checkpoints happen at a quiet version: tickets beyond that step are held back until it is
 applied with nothing in flight. A checkpoint is the servers' shards (parameters and optimizer state); workers
@@ -41,16 +41,18 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.distributed.process_group import DistEnv
+from scaletrain.distributed.process_group import DistEnv, pick_device
+from scaletrain.errors import CheckpointError
 from scaletrain.optim import lr_multiplier
-from scaletrain.parallel.async_dp import rank_checkpoint as ckpt
-from scaletrain.parallel.async_dp.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.parallel.async_dp.gate import Gate
 from scaletrain.parallel.async_dp.model import Ticket, WorkerModel
 from scaletrain.parallel.async_dp.server import ServerShard, ShardLayout, add_in_order
 from scaletrain.parallel.async_dp.straggler import Straggler, wrap_engine
 from scaletrain.parallel.async_dp.versions import LogFile, Member, Update
+from scaletrain.train.runners import rank_checkpoint as ckpt
+from scaletrain.train.runners.common import Metrics, async_signature, default_store, find_resume, observers
 from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import TrainResult
 
 # message tags
 CTRL, PUSH, REPLY, PARAMS, CMD = 11, 12, 13, 14, 15
@@ -206,8 +208,6 @@ class _Server:
         try:
             self.shard.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as e:
-            from scaletrain.errors import CheckpointError
-
             raise CheckpointError(f"checkpoint {found} does not fit the model: {str(e).splitlines()[0]}") from None
         self.version = int(meta["step"])
         return self.version
@@ -582,8 +582,6 @@ class PSRunner:
     """The run loop of one rank of a ps job, with the interface of `Trainer` that the commands use."""
 
     def __init__(self, cfg: Config, out: Path | None, env: DistEnv | None, progress: bool = False):
-        from scaletrain.distributed.process_group import pick_device
-
         p = cfg.parallel
         self.cfg, self.out = cfg, out
         self.rank = env.rank if env else 0
@@ -611,8 +609,6 @@ class PSRunner:
             self.step = int(meta["step"]) if found is not None else 0
 
     def run(self):
-        from scaletrain.train.trainer import TrainResult
-
         t0 = time.perf_counter()
         self.role.run()
         result = TrainResult(params=self.n_params, resumed_from=self.step)

@@ -31,9 +31,18 @@ from typing import Any
 import torch
 
 from scaletrain.errors import CheckpointError
-from scaletrain.train.checkpoint import COMPLETE, complete_checkpoints, fsync_dir, latest, prune, step_dir
+from scaletrain.train.checkpoint_dirs import (
+    COMPLETE,
+    RANK_FORMAT,
+    complete_checkpoints,
+    format_of,
+    fsync_dir,
+    latest,
+    prune,
+    step_dir,
+)
 
-FORMAT = "scaletrain-async-rank/1"
+FORMAT = RANK_FORMAT
 
 __all__ = ["FORMAT", "complete_checkpoints", "is_async_checkpoint", "latest", "load_rank", "read_meta", "save"]
 
@@ -91,10 +100,7 @@ def save(root: Path, step: int, rank: int, world_size: int, payload: dict[str, A
 
 def is_async_checkpoint(directory: Path) -> bool:
     """Whether `directory` holds a checkpoint of this format (read from meta.json; False if unreadable)."""
-    try:
-        return json.loads((Path(directory) / "meta.json").read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    return format_of(directory) == FORMAT
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

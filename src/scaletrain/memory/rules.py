@@ -1,0 +1,130 @@
+"""validate()'s rules for the memory savers and the numeric formats: recomputation (arXiv 1604.06174, 2205.05198),
+partitioned / offloaded checkpoints (ZeRO-R, arXiv 1910.02054), activation compression (Gist), contiguous arenas,
+the memory budget, mixed precision with loss scaling (arXiv 1710.03740) and autocast (arXiv 1905.12322).
+
+Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config.parse import parse_modes, parse_recompute, parse_steps
+from scaletrain.config.rules import rule
+from scaletrain.config.schema import DTYPES, PRECISIONS, Config
+from scaletrain.errors import ConfigError
+
+
+@rule("values")
+def precision(cfg: Config, world_size: int | None) -> list[str]:
+    """train.dtype and the fp16 loss scaler's settings (memory/precision.py)."""
+    t = cfg.train
+    errors = []
+    if t.dtype not in DTYPES:
+        errors.append(f"train.dtype must be one of {', '.join(DTYPES)}, got {t.dtype!r}")
+    if t.loss_scale <= 0 or t.loss_scale_min <= 0 or not 0 < t.loss_scale_backoff < 1:
+        errors.append(f"train.loss_scale ({t.loss_scale}) and train.loss_scale_min ({t.loss_scale_min}) must be "
+                      f"positive and train.loss_scale_backoff ({t.loss_scale_backoff}) in (0, 1)")
+    if t.loss_scale_window < 1 or t.loss_scale_hysteresis < 1:
+        errors.append(f"train.loss_scale_window ({t.loss_scale_window}) and train.loss_scale_hysteresis "
+                      f"({t.loss_scale_hysteresis}) must be >= 1")
+    return errors
+
+
+@rule("values")
+def checkpoints(cfg: Config, world_size: int | None) -> list[str]:
+    """memory.recompute and memory.compress parse; partitioned checkpoints need checkpoints to partition."""
+    p, mem = cfg.parallel, cfg.memory
+    errors = []
+    for parse, value in ((parse_recompute, mem.recompute), (parse_modes, mem.compress)):
+        try:
+            parse(value)
+        except ConfigError as e:
+            errors.append(str(e))
+    if mem.partition_checkpoints and not mem.recompute.lower().startswith(("full", "every:")):
+        errors.append(f"memory.partition_checkpoints needs memory.recompute full or every:k, got {mem.recompute!r}")
+    if mem.partition_checkpoints and p.sequence_parallel:
+        errors.append("memory.partition_checkpoints: with parallel.sequence_parallel block inputs are already split")
+    return errors
+
+
+@rule("combinations")
+def autocast(cfg: Config, world_size: int | None) -> list[str]:
+    """train.precision, and the contradictions of autocast-bf16 (memory/autocast.py, docs/gpu.md)."""
+    t = cfg.train
+    if t.precision not in PRECISIONS:
+        return [f"train.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}"]
+    if t.precision != "autocast-bf16":
+        return []
+    errors = []
+    if t.dtype != "fp32":
+        errors.append(f"train.precision=autocast-bf16 keeps fp32 parameters and casts inside autocast: it needs "
+                      f"train.dtype=fp32, got train.dtype={t.dtype}")
+    untested = [f"{k}={v}" for k, v, default in (
+        ("parallel.tp_mode", cfg.parallel.tp_mode, "1d"), ("model.reversible", cfg.model.reversible, False),
+        ("memory.contiguous", cfg.memory.contiguous, False)) if v != default]
+    if untested:
+        errors.append(f"train.precision=autocast-bf16 with {', '.join(untested)} is not available: not proven equal "
+                      "to the single-process run yet (use train.dtype=bf16)")
+    if cfg.model.moe.experts:
+        errors.append(f"train.precision=autocast-bf16 with model.moe.experts={cfg.model.moe.experts} is not "
+                      "available: the MoE layer combines the experts' (bf16) outputs into a tensor of its input's "
+                      "dtype and routes on logits autocast would round to bf16; use train.dtype=bf16")
+    return errors
+
+
+@rule("combinations")
+def contiguous(cfg: Config, world_size: int | None) -> list[str]:
+    """memory.contiguous needs something for its arenas to hold (memory/contiguous.py); counting allocations on CPU
+    and profiling the same step would nest two profilers."""
+    mem, p, t = cfg.memory, cfg.parallel, cfg.train
+    errors = []
+    if mem.contiguous and mem.recompute.strip().lower() == "none" and not mem.offload_activations and p.zero < 2:
+        errors.append(f"memory.contiguous has nothing to hold with memory.recompute=none, no activation offload and "
+                      f"parallel.zero={p.zero}: it arranges activation checkpoints and ZeRO-2/3's transient gradient "
+                      "buffers (plain data parallelism and ZeRO-1 already keep their gradient buckets for the whole "
+                      "run)")
+    window = t.profile_steps.strip()
+    if mem.count_allocations and window and t.device != "cuda":
+        try:
+            first, last = parse_steps(window)
+        except ConfigError:  # report/rules.py reports the syntax error itself
+            first, last = 0, -1
+        if first <= 2 <= last:
+            errors.append(f"memory.count_allocations counts step 2 with torch.profiler on CPU, which "
+                          f"train.profile_steps ({window}) also records: profilers do not nest (profile other "
+                          "steps, or count on CUDA)")
+    return errors
+
+
+@rule("combinations")
+def budget(cfg: Config, world_size: int | None) -> list[str]:
+    """memory.budget_gb is a finite number of GiB, 0 for none (memory/budget.py)."""
+    b = cfg.memory.budget_gb
+    if not b >= 0 or b == float("inf"):
+        return [f"memory.budget_gb must be a finite number >= 0 (0 = no budget), got {b}"]
+    return []
+
+
+@rule("final")
+def compress_segments(cfg: Config, world_size: int | None) -> list[str]:
+    """Lossy activation compression with recompute=every:k under pp: a segment's input is kept compressed and its
+    blocks are recomputed from it, so the segments must be the ones one process has (k blocks from block 0): a
+    chunk must start at a multiple of k (docs/memory.md)."""
+    p, mem = cfg.parallel, cfg.memory
+    mode = parse_recompute(mem.recompute)
+    if p.pp == 1 or mode.kind != "every" or not parse_modes(mem.compress) & {"bf16", "int8"}:
+        return []
+    chunks = p.pp * p.virtual_stages
+    if p.partition in ("params", "time"):
+        return [f"memory.recompute={mem.recompute} with memory.compress={mem.compress} needs pipeline chunks that "
+                f"start at multiples of {mode.k} blocks; parallel.partition={p.partition} decides them only at run "
+                "time: give block counts (e.g. parallel.partition=2,2) or use recompute full"]
+    counts = [cfg.model.n_layers // chunks] * chunks if p.partition == "uniform" else \
+        [int(x) for x in p.partition.split(",")]
+    starts = [sum(counts[:i]) for i in range(1, len(counts))]
+    bad = [b for b in starts if b % mode.k]
+    if bad:
+        return [f"memory.recompute={mem.recompute} with memory.compress={mem.compress} under parallel.pp ({p.pp}): "
+                f"pipeline chunks start at blocks {', '.join(map(str, starts))}, not all multiples of {mode.k}, so "
+                "the segments differ from one process's and recompute from other compressed inputs; choose "
+                "parallel.partition block counts that are multiples of k, or recompute full"]
+    return []

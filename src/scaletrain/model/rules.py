@@ -1,0 +1,130 @@
+"""validate()'s rules for the model's keys (`model.*`, `model.moe.*`): the shapes a GPT can be built with, mixture of
+experts (GShard arXiv 2006.16668, Switch arXiv 2101.03961) and reversible blocks (RevNet arXiv 1707.04585).
+
+Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config.parse import parse_recompute
+from scaletrain.config.rules import rule
+from scaletrain.config.schema import DROPOUT_IMPLS, MLPS, NORMS, POSITIONS, ROUTERS, Config, or_list
+from scaletrain.config.sizes import ffn_size, half_config
+from scaletrain.errors import ConfigError
+
+
+@rule("inputs")
+def dense_router(cfg: Config, world_size: int | None) -> list[str]:
+    """model.moe.router names a router even in a dense model (with experts, `moe` below says it)."""
+    e = cfg.model.moe
+    if e.experts == 0 and e.router not in ROUTERS:
+        return [f"model.moe.router must be one of {', '.join(ROUTERS)}, got {e.router!r}"]
+    return []
+
+
+@rule("values")
+def shape(cfg: Config, world_size: int | None) -> list[str]:
+    """Heads, position encoding, MLP and dropout of the plain model (model/gpt.py)."""
+    m = cfg.model
+    errors = []
+    if m.d_model % m.n_heads:
+        errors.append(f"model.d_model ({m.d_model}) is not divisible by model.n_heads ({m.n_heads})")
+    if m.position == "rope" and (m.d_model // m.n_heads) % 2:
+        errors.append(f"rope needs an even head size, got d_model/n_heads = {m.d_model // m.n_heads}")
+    if m.mlp not in MLPS:
+        errors.append(f"model.mlp must be {or_list(MLPS)}, got {m.mlp!r}")
+    if m.position not in POSITIONS:
+        errors.append(f"model.position must be {or_list(POSITIONS)}, got {m.position!r}")
+    if not 0.0 <= m.dropout < 1.0:
+        errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.dropout_impl not in DROPOUT_IMPLS:
+        errors.append(f"model.dropout_impl must be {or_list(DROPOUT_IMPLS)}, got {m.dropout_impl!r}")
+    return errors
+
+
+@rule("combinations")
+def norm(cfg: Config, world_size: int | None) -> list[str]:
+    """model.norm names a layer of model/norm.py."""
+    if cfg.model.norm not in NORMS:
+        return [f"model.norm must be {or_list(NORMS)}, got {cfg.model.norm!r}"]
+    return []
+
+
+@rule("combinations")
+def moe(cfg: Config, world_size: int | None) -> list[str]:
+    """Mixture-of-experts and expert-parallel constraints (see docs/moe.md)."""
+    e, p, t = cfg.model.moe, cfg.parallel, cfg.train
+    errors: list[str] = []
+    if p.ep < 1:
+        return [f"parallel.ep must be >= 1, got {p.ep}"]
+    if e.experts < 0:
+        return [f"model.moe.experts must be >= 0 (0 = dense), got {e.experts}"]
+    if e.experts == 0:
+        return [f"parallel.ep ({p.ep}) > 1 needs model.moe.experts > 0"] if p.ep > 1 else []
+    if e.router not in ROUTERS:
+        errors.append(f"model.moe.router must be one of {', '.join(ROUTERS)}, got {e.router!r}")
+    if e.every < 1:
+        errors.append(f"model.moe.every must be >= 1, got {e.every}")
+    if not 1 <= e.top_k <= e.experts:
+        errors.append(f"model.moe.top_k ({e.top_k}) must be between 1 and model.moe.experts ({e.experts})")
+    if e.capacity_factor <= 0:
+        errors.append(f"model.moe.capacity_factor must be > 0, got {e.capacity_factor}")
+    if e.group_tokens < 1 or (t.micro_batch * cfg.model.seq_len) % e.group_tokens:
+        errors.append(f"model.moe.group_tokens ({e.group_tokens}) must divide the tokens of a micro-batch, "
+                      f"train.micro_batch ({t.micro_batch}) x model.seq_len ({cfg.model.seq_len})")
+    if e.aux_loss_weight < 0 or e.z_loss_weight < 0 or e.router_noise < 0 or e.switch_init_scale < 0:
+        errors.append(f"model.moe.aux_loss_weight ({e.aux_loss_weight}), z_loss_weight ({e.z_loss_weight}), "
+                      f"router_noise ({e.router_noise}) and switch_init_scale ({e.switch_init_scale}) must be >= 0")
+    if not 0.0 <= e.expert_dropout < 1.0:
+        errors.append(f"model.moe.expert_dropout must be in [0, 1), got {e.expert_dropout}")
+    if e.random_routing and (e.router != "topk" or e.top_k != 2):
+        errors.append(f"model.moe.random_routing (GShard) needs router topk with top_k 2, got router {e.router!r} "
+                      f"and top_k {e.top_k}")
+    if e.experts % p.ep:
+        errors.append(f"model.moe.experts ({e.experts}) is not divisible by parallel.ep ({p.ep})")
+    if p.dp % p.ep:
+        errors.append(f"parallel.ep ({p.ep}) must divide parallel.dp ({p.dp}): expert parallelism is carved from dp")
+    if p.tp > 1 and p.sequence_parallel and (cfg.model.seq_len % p.tp == 0) and \
+            (cfg.model.seq_len // p.tp) % e.group_tokens:
+        errors.append(f"parallel.sequence_parallel with MoE needs model.moe.group_tokens ({e.group_tokens}) to divide "
+                      f"the tokens of a sequence shard, model.seq_len ({cfg.model.seq_len}) / parallel.tp ({p.tp}): "
+                      "each rank routes the dispatch groups of its own shard")
+    return errors
+
+
+@rule("combinations")
+def reversible(cfg: Config, world_size: int | None) -> list[str]:
+    """What model.reversible=true is refused with, one reason each (model/reversible.py; empty when it is off)."""
+    m, p, mem = cfg.model, cfg.parallel, cfg.memory
+    if not m.reversible:
+        return []
+    errors: list[str] = []
+    if m.d_model % 2:
+        return [f"model.reversible splits the stream into two halves: model.d_model ({m.d_model}) must be even"]
+    half = half_config(m)
+    if half.d_model % m.n_heads:
+        errors.append(f"model.reversible: each half of model.d_model ({m.d_model}) has {half.d_model} features, "
+                      f"not divisible by model.n_heads ({m.n_heads})")
+    elif m.position == "rope" and (half.d_model // m.n_heads) % 2:
+        errors.append(f"model.reversible with rope needs an even head size, got d_model/2/n_heads = "
+                      f"{half.d_model // m.n_heads}")
+    if p.tp > 1 and ffn_size(half) % p.tp:  # (the halves' width follows from n_heads % tp, checked by validate)
+        errors.append(f"model.reversible: the halves' MLP hidden size ({ffn_size(half)}) is not divisible by "
+                      f"parallel.tp ({p.tp})")
+    try:
+        kind = parse_recompute(mem.recompute).kind
+    except ConfigError:  # memory/rules.py reports the syntax error itself
+        kind = "none"
+    if kind in ("full", "every"):
+        errors.append(f"memory.recompute={mem.recompute} with model.reversible: reversible blocks keep no "
+                      "activations for a checkpoint to drop (use none, or selective to bound the reverse pass)")
+    if mem.offload_activations:
+        errors.append("memory.offload_activations with model.reversible: reversible blocks keep no activations to "
+                      "offload")
+    if mem.compress.strip().lower() not in ("", "none"):
+        errors.append(f"memory.compress={mem.compress} with model.reversible: reversible blocks save nothing for "
+                      "backward to encode")
+    if p.pp > 1 and p.schedule == "zb-h1":
+        errors.append("parallel.schedule=zb-h1 with model.reversible: the reverse pass rebuilds a block's input and "
+                      "its weight gradients together, so zero bubble cannot defer the weight part")
+    return errors

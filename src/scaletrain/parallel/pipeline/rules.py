@@ -1,0 +1,49 @@
+"""validate()'s rules for pipeline parallelism: parallel.schedule, parallel.partition and the schedule's
+constraints on the resolved micro-batch count (`check.validate_pipeline`; GPipe arXiv 1811.06965, 1F1B / 2BW arXiv
+2006.09503, interleaved arXiv 2104.04473, zero bubble arXiv 2401.10241).
+
+Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config.rules import rule
+from scaletrain.config.schema import PARTITION_KINDS, SCHEDULES, Config
+
+
+@rule("inputs")
+def partition_syntax(cfg: Config, world_size: int | None) -> list[str]:
+    """parallel.partition is a way or block counts even without pipeline stages (with pp > 1, `schedule` says it)."""
+    part = cfg.parallel.partition
+    if cfg.parallel.pp == 1 and part not in PARTITION_KINDS and not all(x.strip().isdigit() for x in part.split(",")):
+        return [f"parallel.partition must be uniform, params, time or block counts like 2,3,3; got {part!r}"]
+    return []
+
+
+@rule("values")
+def schedule_name(cfg: Config, world_size: int | None) -> list[str]:
+    """parallel.schedule names a schedule of parallel/pipeline/schedules.py."""
+    if cfg.parallel.schedule not in SCHEDULES:
+        return [f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {cfg.parallel.schedule!r}"]
+    return []
+
+
+@rule("resolved")
+def schedule(cfg: Config, world_size: int | None) -> list[str]:
+    """The schedule's constraints on the resolved micro-batch count, and what needs pp > 1."""
+    m, p = cfg.model, cfg.parallel
+    accum = cfg.grad_accum
+    if p.microbatches and p.microbatches != accum:  # config/validate.py says it
+        return []
+    if p.pp > 1:
+        from scaletrain.parallel.pipeline.check import validate_pipeline  # the schedules' code, only when pp > 1
+
+        errors = validate_pipeline(m.n_layers, p.pp, p.virtual_stages, accum, p.schedule, p.partition)
+        if p.zero == 3 and p.schedule == "2bw":
+            errors.append("parallel.zero=3 with parallel.schedule=2bw is not available: PipeDream-2BW keeps its "
+                          "two weight versions in the module's parameters, which ZeRO-3 holds only as shards")
+        return errors
+    if p.virtual_stages > 1 or p.schedule == "2bw":
+        what = f"parallel.virtual_stages ({p.virtual_stages})" if p.virtual_stages > 1 else "parallel.schedule=2bw"
+        return [f"{what} needs parallel.pp > 1, got parallel.pp ({p.pp})"]
+    return []

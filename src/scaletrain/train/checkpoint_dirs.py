@@ -1,0 +1,57 @@
+"""The folders both checkpoint formats share, and how to tell the formats apart.
+
+`OUT/checkpoints/step_00000100/` is one checkpoint of either format: the synchronous trainer's layout-independent
+one (`train/checkpoint.py`, format DCP_FORMAT) or the asynchronous runners' per-rank one
+(`train/runners/rank_checkpoint.py`, format RANK_FORMAT). Both are written into `step_NNNNNNNN.tmp/`, marked
+complete by a `COMPLETE` file written last and renamed into place, so a folder without `COMPLETE` (or ending in
+`.tmp`) is never read; each names its format in its `meta.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+DCP_FORMAT = "scaletrain-dcp/1"
+RANK_FORMAT = "scaletrain-async-rank/1"
+COMPLETE = "COMPLETE"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and not d.name.endswith(".tmp")]
+    return sorted((d for d in dirs if (d / COMPLETE).exists()), key=lambda d: d.name)
+
+
+def latest(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune(root: Path, keep: int) -> None:
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def format_of(directory: Path) -> str | None:
+    """The format a checkpoint's meta.json names (None if it is missing or unreadable)."""
+    try:
+        return json.loads((Path(directory) / "meta.json").read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None

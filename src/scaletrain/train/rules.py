@@ -1,0 +1,47 @@
+"""validate()'s rules for the training loop's keys: the learning-rate schedule, clipping, the device, what a NaN loss
+does, and the gradient noise scale (McCandlish et al., arXiv 1812.06162; train/noise_scale.py).
+
+Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config.rules import rule
+from scaletrain.config.schema import DEVICES, LR_SCHEDULES, ON_NAN, Config, or_list
+
+
+@rule("values")
+def loop(cfg: Config, world_size: int | None) -> list[str]:
+    """train.on_nan, the learning-rate schedule (train/schedule.py), clipping and the device."""
+    t = cfg.train
+    errors = []
+    if t.on_nan not in ON_NAN:
+        errors.append(f"train.on_nan must be {or_list(ON_NAN)}, got {t.on_nan!r}")
+    if t.lr_schedule not in LR_SCHEDULES:
+        errors.append(f"train.lr_schedule must be {or_list(LR_SCHEDULES)}, got {t.lr_schedule!r}")
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        errors.append(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
+    if t.grad_clip < 0:
+        errors.append(f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    if t.device not in DEVICES:
+        errors.append(f"train.device must be {or_list(DEVICES)}, got {t.device!r}")
+    return errors
+
+
+@rule("combinations")
+def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
+    """train.log_noise_scale measures one micro-batch's gradient; layouts where that is not on one rank fail."""
+    p, t = cfg.parallel, cfg.train
+    if not t.log_noise_scale:
+        return []
+    errors = []
+    if t.micro_batch >= t.global_batch:
+        errors.append(f"train.log_noise_scale needs train.micro_batch ({t.micro_batch}) < train.global_batch "
+                      f"({t.global_batch}): the small batch of the estimate is one micro-batch")
+    if p.pp > 1 and cfg.model.tie_embeddings:
+        errors.append(f"train.log_noise_scale with parallel.pp ({p.pp}) > 1 needs model.tie_embeddings=false: the "
+                      "tied embedding's micro-batch gradient is split between the first and the last stage")
+    if p.ep > 1 and t.micro_batch * p.ep >= t.global_batch:
+        errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
+                      f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
+    return errors
