@@ -260,10 +260,13 @@ def test_build_optimizer_names_and_errors():
 
 
 def test_every_registered_optimizer_builds_from_its_config_keywords():
-    """Each registry entry's constructor keywords (`config_hyper`) are accepted by its class, at lr x its scale."""
+    """Each registry entry's constructor keywords (`config_hyper`) are accepted by its class, at lr x its scale; the
+    registry describes exactly the names the config accepts."""
     from scaletrain.config import OptimConfig
+    from scaletrain.config.schema import OPTIMIZER_NAMES
     from scaletrain.optim import OPTIMIZERS, config_hyper, decay_groups, optimizer_class
 
+    assert set(OPTIMIZERS) == set(OPTIMIZER_NAMES)
     p = [nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3))]
     for name, spec in OPTIMIZERS.items():
         opt = build_optimizer(name, decay_groups(p, 0.1), **config_hyper(OptimConfig(name=name), 1e-3))
