@@ -167,7 +167,7 @@ def _torch_side(model, params) -> Side:
 
 def side_single(args) -> Side:
     # A plain loop: ReplicatedOptimizer with group=None would still all-reduce the gradient norm over the
-    # world, since torch.distributed is initialised (parallelize.py, global_grad_norm(world=True)).
+    # world, since torch.distributed is initialised (data_parallel.py, global_grad_norm(world=True)).
     model = _model(args)
     return _torch_side(model, list(model.parameters()))
 

@@ -68,7 +68,7 @@ def _dtensor(cfg):
     )
 
     from scaletrain.model import build_gpt
-    from scaletrain.parallel.parallelize import decay_groups
+    from scaletrain.optim import decay_groups
 
     model = build_gpt(cfg.model, cfg.train.seed, "cpu", torch.float32)
     n = 2

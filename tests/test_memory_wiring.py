@@ -21,7 +21,8 @@ from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
 from scaletrain.memory.compress import apply_compress_pass
 from scaletrain.optim import state_bytes
-from scaletrain.parallel.parallelize import Engine, ReplicatedOptimizer
+from scaletrain.parallel.data_parallel import ReplicatedOptimizer
+from scaletrain.parallel.engine import Engine
 from scaletrain.train.trainer import Trainer
 
 TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32", "train.steps=6",
@@ -119,9 +120,10 @@ def relu_engine(compress: str) -> tuple[Engine, dict]:
     torch.manual_seed(0)
     engine = Engine(ReluLM().double())
     if compress != "none":
-        apply_compress_pass(engine, cfg)
+        apply_compress_pass(engine, cfg.memory.compress, cfg.model)
     params = list(engine.module.parameters())
-    engine.optimizer = ReplicatedOptimizer.from_config(params, cfg, Mesh.build(ParallelDims()), CommStats())
+    engine.optimizer = ReplicatedOptimizer.from_config(params, cfg.optim, cfg.parallel, cfg.train.lr,
+                                                       Mesh.build(ParallelDims()), CommStats())
     g = torch.Generator().manual_seed(1)
     micro = [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
              for _ in range(2)]

@@ -19,8 +19,10 @@ import torch
 from harness import TINY, assert_same_run, make_config, train_parallel_many, train_reference
 
 from scaletrain.cli import main
-from scaletrain.memory.budget import BudgetExceeded, check_budget
-from scaletrain.memory.offload_nvme import io_per_step, planned_file_bytes
+from scaletrain.memory.budget import BudgetExceeded
+from scaletrain.plan.analytic.offload_costs import io_per_step
+from scaletrain.plan.budget import check_budget
+from scaletrain.plan.exact.run_memory import nvme_file_bytes
 from scaletrain.train.trainer import Trainer
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -87,7 +89,7 @@ def test_single_process_io_memory_and_files_follow_the_formulas(extra):
     for cat in ("params", "grads", "optim"):
         assert t.mem[f"mem_{cat}"] == t.mem[f"plan_mem_{cat}"], cat
     files = sum(t.mem[f"nvme_{c}"] for c in ("params", "grads", "optim"))
-    assert files == planned_file_bytes(t.cfg) == opt.files.total_bytes
+    assert files == nvme_file_bytes(t.cfg) == opt.files.total_bytes
     plain = {k: v for k, v in over.items() if not k.startswith("parallel.nvme")}
     _, _, memory = _run({**plain, "parallel.zero": 3})
     _same_bits(nvme, memory)
@@ -210,11 +212,13 @@ def test_planners_put_nvme_state_on_disk_and_add_only_the_exposed_disk_time():
     step over the in-memory optimizer; with an infinitely fast disk only the AdamW arithmetic is left."""
     import math
 
-    from scaletrain.memory.offload_nvme import _plan_shards, step_time
+    from scaletrain.parallel.zero_nvme import STEP_CHUNK
     from scaletrain.plan.analytic.estimate import estimate
     from scaletrain.plan.analytic.inputs import Layout, Training
+    from scaletrain.plan.analytic.offload_costs import step_time
     from scaletrain.plan.catalog import get_model
     from scaletrain.plan.exact.probe import RunProfile
+    from scaletrain.plan.exact.run_memory import nvme_shards
     from scaletrain.plan.exact.run_time import predict_step_time
     from scaletrain.plan.hardware import get_gpu
     from scaletrain.plan.search import search
@@ -231,8 +235,9 @@ def test_planners_put_nvme_state_on_disk_and_add_only_the_exposed_disk_time():
                 optimizer=0.05, loader=0.001)
     plain = predict_step_time(make_config({**TINY, "parallel.zero": 3, "train.micro_batch": 4}), RunProfile(**prof))
     disk = predict_step_time(cfg, RunProfile(**prof, disk_read_bw=1e8, disk_write_bw=5e7))
-    shards, e, low, ge = _plan_shards(cfg)
-    exposed, streamed = step_time(shards, e, low, ge, 2, True, 1e8, 5e7, plain.breakdown["compute"], 0.05)
+    shards, e, low, ge = nvme_shards(cfg)
+    exposed, streamed = step_time(shards, e, low, ge, 2, True, 1e8, 5e7, plain.breakdown["compute"], 0.05,
+                                  STEP_CHUNK)
     assert math.isclose(disk.step_time_s - plain.step_time_s, exposed + streamed - 0.05, rel_tol=1e-12)
     assert disk.breakdown["nvme_io"] > 0
     fast = predict_step_time(cfg, RunProfile(**prof))

@@ -24,7 +24,8 @@ from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import ConfigError
 from scaletrain.memory.recompute import apply_recompute
 from scaletrain.model import build_gpt
-from scaletrain.parallel.parallelize import Engine, build_engine
+from scaletrain.parallel.engine import Engine
+from scaletrain.parallel.parallelize import build_engine
 
 L, C, NH, T, B, V = 4, 32, 4, 32, 2, 256
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -98,7 +99,7 @@ def test_eval_and_standalone_block_calls_are_unchanged_by_every_k():
     ref = build_gpt(make_cfg().model, 1234, torch.device("cpu"), torch.float64)
     cfg = make_cfg(memory__recompute="every:2")
     engine = Engine(build_gpt(cfg.model, 1234, torch.device("cpu"), torch.float64))
-    apply_recompute(engine, cfg, Mesh.build(ParallelDims()))
+    apply_recompute(engine, cfg.memory)
     x, _ = batch()
     with torch.no_grad():
         assert torch.equal(engine.module(x), ref(x))
@@ -112,7 +113,7 @@ def run_wrapped(dtype, mesh=None, **mem):
     cfg = make_cfg(**mem)
     model = build_gpt(cfg.model, 1234, torch.device("cpu"), DTYPES[dtype])
     engine = Engine(model)
-    stats = apply_recompute(engine, cfg, mesh or Mesh.build(ParallelDims()))
+    stats = apply_recompute(engine, cfg.memory, mesh.group("tp") if mesh is not None else None)
     x, y = batch()
     counter = SavedTensorCounter(model.parameters())
     with counter.active():

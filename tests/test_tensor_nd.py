@@ -259,7 +259,7 @@ def test_saved_activations_per_layer_are_one_over_t_of_one_process(world4, world
     assert act == layer_saved_bytes(cfg)
     from scaletrain.parallel.tensor_nd.grid import shape_of
 
-    grid, e, t = shape_of(cfg), 8, cfg.parallel.tp
+    grid, e, t = shape_of(cfg.parallel), 8, cfg.parallel.tp
     b, s, h, a = cfg.train.micro_batch, cfg.model.seq_len, cfg.model.d_model, cfg.model.n_heads
     weights = 0 if grid.mode == "3d" else 2 * e * h // grid.q
     assert act == e * b * s * (16 * h + a) // t + e * (b // grid.row_blocks) * s * 2 + weights, act

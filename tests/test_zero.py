@@ -231,3 +231,20 @@ def test_adafactor_and_sm3_under_zero_match_single_process(name, extra):
     configs = [{**ov, "parallel.dp": 2, "parallel.zero": z} for z in (1, 2, 3)]
     for cfg, par in zip(configs, train_parallel_many(configs, 2)):
         assert_same_run(ref, par, RTOL, ATOL), cfg
+
+
+def test_every_engine_optimizer_implements_the_protocol():
+    """The replicated, ZeRO, ZeRO-Infinity and expert-parallel optimizers each define every member of
+    `EngineOptimizer` that has no default (the trainer, the executor and the checkpoint code call them unprobed)."""
+    from scaletrain.parallel.data_parallel import ReplicatedOptimizer
+    from scaletrain.parallel.engine import EngineOptimizer
+    from scaletrain.parallel.experts import ExpertParallelOptimizer
+    from scaletrain.parallel.zero import ZeroOptimizer
+    from scaletrain.parallel.zero_nvme import NvmeZeroOptimizer
+
+    required = ("begin_micro", "finish_backward", "unscale_", "local_grad_sq", "scale_grads_", "clip_grad_norm",
+                "step", "zero_grad", "memory_tensors")
+    for cls in (ReplicatedOptimizer, ZeroOptimizer, NvmeZeroOptimizer, ExpertParallelOptimizer):
+        assert EngineOptimizer in cls.__mro__, cls  # subclasses the protocol: its defaults apply
+        missing = [m for m in required if getattr(cls, m) is getattr(EngineOptimizer, m)]
+        assert not missing, (cls.__name__, missing)

@@ -19,6 +19,7 @@ import sys
 from scaletrain.config.schema import MLPS, POSITIONS
 from scaletrain.errors import UserError
 from scaletrain.guards import positive_float
+from scaletrain.optim import optimizer_spec
 from scaletrain.plan import catalog, hardware, report
 from scaletrain.plan.analytic.estimate import estimate
 from scaletrain.plan.analytic.inputs import DTYPES, OPTIMIZERS, Assumptions, Layout, Training
@@ -279,11 +280,13 @@ def config_training(cfg) -> Training:
     t = cfg.train
     elem = DTYPES[t.dtype][0]
     low = t.dtype in ("bf16", "fp16")
-    k = (2 * (4 if low else elem) + (4 if low else 0)) if cfg.optim.name == "adamw" else (4 if low else 0)
+    spec = optimizer_spec(cfg.optim.name)
+    moments = 0 if spec.factored else spec.moments  # element-wise moments (factored statistics: not per element)
+    k = moments * (4 if low else elem) + (4 if low else 0)
     attention = "standard" if cfg.model.dropout > 0 else "flash"
     if t.precision == "autocast-bf16":  # fp32 parameters, gradients and moments; bf16 matmuls and activations
-        return Training(t.global_batch, "bf16", attention, True, optimizer_k=8 if cfg.optim.name == "adamw"
-                        else 0, grad_bytes=4, param_bytes=4)
+        return Training(t.global_batch, "bf16", attention, True, optimizer_k=4 * moments, grad_bytes=4,
+                        param_bytes=4)
     return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem)
 
 
@@ -358,7 +361,7 @@ def params_rows(psi: float, gpus: int, fixed: dict, dtype: str, optimizer: str =
     if fixed.get("zero", 0) not in (0, 1, 2, 3):
         raise UserError(f"--layout: zero must be 0, 1, 2 or 3, got {fixed['zero']}")
     pb, gb, _, k = DTYPES[dtype]
-    if optimizer != "adamw":  # master + optional first moment; factored statistics need the dims
+    if optimizer_spec(optimizer).factored:  # master + optional first moment; factored statistics need the dims
         k = (4 if pb == 2 else 0) + (4 if pb == 2 else pb) * first_moment
     share = psi / (tp * pp)
     rows = []
@@ -407,7 +410,7 @@ def _run_params(args) -> int:
     fixed = parse_layout(args.layout)
     rows = params_rows(psi, args.gpus, fixed, args.dtype, args.optimizer, args.first_moment, gpu.memory_bytes)
     pb, _, _, k = DTYPES[args.dtype]
-    if args.optimizer != "adamw":
+    if optimizer_spec(args.optimizer).factored:
         k = (4 if pb == 2 else 0) + (4 if pb == 2 else pb) * args.first_moment
     doc = {"model": {"params": int(psi)},
            "cluster": hardware.Cluster(gpu, args.gpus).to_dict(), "candidates": rows}

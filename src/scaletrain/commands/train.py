@@ -75,7 +75,7 @@ def cmd_train(args) -> int:
 
     from scaletrain.distributed.launch import LOG_DIR_ENV
     from scaletrain.distributed.process_group import detect_env
-    from scaletrain.memory.budget import check_before_launch, local_world_size
+    from scaletrain.plan.budget import check_before_launch, local_world_size
 
     cfg = load_config(args.config, args.set)
     env = detect_env()
@@ -112,7 +112,7 @@ def cmd_train(args) -> int:
         from scaletrain.interop.hf import check_hf_config, read_hf_config
 
         check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
-    check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (memory/budget.py)
+    check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
     warn_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")

@@ -29,6 +29,12 @@ class CommStats:
         self.calls.clear()
 
 
+# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.10) have only the old names. Every module
+# takes them from here: (output, input, group=, async_op=) -> work, as torch's own.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -64,9 +70,3 @@ def all_reduce_max_list(values: list[float] | torch.Tensor, group: dist.ProcessG
         t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
-
-
-def all_reduce_max(value: float, group: dist.ProcessGroup | None = None) -> float:
-    """Max of a Python scalar over the group (the default group when group is None and initialised)."""
-    return all_reduce_max_list([value], group)[0]
-

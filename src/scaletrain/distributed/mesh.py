@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config.schema import TP_MODES
+from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import ConfigError
 
 ORDER = ("pp", "dp", "tp")  # outermost to innermost
@@ -71,12 +72,8 @@ class ParallelDims:
         """(depth, rows, columns) of the tp group's grid; (1, 1, tp) for 1d."""
         if self.tp_mode == "1d":
             return 1, 1, self.tp
-        depth = self.tp_depth if self.tp_mode == "2.5d" else 1
-        per_layer = self.tp // depth if depth and self.tp % depth == 0 else 0
-        q = round(per_layer ** (1 / 3 if self.tp_mode == "3d" else 1 / 2)) if per_layer else 0
-        if self.tp_mode == "3d":
-            return q, q, q
-        return depth, q, q
+        shape = grid_shape(self.tp_mode, self.tp, self.tp_depth)
+        return (shape.depth, shape.q, shape.q) if shape is not None else (0, 0, 0)
 
     def tp_subgroups(self) -> tuple[str, ...]:
         """Names of the tp grid's groups this mode uses (module docstring)."""
@@ -175,9 +172,3 @@ class Mesh:
     @property
     def world_size(self) -> int:
         return self.dims.world_size
-
-    def device_mesh(self, device_type: str):
-        """The same grid as a torch DeviceMesh with named dims (for DTensor-based comparisons)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh(device_type, self.dims.sizes(), mesh_dim_names=ORDER)

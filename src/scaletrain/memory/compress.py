@@ -449,8 +449,9 @@ def int8_block(model_cfg: Any, cap: int = 64) -> int:
     return max(b for b in range(1, min(g, cap) + 1) if g % b == 0)
 
 
-def apply_compress_pass(engine: Any, cfg: Any) -> ActivationCompressor:
-    """The `build_engine` pass for `memory.compress`: compress what `engine.module` saves for backward.
+def apply_compress_pass(engine: Any, compress: str, model_cfg: Any) -> ActivationCompressor:
+    """The `build_engine` pass for `memory.compress` (the modes `compress`, of the model `model_cfg`): compress what
+    `engine.module` saves for backward.
 
     The hooks are active during the module's forward, or, for a pipeline stage (whose executor calls
     `forward_chunk`), during each chunk's forward. Statistics restart at every forward with gradients;
@@ -461,7 +462,7 @@ def apply_compress_pass(engine: Any, cfg: Any) -> ActivationCompressor:
     """
     module = engine.module
     # min_numel 0 and per-block int8 scales: what is encoded does not depend on the layout (module docstring)
-    comp = ActivationCompressor(cfg.memory.compress, min_numel=0, block=int8_block(cfg.model), leaves=True)
+    comp = ActivationCompressor(compress, min_numel=0, block=int8_block(model_cfg), leaves=True)
     comp.swap_activations(module)
     hooks = getattr(engine, "checkpoint_hooks", None)  # the recomputation pass's, innermost: they encode with ours
     if hooks is not None and comp.fmt is not None:

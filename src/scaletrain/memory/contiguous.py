@@ -212,14 +212,12 @@ def engine_arena(engine: Any) -> Arena:
     return arena
 
 
-def apply_contiguous(engine: Any, cfg: Any) -> Arena:
+def apply_contiguous(engine: Any) -> Arena:
     """The `build_engine` pass for `memory.contiguous` (after the optimizer is built): gradient buffers from the
     arena, and the arena settled after every forward/backward. Activation checkpoints were put in the same arena
     by `apply_recompute`, which runs earlier."""
     arena = engine_arena(engine)
-    for opt in _optimizers(engine.optimizer):
-        if hasattr(opt, "use_arena"):
-            opt.use_arena(arena)
+    engine.optimizer.use_arena(arena)  # ZeRO-2/3 take their transient gradient buffers from it
     inner = engine.forward_backward
 
     def forward_backward(micro, scale):
@@ -234,16 +232,11 @@ def apply_contiguous(engine: Any, cfg: Any) -> Arena:
     return arena
 
 
-def _optimizers(opt: Any) -> list[Any]:
-    """The optimizer and those it is made of (expert parallelism: a dense and an expert optimizer, `parts`)."""
-    return [opt, *getattr(opt, "parts", ())]
-
-
-def apply_contiguous_and_probe(engine: Any, cfg: Any, device: torch.device) -> None:
-    """`build_engine`'s call: `memory.contiguous` and/or `memory.count_allocations`."""
-    if cfg.memory.contiguous:
-        apply_contiguous(engine, cfg)
-    if cfg.memory.count_allocations:
+def apply_contiguous_and_probe(engine: Any, mem: Any, device: torch.device) -> None:
+    """`build_engine`'s call: `memory.contiguous` and/or `memory.count_allocations` (of the run's MemoryConfig)."""
+    if mem.contiguous:
+        apply_contiguous(engine)
+    if mem.count_allocations:
         AllocationProbe(engine, device)
 
 

@@ -50,13 +50,13 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletrain.config.parse import parse_recompute
 from scaletrain.device.accounting import add_memory_report, count_kept, count_saved
+from scaletrain.distributed.comm import all_gather_single
 from scaletrain.errors import ConfigError
 from scaletrain.memory.contiguous import Arena, Held, engine_arena, hold_copy
 from scaletrain.model.dropout import GlobalDropout, dropout_context
 from scaletrain.model.moe import MoE
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ----------------------------------------------------------------------------- hooks on kept checkpoints
@@ -110,7 +110,7 @@ class _Shard:
 
     def gather(self, data: torch.Tensor) -> torch.Tensor:
         full = torch.empty(self.size * data.numel(), dtype=data.dtype, device=data.device)
-        _all_gather_single(full, data.contiguous(), group=self.group)
+        all_gather_single(full, data.contiguous(), group=self.group)
         return full[:self.numel].view(self.shape)
 
 
@@ -375,16 +375,17 @@ def block_runs(module: nn.Module) -> list[list[nn.Module]]:
     return [list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)]
 
 
-def apply_recompute(engine: Any, cfg: Any, mesh: Any) -> OffloadStats:
-    """Wrap the engine's blocks for `cfg.memory.recompute`, with partitioned / offloaded checkpoints.
+def apply_recompute(engine: Any, mem: Any, tp_group: Any = None) -> OffloadStats:
+    """Wrap the engine's blocks for `mem.recompute` (the run's `MemoryConfig`), with checkpoints offloaded to the
+    host (`mem.offload_activations`) or partitioned over `tp_group` (`mem.partition_checkpoints`; None: not
+    partitioned).
 
     Works on whatever `engine.module.blocks` holds (a whole GPT, a pipeline stage's chunks, blocks whose
     Linear layers a tensor-parallel pass replaced). Returns the offload statistics (also reported to the
     trainer as `mem_activations_host` when offloading).
     """
-    mem = cfg.memory
     mode = parse_recompute(mem.recompute)
-    tp_group = mesh.group("tp") if mem.partition_checkpoints and mode.kind in ("full", "every") else None
+    tp_group = tp_group if mem.partition_checkpoints and mode.kind in ("full", "every") else None
     stats = OffloadStats()
     arena = engine_arena(engine) if getattr(mem, "contiguous", False) else None
     hooks = CheckpointHooks(tp_group, mem.offload_activations, stats, arena)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from scaletrain.config.rules import rule
 from scaletrain.config.schema import OPTIMIZER_NAMES, Config, or_list
+from scaletrain.optim.registry import OPTIMIZERS
 
 
 @rule("values")
@@ -30,12 +31,13 @@ def hyper(cfg: Config, world_size: int | None) -> list[str]:
 
 
 @rule("combinations")
-def sgd_layouts(cfg: Config, world_size: int | None) -> list[str]:
-    """Plain SGD is implemented by the replicated (non-ZeRO, non-factored) optimizer path."""
-    p = cfg.parallel
-    if cfg.optim.name != "sgd":
+def unsharded_layouts(cfg: Config, world_size: int | None) -> list[str]:
+    """An optimizer the registry does not shard (plain SGD) runs on the replicated (non-ZeRO, non-factored) path."""
+    p, spec = cfg.parallel, OPTIMIZERS.get(cfg.optim.name)
+    if spec is None or spec.sharded:
         return []
-    return [f"optim.name=sgd needs {name}={ok}, got {value}: ZeRO's sharded optimizer and the tensor/expert-parallel "
-            "factored path implement adamw, adafactor and sm3"
+    sharded = [name for name, s in OPTIMIZERS.items() if s.sharded]
+    return [f"optim.name={spec.name} needs {name}={ok}, got {value}: ZeRO's sharded optimizer and the tensor/expert-"
+            f"parallel factored path implement {', '.join(sharded[:-1])} and {sharded[-1]}"
             for name, value, ok in (("parallel.zero", p.zero, 0), ("parallel.tp", p.tp, 1), ("parallel.ep", p.ep, 1))
             if value != ok]

@@ -18,9 +18,9 @@ from scaletrain import lazy
 
 if TYPE_CHECKING:
     from scaletrain.parallel.api import data_parallel, zero
-    from scaletrain.parallel.parallelize import ReplicatedOptimizer
+    from scaletrain.parallel.data_parallel import ReplicatedOptimizer
     from scaletrain.parallel.zero import ZeroOptimizer
 
 __all__ = ["ReplicatedOptimizer", "ZeroOptimizer", "data_parallel", "zero"]
-__getattr__ = lazy.exports(__name__, {"ReplicatedOptimizer": "parallelize", "ZeroOptimizer": "zero"})
+__getattr__ = lazy.exports(__name__, {"ReplicatedOptimizer": "data_parallel", "ZeroOptimizer": "zero"})
 lazy.keep_functions(__name__, {"zero": "api", "data_parallel": "api"})  # also the names of zero.py, data_parallel.py

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scaletrain.parallel.parallelize import ReplicatedOptimizer
+from scaletrain.parallel.data_parallel import ReplicatedOptimizer
 from scaletrain.parallel.zero import ZeroOptimizer
 
 

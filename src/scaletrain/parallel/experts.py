@@ -6,7 +6,7 @@ it holds, the local experts run, and a second all-to-all brings the results back
 are fixed by the capacity (E experts x G groups x K slots x C), so both all-to-alls have equal splits and
 their backward is the same all-to-all on the gradients.
 
-`apply_ep(engine, cfg, mesh, comm)`:
+`apply_ep(engine, sequence_parallel, mesh, comm)`:
 - keeps this rank's E / ep experts of each MoE layer (slices of the full, already initialised stacked
   weights, under the same names, so expert e has the same values in every layout) and turns the layer's
   `experts` module into `ExpertParallelExperts` (the all-to-all version; nothing else of the model changes);
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -33,12 +34,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scaletrain.config import Config
+from scaletrain.config import Config, OptimConfig, ParallelConfig
 from scaletrain.distributed.comm import CommStats, collective_device, group_size
 from scaletrain.distributed.mesh import Mesh
 from scaletrain.model.moe import Experts, moe_layers, moe_modules
-from scaletrain.parallel.parallelize import ReplicatedOptimizer, clip_coefficient, global_grad_norm
+from scaletrain.parallel.data_parallel import ReplicatedOptimizer
+from scaletrain.parallel.engine import EngineOptimizer
+from scaletrain.parallel.norms import clip_coefficient, global_grad_norm
+from scaletrain.parallel.tensor_parallel import all_reduce_grad_hook
 from scaletrain.parallel.tp_plan import ShardSpec
+from scaletrain.parallel.zero import ZeroOptimizer
 
 # --------------------------------------------------------------------------- all-to-all
 
@@ -94,14 +99,12 @@ class ExpertParallelExperts(Experts):
 # --------------------------------------------------------------------------- the pass
 
 
-def apply_ep(engine, cfg: Config, mesh: Mesh, comm: CommStats) -> None:
+def apply_ep(engine, sequence_parallel: bool, mesh: Mesh, comm: CommStats) -> None:
     """Shard the experts of the engine's MoE layers over mesh's ep group (see the module docstring)."""
-    from scaletrain.parallel.tensor_parallel import all_reduce_grad_hook
-
     group, n, r = mesh.group("ep"), mesh.size("ep"), mesh.local_rank("ep")
     # sequence parallelism: each tp rank runs the experts on its own sequence shard's tokens, so an expert's
     # gradient is summed over tp (the hook `mark_replicated` put on the full parameter; the shard needs its own)
-    sp_sum = cfg.parallel.sequence_parallel and mesh.size("tp") > 1
+    sp_sum = sequence_parallel and mesh.size("tp") > 1
     sharded: list[str] = []
     for mname, mod in engine.module.named_modules():
         if not isinstance(mod, Experts):
@@ -152,27 +155,31 @@ def is_expert(p: torch.Tensor) -> bool:
     return getattr(p, "_st_expert", False)
 
 
-class ExpertParallelOptimizer:
+class ExpertParallelOptimizer(EngineOptimizer):
     """Two optimizers behind one interface, one global gradient norm: the dense parameters with gradients
     reduced over dp, the expert parameters over the expert-data-parallel group edp (the ranks holding the same
     experts), as DeepSpeed-MoE and Megatron do. Each part is replicated (`parallel.zero=0`) or a ZeroOptimizer
     of the run's stage over its own group — the experts' optimizer state, gradients and (stage 3) parameters are
     sharded over edp, i.e. over dp / ep ranks."""
 
-    def __init__(self, dense, experts):
-        self.parts = (dense, experts)
+    def __init__(self, dense: EngineOptimizer, experts: EngineOptimizer):
+        self.dense, self.experts = dense, experts
 
     @classmethod
-    def from_config(cls, module: nn.Module, params: list[nn.Parameter], cfg: Config, mesh: Mesh, comm: CommStats):
+    def from_config(cls, module: nn.Module, params: list[nn.Parameter], optim: OptimConfig, par: ParallelConfig,
+                    lr: float, mesh: Mesh, comm: CommStats) -> ExpertParallelOptimizer:
+        """`optim.name` at base learning rate `lr`: replicated (parallel.zero=0) or ZeRO parts over dp and edp."""
         dense = [p for p in params if not is_expert(p)]
         experts = [p for p in params if is_expert(p)]
-        if cfg.parallel.zero == 0:
-            return cls(ReplicatedOptimizer.from_config(dense, cfg, mesh, comm),
-                       ReplicatedOptimizer.from_config(experts, cfg, mesh, comm, dim="edp"))
-        from scaletrain.parallel.parallelize import zero_from_config
+        if par.zero == 0:
+            return cls(ReplicatedOptimizer.from_config(dense, optim, par, lr, mesh, comm),
+                       ReplicatedOptimizer.from_config(experts, optim, par, lr, mesh, comm, dim="edp"))
+        return cls(ZeroOptimizer.from_config(module, optim, par, lr, mesh, comm, params=dense),
+                   ZeroOptimizer.from_config(module, optim, par, lr, mesh, comm, params=experts, dim="edp"))
 
-        return cls(zero_from_config(module, cfg, mesh, comm, params=dense),
-                   zero_from_config(module, cfg, mesh, comm, params=experts, dim="edp"))
+    @property
+    def parts(self) -> tuple[EngineOptimizer, ...]:
+        return self.dense, self.experts
 
     def begin_micro(self, index: int, count: int) -> None:
         for o in self.parts:
@@ -187,16 +194,21 @@ class ExpertParallelOptimizer:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # each distinct gradient element counts once over the world (see each part's local_grad_sq)
-        norm = global_grad_norm(sum(o.local_grad_sq() for o in self.parts), world=True)
+        norm = global_grad_norm(self.local_grad_sq(), world=True)
         if max_norm > 0:
-            coef = clip_coefficient(norm, max_norm)
-            for o in self.parts:
-                o.scale_grads_(coef)
+            self.scale_grads_(clip_coefficient(norm, max_norm))
         return norm
 
     def expert_grad_sq(self) -> torch.Tensor:
         """|G|² of the expert parameters' (reduced, unclipped) gradients, summed over the world (collective)."""
-        return global_grad_norm(self.parts[1].local_grad_sq(), world=True) ** 2
+        return global_grad_norm(self.experts.local_grad_sq(), world=True) ** 2
+
+    def local_grad_sq(self) -> torch.Tensor:
+        return sum(o.local_grad_sq() for o in self.parts)
+
+    def scale_grads_(self, coef: float | torch.Tensor) -> None:
+        for o in self.parts:
+            o.scale_grads_(coef)
 
     def step(self, lr: float | None = None) -> None:
         for o in self.parts:
@@ -208,33 +220,27 @@ class ExpertParallelOptimizer:
 
     @property
     def owns_params(self) -> bool:
-        return any(getattr(o, "owns_params", False) for o in self.parts)
+        return any(o.owns_params for o in self.parts)
 
     def begin_step(self) -> None:
         for o in self.parts:
-            if hasattr(o, "begin_step"):
-                o.begin_step()
+            o.begin_step()
 
     @contextmanager
-    def params_gathered(self):
+    def params_gathered(self) -> Iterator[None]:
         with ExitStack() as stack:
             for o in self.parts:
-                if hasattr(o, "params_gathered"):
-                    stack.enter_context(o.params_gathered())
+                stack.enter_context(o.params_gathered())
             yield
 
     def gather_params(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for o in self.parts:
-            if hasattr(o, "gather_params"):
-                local = o.gather_params(local)
+            local = o.gather_params(local)
         return local
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"dense": self.parts[0].state_dict(), "experts": self.parts[1].state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.parts[0].load_state_dict(state["dense"])
-        self.parts[1].load_state_dict(state["experts"])
+    def use_arena(self, arena: Any) -> None:
+        for o in self.parts:
+            o.use_arena(arena)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         a, b = (o.memory_tensors() for o in self.parts)

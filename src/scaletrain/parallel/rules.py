@@ -11,6 +11,7 @@ from __future__ import annotations
 from scaletrain.config.rules import rule
 from scaletrain.config.schema import OFFLOADS, PRECISIONS, TP_MODES, ZERO_STAGES, Config, or_list
 from scaletrain.config.sizes import ffn_size
+from scaletrain.optim.registry import OPTIMIZERS
 
 
 @rule("values")
@@ -52,7 +53,8 @@ def nvme(cfg: Config, world_size: int | None) -> list[str]:
         errors.append(f"parallel.offload=nvme needs parallel.zero=3, got parallel.zero={p.zero}")
     if p.nvme_prefetch < 1:
         errors.append(f"parallel.nvme_prefetch must be >= 1, got {p.nvme_prefetch}")
-    if cfg.optim.name != "adamw":
+    spec = OPTIMIZERS.get(cfg.optim.name)
+    if spec is None or not spec.streamed:
         errors.append(f"parallel.offload=nvme streams AdamW's step shard by shard; optim.name={cfg.optim.name!r} "
                       "is not available with it")
     for name, value in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep)):
@@ -147,7 +149,8 @@ def grid_refusals(cfg: Config) -> list[str]:
                       "backward collectives twice, and 2BW's weight versions are not wired to it")
     if m.moe.experts:
         errors.append(f"model.moe.experts ({m.moe.experts}) > 0 {why}: experts are not split over the grid")
-    if cfg.optim.name != "adamw":
+    spec = OPTIMIZERS.get(cfg.optim.name)
+    if spec is None or spec.factored or not spec.sharded:
         errors.append(f"optim.name={cfg.optim.name} {why}: its factored statistics are placed for 1d shards only")
     if m.dropout > 0 and m.dropout_impl == "torch":
         errors.append(f"model.dropout_impl=torch {why}: use the layout-independent global dropout")

@@ -25,8 +25,8 @@ over the sequence).
 Activations are batch-first, (B, T, C); the sequence dimension is dim 1. Every collective takes the
 group as an argument and adds its bytes to a `CommStats` (kinds "tp.all_reduce", "tp.all_gather",
 "tp.reduce_scatter", ring factors as in `scaletrain.distributed.comm`). A group of None means tp = 1 and every
-collective is the identity. The pass `apply_tp` (the GPT's plan) lives at the end; the generic,
-table-driven `apply_tp_plan` is in `scaletrain.parallel.tp_plan`.
+collective is the identity. The table-driven `apply_tp_plan` and the engine pass `apply_tp` (the GPT's plan) are
+in `scaletrain.parallel.tp_plan`.
 """
 
 from __future__ import annotations
@@ -40,15 +40,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scaletrain.distributed.comm import CommStats, group_size
+from scaletrain.distributed.comm import CommStats, all_gather_single, group_size, reduce_scatter_single
 from scaletrain.errors import UserError
 from scaletrain.memory.autocast import forward_compute_dtype
 from scaletrain.model.init import name_seed
 
 # --------------------------------------------------------------------------- collectives
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
@@ -89,7 +86,7 @@ def start_gather_seq(x: torch.Tensor, group, stats: CommStats | None, async_op: 
     x = x.contiguous()
     out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
     _count(stats, "tp.all_gather", (n - 1) / n * out.numel() * out.element_size())
-    work = _all_gather_single(out.view(-1), x.view(-1), group=group, async_op=async_op)  # gloo wants 1-D
+    work = all_gather_single(out.view(-1), x.view(-1), group=group, async_op=async_op)  # gloo wants 1-D
     return _Pending(work if async_op else None, lambda: out.movedim(0, 1).flatten(1, 2))  # (B, n*T/n, ...)
 
 
@@ -102,7 +99,7 @@ def start_reduce_scatter_seq(x: torch.Tensor, group, stats: CommStats | None, as
     chunks = x.reshape(B, n, T // n, *x.shape[2:]).movedim(1, 0).contiguous()  # (n, B, T/n, ...)
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     _count(stats, "tp.reduce_scatter", (n - 1) / n * chunks.numel() * chunks.element_size())
-    work = _reduce_scatter_single(out.view(-1), chunks.view(-1), group=group, async_op=async_op)
+    work = reduce_scatter_single(out.view(-1), chunks.view(-1), group=group, async_op=async_op)
     return _Pending(work if async_op else None, lambda: out)
 
 
@@ -565,44 +562,3 @@ class RNGTracker:
         """Run `module`'s forward in `mode`."""
         module.register_forward_pre_hook(lambda m, args: self.push(mode))
         module.register_forward_hook(lambda m, args, out: self.pop(), always_call=True)
-
-
-# --------------------------------------------------------------------------- the engine pass
-
-
-def apply_tp(engine, cfg, mesh, comm: CommStats) -> None:
-    """Shard the engine's GPT over mesh's tp group by `tp_plan.gpt_plan`; set the vocab-parallel loss and
-    the gather of the full state. Called by `build_engine` when parallel.tp > 1."""
-    from scaletrain.parallel.tp_plan import apply_tp_plan, gpt_plan
-
-    device = next(engine.module.parameters()).device
-    # torch's dropout draws from per-rank streams (RNGTracker); the global implementation needs only offsets
-    torch_dropout = cfg.model.dropout > 0 and cfg.model.dropout_impl == "torch"
-    rng = RNGTracker(mesh.local_rank("tp"), device) if torch_dropout else None
-    tp = apply_tp_plan(engine.module, gpt_plan(cfg.model), mesh.group("tp"),
-                       sequence_parallel=cfg.parallel.sequence_parallel, stats=comm, rng=rng)
-    engine.loss_fn = engine.module.lm_head.loss_fn()
-    engine.gather_state = tp.gather_state
-    if cfg.parallel.sequence_parallel:  # MoE layers route the tokens of this rank's sequence shard
-        from scaletrain.model.moe import moe_modules
-
-        for m in moe_modules(engine.module):
-            m.seq_shard = (mesh.local_rank("tp"), mesh.size("tp"))
-    place_dropout(engine.module, cfg, mesh.local_rank("tp"), mesh.size("tp"))
-
-
-def place_dropout(module: nn.Module, cfg, rank: int, n: int) -> None:
-    """Where each layout-independent dropout's local tensor sits in the global one under tensor parallelism:
-    attention probabilities hold this rank's heads; with sequence parallelism the residual-stream dropouts
-    (roles `seq`, `feature`) hold this rank's sequence shard. Other dims are whole on every rank."""
-    from scaletrain.model.dropout import GlobalDropout
-
-    for m in module.modules():
-        if not isinstance(m, GlobalDropout):
-            continue
-        if "head" in m.roles:
-            local = cfg.model.n_heads // n
-            m.offsets[1 + m.roles.index("head")] = (rank * local, cfg.model.n_heads)
-        elif cfg.parallel.sequence_parallel and m.roles == ("seq", "feature"):
-            local = cfg.model.seq_len // n
-            m.offsets[1] = (rank * local, cfg.model.seq_len)

@@ -1,4 +1,5 @@
-"""Tensor-parallel plans: a table saying how each module of a model is split, and the pass applying it.
+"""Tensor-parallel plans: a table saying how each module of a model is split, the pass applying it, and the
+engine's pass for our GPT (`apply_tp`, with `gpt_plan`).
 
 A plan maps module names to a style; `*` stands for one path component (`blocks.*.attn.qkv`):
 
@@ -291,3 +292,42 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, Style], group, *, sequence_p
                             "module Replicated() (or split it)")
         mark_replicated(p, group, sequence_parallel, stats)
     return result
+
+
+# --------------------------------------------------------------------------- the engine pass
+
+
+def apply_tp(engine, model_cfg: ModelConfig, sequence_parallel: bool, mesh, comm: CommStats) -> None:
+    """Shard the engine's GPT over mesh's tp group by `gpt_plan`; set the vocab-parallel loss and the gather of the
+    full state. Called by `build_engine` when parallel.tp > 1 (tp_mode 1d)."""
+    device = next(engine.module.parameters()).device
+    # torch's dropout draws from per-rank streams (RNGTracker); the global implementation needs only offsets
+    torch_dropout = model_cfg.dropout > 0 and model_cfg.dropout_impl == "torch"
+    rng = RNGTracker(mesh.local_rank("tp"), device) if torch_dropout else None
+    tp = apply_tp_plan(engine.module, gpt_plan(model_cfg), mesh.group("tp"), sequence_parallel=sequence_parallel,
+                       stats=comm, rng=rng)
+    engine.loss_fn = engine.module.lm_head.loss_fn()
+    engine.gather_state = tp.gather_state
+    if sequence_parallel:  # MoE layers route the tokens of this rank's sequence shard
+        from scaletrain.model.moe import moe_modules
+
+        for m in moe_modules(engine.module):
+            m.seq_shard = (mesh.local_rank("tp"), mesh.size("tp"))
+    place_dropout(engine.module, model_cfg, sequence_parallel, mesh.local_rank("tp"), mesh.size("tp"))
+
+
+def place_dropout(module: nn.Module, model_cfg: ModelConfig, sequence_parallel: bool, rank: int, n: int) -> None:
+    """Where each layout-independent dropout's local tensor sits in the global one under tensor parallelism:
+    attention probabilities hold this rank's heads; with sequence parallelism the residual-stream dropouts
+    (roles `seq`, `feature`) hold this rank's sequence shard. Other dims are whole on every rank."""
+    from scaletrain.model.dropout import GlobalDropout
+
+    for m in module.modules():
+        if not isinstance(m, GlobalDropout):
+            continue
+        if "head" in m.roles:
+            local = model_cfg.n_heads // n
+            m.offsets[1 + m.roles.index("head")] = (rank * local, model_cfg.n_heads)
+        elif sequence_parallel and m.roles == ("seq", "feature"):
+            local = model_cfg.seq_len // n
+            m.offsets[1] = (rank * local, model_cfg.seq_len)

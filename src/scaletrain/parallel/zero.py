@@ -24,6 +24,13 @@ same as the unsharded AdamW and the padding never enters it.
   same code runs and the offload is a copy between separate buffers.
 
 Gradient clipping uses the true global norm: squared norms of the owned shards are summed over all ranks.
+
+Variants that keep the shards elsewhere (ZeRO-Infinity, `zero_nvme.py`) subclass `ZeroOptimizer` and build on this
+module's public pieces: `FlatGroup` and `make_group` (a unit's padded flat buffer and this rank's pieces of it),
+`unit_list` / `unit_params` (the ZeRO-3 units and their own parameters), `preserve_version` (write into a buffer
+autograd saved without bumping its version) and `in_backward` (whether autograd's backward is running); the
+overridable steps are `_setup_stage3`, `_setup_masters`, `_gather` / `_wait_gather`, `_complete` and the protocol's
+methods.
 """
 
 from __future__ import annotations
@@ -38,21 +45,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scaletrain.device.kernels import adamw_kernel, pinned
-from scaletrain.distributed.comm import CommStats, group_size
+from scaletrain.config import OptimConfig, ParallelConfig
+from scaletrain.device.kernels import pinned
+from scaletrain.distributed.comm import CommStats, all_gather_single, group_size, reduce_scatter_single
+from scaletrain.distributed.mesh import Mesh
+from scaletrain.optim import config_hyper, optimizer_spec, state_elements
 from scaletrain.parallel.data_parallel import bucket_params
+from scaletrain.parallel.engine import EngineOptimizer
+from scaletrain.parallel.norms import clip_coefficient, is_norm_owner, squared_norm
 
-_preserve_version = torch.autograd._unsafe_preserve_version_counter
-# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.10) have only the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _is_norm_owner(p: torch.Tensor) -> bool:
-    return getattr(p, "_st_norm_owner", True)
+preserve_version = torch.autograd._unsafe_preserve_version_counter
+"""Context manager: writes into a tensor inside it do not bump its version counter (a gathered ZeRO-3 buffer that
+autograd saved stays valid)."""
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether autograd's backward is running on this thread (a recomputation, not a first forward)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -91,7 +99,8 @@ class FlatGroup:
         return t[self.rank * self.shard: (self.rank + 1) * self.shard]
 
 
-def _make_group(params: list[nn.Parameter], n: int, rank: int, device: torch.device) -> FlatGroup:
+def make_group(params: list[nn.Parameter], n: int, rank: int, device: torch.device) -> FlatGroup:
+    """`params` packed into one flat buffer padded to a multiple of `n`, with this rank's pieces of them."""
     offsets, total = [], 0
     for p in params:
         offsets.append(total)
@@ -107,11 +116,12 @@ def _make_group(params: list[nn.Parameter], n: int, rank: int, device: torch.dev
     return g
 
 
-class ZeroOptimizer:
-    """ZeRO stage 1, 2 or 3 over `group` for the parameters of `module`, with AdamW.
+class ZeroOptimizer(EngineOptimizer):
+    """ZeRO stage 1, 2 or 3 over `group` for the parameters of `module`, with AdamW (or `optimizer`, another one
+    the registry says ZeRO shards, with its constructor keywords `hyper`).
 
-    The trainer protocol: begin_micro(i, n) before each micro-batch, finish_backward() after the last
-    backward, clip_grad_norm(max_norm), step(lr), zero_grad(). `reduce="mean"` averages gradients over
+    The engine protocol (`engine.EngineOptimizer`): begin_micro(i, n) before each micro-batch, finish_backward() after
+    the last backward, clip_grad_norm(max_norm), step(lr), zero_grad(). `reduce="mean"` averages gradients over
     the group (the usual convention for per-rank mean losses); the trainer uses "sum" because its loss is
     normalised by the global token count.
     """
@@ -125,10 +135,13 @@ class ZeroOptimizer:
                  params: list[nn.Parameter] | None = None, gather: str = "unit"):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        spec = optimizer_spec(optimizer)
+        if not spec.sharded:
+            raise ValueError(f"ZeRO does not shard optimizer {spec.name}: its state is kept whole (parallel.zero=0)")
         if offload == "params" and stage != 3:
             raise ValueError("offload=params needs ZeRO stage 3")
         if offload not in ("none", "optimizer", "params") and type(self) is ZeroOptimizer:
-            raise ValueError(f"offload={offload!r}: NVMe offload is memory.offload_nvme.NvmeZeroOptimizer")
+            raise ValueError(f"offload={offload!r}: NVMe offload is parallel.zero_nvme.NvmeZeroOptimizer")
         self.module, self.stage, self.group, self.comm = module, stage, group, comm or CommStats()
         self.n = group_size(group)
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -155,22 +168,36 @@ class ZeroOptimizer:
         if stage == 3:
             self._setup_stage3(module, params, units)
         else:
-            self.groups = [_make_group(b, self.n, self.rank, self.device)
+            self.groups = [make_group(b, self.n, self.rank, self.device)
                            for b in bucket_params(list(reversed(params)), int(bucket_mb * 2**20))]
             self._setup_buckets()
         self._setup_masters()
-        if optimizer != "adamw":  # Adafactor / SM3: factored states combined over the shards
+        if spec.factored:  # Adafactor / SM3: factored states combined over the shards
             from scaletrain.parallel.zero_factored import DEFAULTS, ShardedFactored
 
             # statistics combined over the shards (group), tensor-parallel slices and expert-parallel stacks
-            self.opt = ShardedFactored(optimizer, self._param_pieces(tp_group), [group, tp_group, ep_group],
-                                       {**DEFAULTS[optimizer], **(hyper or {})}, weight_decay)
+            self.opt = ShardedFactored(spec.name, self._param_pieces(tp_group), [group, tp_group, ep_group],
+                                       {**DEFAULTS[spec.name], **(hyper or {})}, weight_decay)
             return
+        from scaletrain.optim import build_optimizer
+
+        # an element-wise optimizer (AdamW) steps the pieces as views: the same arithmetic as on whole tensors
         decay = [pc for g in self.groups for pc in g.piece_params if pc.ndim_orig >= 2]
         no_decay = [pc for g in self.groups for pc in g.piece_params if pc.ndim_orig < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
-                                     **adamw_kernel(decay + no_decay))  # fused on CUDA, foreach elsewhere
+        self.opt = build_optimizer(spec.name, [{"params": decay, "weight_decay": weight_decay},
+                                               {"params": no_decay, "weight_decay": 0.0}],
+                                   **(hyper if hyper is not None else {"lr": lr, "betas": betas, "eps": eps}))
+
+    @classmethod
+    def from_config(cls, module: nn.Module, optim: OptimConfig, par: ParallelConfig, lr: float, mesh: Mesh,
+                    comm: CommStats, params: list[nn.Parameter] | None = None, dim: str = "dp") -> ZeroOptimizer:
+        """The run's ZeroOptimizer (stage `par.zero`, `optim.name` at base learning rate `lr`) over mesh's `dim` group
+        (dp, dp_dep under 2.5d tensor parallelism, or edp for expert parameters), for `params` (all of the module's
+        by default)."""
+        return cls(module, par.zero, mesh.group(dim), weight_decay=optim.weight_decay, bucket_mb=par.bucket_mb,
+                   offload=par.offload, comm=comm, optimizer=optim.name, hyper=config_hyper(optim, lr),
+                   tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim == "edp" else None, params=params,
+                   gather="step" if par.pp > 1 else "unit")
 
     def _param_pieces(self, tp_group: dist.ProcessGroup | None = None) -> list[dict]:
         """Every parameter, in the same order on every rank, with this rank's piece of it (maybe empty). Under
@@ -228,7 +255,7 @@ class ZeroOptimizer:
         for u, own in zip(units, unit_params(units, params)):
             if not own:
                 continue
-            g = _make_group(own, self.n, self.rank, self.device)
+            g = make_group(own, self.n, self.rank, self.device)
             with torch.no_grad():
                 for p, off in zip(g.params, g.offsets):
                     g.full[off: off + p.numel()].copy_(p.reshape(-1))
@@ -281,12 +308,12 @@ class ZeroOptimizer:
         g.full.untyped_storage().resize_(g.full.numel() * g.full.element_size())
         src = g.param_shard.to(self.device, non_blocking=True)
         if self.n == 1:
-            with _preserve_version(g.full):
+            with preserve_version(g.full):
                 g.full.copy_(src)
             return
         self.comm.add("all_gather", (self.n - 1) / self.n * g.full.numel() * g.full.element_size())
-        with _preserve_version(g.full):
-            work = _all_gather(g.full, src, group=self.group, async_op=async_op)
+        with preserve_version(g.full):
+            work = all_gather_single(g.full, src, group=self.group, async_op=async_op)
         if async_op:
             g.pending = (work, src)
 
@@ -326,7 +353,7 @@ class ZeroOptimizer:
     def _make_post_forward(self, i: int) -> Callable:
         def hook(module, args, output):
             g = self._unit_group[id(module)]
-            if _in_backward():  # a recomputation inside backward: keep the parameters for that backward
+            if in_backward():  # a recomputation inside backward: keep the parameters for that backward
                 return output
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
@@ -397,7 +424,7 @@ class ZeroOptimizer:
             return
         self.comm.add("reduce_scatter", (self.n - 1) / self.n * flat.numel() * flat.element_size())
         out = g.own(flat) if self.stage == 1 else self._buffer(g.shard, zero=False)
-        work = _reduce_scatter(out, flat, group=self.group, async_op=True)
+        work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
         self.in_flight.append((g, work, out, flat, self._slots))
         if self.stage >= 2 and len(self.in_flight) > 2:  # bound the transient full-gradient buffers
             self._complete_oldest()
@@ -438,7 +465,7 @@ class ZeroOptimizer:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in self.groups:
             for pc in g.pieces:
-                if _is_norm_owner(pc.param):
+                if is_norm_owner(pc.param):
                     sq += g.shard_grad[pc.lo: pc.hi].double().square().sum()
         return sq
 
@@ -448,8 +475,6 @@ class ZeroOptimizer:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` by the global norm; returns the norm before clipping (0-dim device tensor)."""
-        from scaletrain.parallel.parallelize import clip_coefficient
-
         sq = self.local_grad_sq()
         if dist.is_initialized() and (self.world_norm or self.group is not None):
             dist.all_reduce(sq, group=None if self.world_norm else self.group)
@@ -479,8 +504,7 @@ class ZeroOptimizer:
                 g.own(g.full).copy_(g.master, non_blocking=host)
             if self.n > 1:  # every rank gets everybody's updated slice
                 self.comm.add("all_gather", (self.n - 1) / self.n * g.full.numel() * g.full.element_size())
-                works.append(_all_gather(g.full, g.own(g.full).clone(), group=self.group,
-                                                         async_op=True))
+                works.append(all_gather_single(g.full, g.own(g.full).clone(), group=self.group, async_op=True))
         for w in works:
             w.wait()
 
@@ -498,35 +522,11 @@ class ZeroOptimizer:
         """Stage 3: the parameters live here as shards, not in the module."""
         return self.stage == 3
 
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"adam": self.opt.state_dict(), "stage": self.stage, "dp": self.n}
-        if self.stage == 3:
-            state["param_shards"] = [g.param_shard for g in self.groups]
-        if self.separate_masters:
-            state["masters"] = [g.master for g in self.groups]
-        return state
-
     @property
     def separate_masters(self) -> bool:
         g = self.groups[0]
         return g.master is not (g.param_shard if self.stage == 3 else None) and \
             g.master.untyped_storage()._cdata != g.full.untyped_storage()._cdata
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("stage") != self.stage or state.get("dp") != self.n:
-            raise ValueError(f"optimizer state is for ZeRO-{state.get('stage')} on dp={state.get('dp')}, "
-                             f"this run is ZeRO-{self.stage} on dp={self.n}")
-        self.opt.load_state_dict(state["adam"])
-        with torch.no_grad():
-            for key in ("param_shards", "masters"):
-                for g, t in zip(self.groups, state.get(key, [])):
-                    dst = g.param_shard if key == "param_shards" else g.master
-                    if dst.shape != t.shape:
-                        raise ValueError(f"{key} shape {tuple(t.shape)} != {tuple(dst.shape)}")
-                    dst.copy_(t)
-            if self.stage != 3 and self.separate_masters:
-                for g in self.groups:
-                    g.own(g.full).copy_(g.master)  # the module's copy was loaded too; masters are exact
 
     def gather_params(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full parameter values by name (stage 3 gathers each unit; other stages already hold them)."""
@@ -560,8 +560,7 @@ class ZeroOptimizer:
         shards = [g.shard_grad for g in self.groups]
         if inv_scale != 1.0:
             torch._foreach_mul_(shards, inv_scale)
-        sq = torch.stack([n.double() for n in torch._foreach_norm(shards)]).square().sum()
-        return ~torch.isfinite(sq)
+        return ~torch.isfinite(squared_norm(shards, self.device))
 
 
 def unit_list(module: nn.Module, units: Iterable[nn.Module] | None) -> list[nn.Module]:
@@ -608,6 +607,7 @@ def predict_bytes_per_rank(module: nn.Module, stage: int, n: int, bucket_mb: flo
     whether the first moment exists)."""
     from scaletrain.parallel.zero_factored import state_sizes
 
+    spec = optimizer_spec(optimizer)
     params = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
     elem = params[0].element_size()
     low = params[0].dtype in (torch.bfloat16, torch.float16)
@@ -627,17 +627,18 @@ def predict_bytes_per_rank(module: nn.Module, stage: int, n: int, bucket_mb: flo
                 if a < b:
                     pieces += 1
                     piece_numel += b - a
-                if optimizer != "adamw":
+                if spec.factored:
                     shape = getattr(p, "_st_global_shape", tuple(p.shape))  # tp: statistics of the whole matrix
                     sizes = state_sizes(optimizer, shape, max(b - a, 0), beta1=beta1, momentum=momentum)
                     factored += sum(sizes.values())
                 off += p.numel()
             tot["params"] += (shard if stage == 3 else shard * n) * elem
             tot["grads"] += (shard * n if stage == 1 else shard) * grad_elem
-            if optimizer == "adamw":
-                tot["optim"] += 2 * piece_numel * master_elem + pieces * step_bytes
-            else:
+            if spec.factored:
                 tot["optim"] += factored * master_elem
+            else:
+                tot["optim"] += state_elements(spec, piece_numel, momentum) * master_elem
+                tot["optim"] += pieces * step_bytes if spec.step_tensor else 0
             if low or offload != "none":
                 separate = not (stage == 3 and offload == "params" and not low)
                 tot["optim"] += shard * master_elem * separate + (shard * master_elem if offload != "none" else 0)

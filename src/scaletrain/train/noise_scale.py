@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from scaletrain.parallel.norms import is_norm_owner
+
 EMA_DECAY = 0.95
 """Decay of the moving averages of |G|² and tr(Σ) per optimizer step (a window of about 20 steps)."""
 
@@ -108,7 +110,7 @@ class GradSqProbe:
     """
 
     def __init__(self, params: list[nn.Parameter]):
-        owned = [p for p in params if p.requires_grad and getattr(p, "_st_norm_owner", True)]
+        owned = [p for p in params if p.requires_grad and is_norm_owner(p)]
         device = owned[0].device if owned else torch.device("cpu")
         # [dense, expert]: parameters split by expert parallelism (`_st_expert`) are summed apart, since their
         # gradient in one backward holds the micro-batches of the whole ep group

@@ -19,9 +19,9 @@ sit where the parameter's elements sit.
 
 `engine_entries(engine)` reads the layout from the engine's own structures: ZeRO's flat groups and pieces
 (`parallel.zero`), the tensor- and expert-parallel split marks on parameters (`_st_tp_shard`, `_st_ep_shard`),
-the replicated optimizer, `ShardedFactored`, the pipeline's 2BW weight versions. An optimizer class of another
-kind (a ZeRO variant keeping its shards elsewhere) plugs in by providing `checkpoint_entries(names) -> dict` of
-the same form, and `prepare_checkpoint_load()` if it must allocate state before a load.
+the replicated optimizer, `ShardedFactored`, ZeRO-Infinity's files (`parallel.zero_nvme`), the pipeline's 2BW
+weight versions. An optimizer of another kind gets its branch in `engine_entries` (and in `prepare_load` if it must
+allocate state before a load).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class _Collector:
 
 def optimizer_parts(optimizer: Any) -> list[Any]:
     """The replicated / ZeRO optimizers behind the engine's optimizer (expert parallelism has two)."""
-    return list(getattr(optimizer, "parts", [optimizer]))
+    return list(optimizer.parts)
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -142,9 +142,7 @@ def prepare_load(engine) -> None:
     for part in optimizer_parts(engine.optimizer):
         if _is_nvme(part):
             continue  # its load buffers are made by `_nvme_entries`
-        if hasattr(part, "prepare_checkpoint_load"):
-            part.prepare_checkpoint_load()
-        elif not isinstance(part.opt, ShardedFactored):
+        if not isinstance(part.opt, ShardedFactored):
             _ensure_torch_state(part.opt)
 
 
@@ -232,7 +230,7 @@ def _zero_entries(c: _Collector, z) -> None:
 
 
 def _nvme_entries(c: _Collector, z, load: bool) -> None:
-    """ZeRO-Infinity (`memory/offload_nvme.py`) keeps its shards in files: its `state_dict()` (in-memory ZeRO-3's
+    """ZeRO-Infinity (`parallel/zero_nvme.py`) keeps its shards in files: its `state_dict()` (in-memory ZeRO-3's
     form: a flat parameter / master shard per unit, AdamW state per piece) is mapped to our names when saving;
     when loading, the blocks are read into buffers of that form and written to the files by its
     `load_state_dict()` once all are in (the `after_load` of one entry)."""
@@ -301,7 +299,9 @@ def param_names(module: nn.Module) -> dict[int, str]:
 
 
 def _is_nvme(part) -> bool:
-    return getattr(part, "offload", None) == "nvme"
+    from scaletrain.parallel.zero_nvme import NvmeZeroOptimizer
+
+    return isinstance(part, NvmeZeroOptimizer)
 
 
 def engine_entries(engine, stale: bool = True, load: bool = False) -> dict[str, Entry]:
@@ -315,11 +315,6 @@ def engine_entries(engine, stale: bool = True, load: bool = False) -> dict[str, 
         if _is_nvme(part):
             _nvme_entries(c, part, load)
             zero3.update(id(p) for g in part.groups for p in g.params)
-        elif hasattr(part, "checkpoint_entries"):
-            for k, e in part.checkpoint_entries(c.names).items():
-                c.add(k, e.shape, e.dtype, e.blocks, e.after_load)
-            if getattr(part, "owns_params", False):
-                zero3.update(id(p) for p in part.params)
         elif isinstance(part, ZeroOptimizer):
             _zero_entries(c, part)
             if part.stage == 3:

@@ -63,11 +63,13 @@ class Trainer:
                  progress: bool = False, reshard: bool = False, init_from: str | os.PathLike | None = None):
         """`out_dir`: where checkpoints and metrics go; an existing run there is resumed (`reshard` lets it continue
         under another layout, `init_from` a Hugging Face directory to start a new run from; see train/resume.py)."""
-        from scaletrain.memory.budget import resident_meter
-        from scaletrain.memory.offload_nvme import resolve_offload_dir
+        from scaletrain.parallel.zero_nvme import resolve_offload_dir
+        from scaletrain.plan.budget import resident_meter
+        from scaletrain.plan.exact.run_memory import nvme_io
 
         self.resident = resident_meter(cfg, env)  # memory.budget_gb / nvme: resident bytes measured per step
         cfg = resolve_offload_dir(cfg, out_dir)  # offload=nvme: the folder of the shard files
+        self.nvme_plan = nvme_io(cfg) if cfg.parallel.offload == "nvme" else {}  # planned disk bytes per step
         self.cfg = cfg
         self.rank = env.rank if env else 0
         self.device = pick_device(cfg.train.device, env.local_rank if env else 0)
@@ -236,8 +238,8 @@ class Trainer:
             if self.scaler is not None:
                 row["loss_scale"] = scale
         row.update({f"comm_{kind}_bytes": n for kind, n in sorted(self.comm.bytes.items())})  # sent by this rank
-        if hasattr(opt, "step_report"):  # offload=nvme: bytes read and written this step, next to the formula
-            row.update(opt.step_report())
+        row.update(opt.step_report())  # offload=nvme: bytes read and written this step, next to the formula
+        row.update(self.nvme_plan)
         if self.resident is not None:  # stops the run (on every rank) when over memory.budget_gb
             row.update(self.resident.end(self.device, step))
         row.update(moe)

@@ -45,6 +45,7 @@ from typing import Any
 
 from scaletrain.config import Config, validate
 from scaletrain.errors import ConfigError
+from scaletrain.optim import optimizer_spec
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the default
     "dp": (1, 2, 4),
@@ -156,7 +157,7 @@ def config(layout: Layout) -> Config:
     t.steps, t.micro_batch, t.global_batch = STEPS, MICRO_BATCH, MICRO_BATCH * p.dp * micro
     t.warmup_steps, t.eval_every, t.checkpoint_every, t.lr, t.dtype = 1, 0, 0, 3e-3, layout["dtype"]
     o.name = layout["optimizer"]
-    if o.name != "adamw":
+    if optimizer_spec(o.name).factored:
         m.bias = False  # an exactly-zero true gradient (the key bias) turns into full Adafactor/SM3 steps
     mem.recompute = layout["recompute"]
     mem.partition_checkpoints = layout["partition_checkpoints"]

@@ -23,7 +23,8 @@ from scaletrain.distributed.comm import CommStats
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import TrainingDiverged
 from scaletrain.model.init import name_seed
-from scaletrain.parallel.parallelize import _sq_norm, build_engine
+from scaletrain.parallel.norms import squared_norm
+from scaletrain.parallel.parallelize import build_engine
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -152,7 +153,7 @@ def clip_coefficient(total_sq: torch.Tensor, max_norm: float) -> tuple[float, fl
 
 def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """Squared norm of a list of gradients, computed as the trainer computes it."""
-    return _sq_norm(grads, grads[0].device)
+    return squared_norm(grads, grads[0].device)
 
 
 def clip_(grads: list[torch.Tensor], max_norm: float) -> float:

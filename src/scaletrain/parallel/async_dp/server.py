@@ -21,9 +21,8 @@ import torch
 import torch.nn as nn
 
 from scaletrain.config import Config
-from scaletrain.optim import build_optimizer, config_hyper
+from scaletrain.optim import build_optimizer, config_hyper, decay_groups
 from scaletrain.parallel.async_dp.model import clip_coefficient, sq_norm
-from scaletrain.parallel.parallelize import decay_groups
 
 
 def assign_tensors(numels: list[int], servers: int) -> list[list[int]]:
@@ -85,7 +84,7 @@ class ServerShard:
             off += n
         self.grad_views = [p.grad for p in self.params]
         self.opt = build_optimizer(cfg.optim.name, decay_groups(self.params, cfg.optim.weight_decay),
-                                   **config_hyper(cfg))
+                                   **config_hyper(cfg.optim, cfg.train.lr))
 
     def sum_grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Sum the pushes' flat gradients in the given order into the shard's gradient; its squared norm."""

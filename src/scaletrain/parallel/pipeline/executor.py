@@ -155,8 +155,7 @@ class PipelineExecutor:
         if tracing and self.group is not None:
             dist.barrier(group=self.group)  # a common time origin for the gathered timeline
         st.t0, st.wall0 = time.perf_counter(), time.time()
-        if hasattr(engine.optimizer, "begin_step"):  # ZeRO-3: gather this stage's parameters for the step
-            engine.optimizer.begin_step()
+        engine.optimizer.begin_step()  # ZeRO-3: gather this stage's parameters for the step
         self._tied_start(st, train=True)
         for step in steps:
             if step[0].op.is_comm:
@@ -186,9 +185,8 @@ class PipelineExecutor:
         """Forward-only pipeline; returns the summed token loss (same value on every pipeline rank)."""
         self.stages.eval()
         st = _Step(micro, 1.0, torch.zeros((), dtype=torch.float64, device=self.device))
-        gathered = getattr(engine.optimizer, "params_gathered", nullcontext)  # ZeRO-3: for the evaluation
         try:
-            with gathered():
+            with engine.optimizer.params_gathered():  # ZeRO-3: for the evaluation
                 self._tied_start(st, train=False)
                 for step in self.eval_steps:
                     if step[0].op.is_comm:

@@ -62,13 +62,6 @@ class Partition:
     def bottleneck(self) -> float:
         return max(self.costs) if self.costs else 0.0
 
-    @property
-    def imbalance(self) -> float:
-        """Slowest stage over the mean stage (1.0 = perfectly balanced)."""
-        if not self.costs or sum(self.costs) == 0:
-            return 1.0
-        return max(self.costs) / (sum(self.costs) / len(self.costs))
-
 
 def stage_costs(blocks: Sequence[int], costs: LayerCosts) -> tuple[float, ...]:
     out, lo = [], 0

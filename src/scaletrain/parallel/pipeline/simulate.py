@@ -69,10 +69,6 @@ class SimResult:
     peak_in_flight_stages: list[float] = field(default_factory=list)  # same, each chunk weighted 1/v
 
     @property
-    def n_ranks(self) -> int:
-        return len(self.busy)
-
-    @property
     def idle(self) -> list[float]:
         return [self.makespan - b for b in self.busy]
 

@@ -1,7 +1,7 @@
 """The pipeline pass: keep this rank's stage(s) of the plain GPT and hand the engine a schedule executor.
 
-`split_pp(engine, cfg, mesh, comm)` runs after tensor parallelism and before data parallelism
-(DESIGN.md). The model is cut into S = pp x virtual_stages consecutive stages (a `partition.Partition`);
+`split_pp(engine, model, par, train, mesh, comm, microbatches)` runs after tensor parallelism and before data
+parallelism (DESIGN.md). The model is cut into S = pp x virtual_stages consecutive stages (a `partition.Partition`);
 global stage s lives on pipeline rank s % pp as local chunk s // pp (`schedules.rank_chunk_to_stage`).
 This rank keeps only its chunks, in one `PipelineStages` module whose parameters keep the plain
 model's names (`wte.weight`, `blocks.5.attn.qkv.weight`, ...), so initialisation by (seed, name),
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scaletrain.config import Config
+from scaletrain.config import ModelConfig, ParallelConfig, TrainConfig
 from scaletrain.distributed.comm import CommStats
 from scaletrain.distributed.mesh import Mesh
 from scaletrain.errors import ConfigError
@@ -60,10 +60,6 @@ class PipelineStages(nn.Module):
             del self.lm_head.weight
             self.lm_head.register_buffer("weight", copy)
             self.tied_copy = copy
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.stage_ids)
 
     def chunk_params(self, c: int) -> list[torch.Tensor]:
         """Tensors whose gradients local chunk c produces: its parameters (and the tied copy)."""
@@ -120,22 +116,25 @@ class PipelineStages(nn.Module):
 # --------------------------------------------------------------------------- the pass
 
 
-def resolve_partition(cfg: Config, model: nn.Module, how: str | part.Partition | None = None) -> part.Partition:
-    """The partition to use: `uniform` (default), `params`, `time`, explicit "2,3,3", or a Partition.
+def resolve_partition(model_cfg: ModelConfig, par: ParallelConfig, micro_batch: int, model: nn.Module,
+                      how: str | part.Partition | None = None) -> part.Partition:
+    """The partition to use: `uniform` (default), `params`, `time`, explicit "2,3,3", or a Partition
+    (`how`, else `par.partition`).
 
-    `time` profiles on global rank 0 and broadcasts, so every rank agrees on the split.
+    `time` profiles `model` on micro-batches of `micro_batch` sequences on global rank 0 and broadcasts, so every
+    rank agrees on the split.
     """
-    S = cfg.parallel.pp * cfg.parallel.virtual_stages
-    L = cfg.model.n_layers
-    how = how if how is not None else getattr(cfg.parallel, "partition", "uniform")
+    S = par.pp * par.virtual_stages
+    L = model_cfg.n_layers
+    how = how if how is not None else par.partition
     if isinstance(how, part.Partition):
         result = how
     elif how == "uniform":
-        result = part.uniform(L, S, part.param_costs(cfg.model))
+        result = part.uniform(L, S, part.param_costs(model_cfg))
     elif how == "params":
-        result = part.balance(part.param_costs(cfg.model), S)
+        result = part.balance(part.param_costs(model_cfg), S)
     elif how == "time":
-        costs = [part.profile_costs(model, cfg.train.micro_batch)] if _rank() == 0 else [None]
+        costs = [part.profile_costs(model, micro_batch)] if _rank() == 0 else [None]
         if dist.is_initialized():
             dist.broadcast_object_list(costs, src=0)
         result = part.balance(costs[0], S)
@@ -152,37 +151,38 @@ def resolve_partition(cfg: Config, model: nn.Module, how: str | part.Partition |
     return result
 
 
-def split_pp(engine, cfg: Config, mesh: Mesh, comm: CommStats,
-             partition: str | part.Partition | None = None) -> None:
-    """Replace engine.module by this rank's stages and set engine.runner / eval_runner / gather_state."""
+def split_pp(engine, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, mesh: Mesh, comm: CommStats,
+             microbatches: int, partition: str | part.Partition | None = None) -> None:
+    """Replace engine.module by this rank's stages and set engine.runner / eval_runner / gather_state; the schedule
+    runs `microbatches` micro-batches of `train.micro_batch` sequences per step."""
     from scaletrain.parallel.pipeline.executor import PipelineExecutor
 
-    p, v = cfg.parallel.pp, cfg.parallel.virtual_stages
+    p, v = par.pp, par.virtual_stages
     if mesh.size("pp") != p:
         raise ConfigError(f"mesh has pp={mesh.size('pp')} but parallel.pp is {p}")
     model = engine.module
-    plan = resolve_partition(cfg, model, partition)
+    plan = resolve_partition(model_cfg, par, train.micro_batch, model, partition)
     r = mesh.local_rank("pp")
     stage_ids = [rank_chunk_to_stage(r, c, p) for c in range(v)]
     bounds = plan.bounds
-    shards = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    shards = par.tp if par.sequence_parallel else 1
     stages = PipelineStages(model, stage_ids, [bounds[s] for s in stage_ids], p * v, shards)
     engine.module = stages
     engine.pp_partition = plan
 
-    m = cfg.parallel.microbatches or cfg.grad_accum
-    act_shape = (cfg.train.micro_batch, cfg.model.seq_len // shards, cfg.model.d_model)
-    if cfg.parallel.tp_mode != "1d":  # 2d tensor parallelism: this rank's block
+    m = microbatches
+    act_shape = (train.micro_batch, model_cfg.seq_len // shards, model_cfg.d_model)
+    if par.tp_mode != "1d":  # 2d tensor parallelism: this rank's block
         from scaletrain.parallel.tensor_nd import local_activation_shape
 
-        act_shape = local_activation_shape(cfg)
+        act_shape = local_activation_shape(par, train.micro_batch, model_cfg)
     executor = PipelineExecutor(
         stages=stages,
-        actions=build_schedule(cfg.parallel.schedule, p, m, v)[r],
-        schedule=cfg.parallel.schedule, rank=r, p=p, m=m, v=v,
+        actions=build_schedule(par.schedule, p, m, v)[r],
+        schedule=par.schedule, rank=r, p=p, m=m, v=v,
         group=mesh.group("pp"), peers=list(mesh.members["pp"]),
         act_shape=act_shape,
-        comm=comm, tied=cfg.model.tie_embeddings, trace_call=min(2, cfg.train.steps),
+        comm=comm, tied=model_cfg.tie_embeddings, trace_call=min(2, train.steps),
     )
     engine.pipeline = executor
     engine.runner = executor.run
@@ -193,7 +193,7 @@ def split_pp(engine, cfg: Config, mesh: Mesh, comm: CommStats,
     def gather_state(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         full = inner(local) if inner is not None else local
         full = gather_pipeline_state(full, mesh.group("pp"))
-        if cfg.model.tie_embeddings and "wte.weight" in full:
+        if model_cfg.tie_embeddings and "wte.weight" in full:
             full["lm_head.weight"] = full["wte.weight"]  # the last stage's copy may be a step old
         return full
 

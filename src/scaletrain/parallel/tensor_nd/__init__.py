@@ -11,9 +11,9 @@ activation memory and the per-rank messages shrink as the grid grows. `grid.py` 
 `comm.py` holds the collectives (with byte accounting) and autograd operators, `summa.py` the SUMMA products,
 `common.py` the split layer norm and the loss.
 
-`apply_tp_nd(engine, cfg, mesh, comm)` is the engine pass (called by `parallelize.build_engine` instead of
-`apply_tp` when tp_mode is not 1d): it swaps every linear of attention and MLP, the layer norms, the token and
-position embeddings and the output head of the plain GPT for the mode's layers, each sliced from the full,
+`apply_tp_nd(engine, model_cfg, micro_batch, mesh, comm)` is the engine pass (called by `parallelize.build_engine`
+instead of `apply_tp` when tp_mode is not 1d): it swaps every linear of attention and MLP, the layer norms, the token
+and position embeddings and the output head of the plain GPT for the mode's layers, each sliced from the full,
 initialised weights (so each shard is exactly its part of the single-process values), sets the loss (the
 vocabulary-parallel cross-entropy of the rank's sequences), tells the layout-independent dropout where the rank's
 block sits, and sets `gather_state`, which rebuilds the plain model's state dict from the shards by each
@@ -26,13 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from scaletrain.config import ModelConfig
 from scaletrain.distributed.comm import CommStats, group_size
 from scaletrain.parallel.tensor_nd.grid import Grid, Placement, shape_of
 
 
-def make_plan(cfg, grid: Grid):
-    """The mode's plan object (tp2d.Plan2D, tp2p5d.Plan2p5D or tp3d.Plan3D)."""
-    mode = cfg.parallel.tp_mode
+def make_plan(grid: Grid, micro_batch: int, d_model: int):
+    """The grid mode's plan object (tp2d.Plan2D, tp2p5d.Plan2p5D or tp3d.Plan3D) for micro-batches of `micro_batch`
+    sequences of width `d_model`."""
+    mode = grid.shape.mode
     if mode == "2d":
         from scaletrain.parallel.tensor_nd.tp2d import Plan2D as plan
     elif mode == "2.5d":
@@ -41,14 +43,14 @@ def make_plan(cfg, grid: Grid):
         from scaletrain.parallel.tensor_nd.tp3d import Plan3D as plan
     else:
         raise ValueError(f"tp_mode {mode!r} is not a grid mode")
-    return plan(grid, cfg.train.micro_batch, cfg.model.d_model)
+    return plan(grid, micro_batch, d_model)
 
 
-def local_activation_shape(cfg) -> tuple[int, int, int]:
-    """This rank's block of a (micro_batch, seq_len, d_model) activation (what pipeline stages exchange)."""
-    s = shape_of(cfg)
-    rows = cfg.train.micro_batch // s.row_blocks
-    return rows, cfg.model.seq_len, cfg.model.d_model // s.q
+def local_activation_shape(par, micro_batch: int, model: ModelConfig) -> tuple[int, int, int]:
+    """This rank's block of a (micro_batch, seq_len, d_model) activation on the grid of `par` (what pipeline stages
+    exchange)."""
+    s = shape_of(par)
+    return micro_batch // s.row_blocks, model.seq_len, model.d_model // s.q
 
 
 # --------------------------------------------------------------------------- the pass
@@ -86,7 +88,7 @@ def shard_gpt(model: nn.Module, plan) -> None:
     model.lm_head = plan.head(head, model.wte.weight if tied else None)
 
 
-def place_dropout(module: nn.Module, plan, cfg) -> None:
+def place_dropout(module: nn.Module, plan, model: ModelConfig, micro_batch: int) -> None:
     """Where each layout-independent dropout's local block sits in the global tensor: the rank's first sequence
     (dim 0) and its hidden block (residual stream) or heads block (attention probabilities)."""
     from scaletrain.model.dropout import GlobalDropout
@@ -96,13 +98,13 @@ def place_dropout(module: nn.Module, plan, cfg) -> None:
         if not isinstance(m, GlobalDropout):
             continue
         if "head" in m.roles:
-            m.offsets[0] = (plan.attention_rows()[0], cfg.train.micro_batch)
-            local = cfg.model.n_heads // q
-            m.offsets[1 + m.roles.index("head")] = (plan.head_block() * local, cfg.model.n_heads)
+            m.offsets[0] = (plan.attention_rows()[0], micro_batch)
+            local = model.n_heads // q
+            m.offsets[1 + m.roles.index("head")] = (plan.head_block() * local, model.n_heads)
         else:
-            m.offsets[0] = (plan.residual_rows()[0], cfg.train.micro_batch)
-            local = cfg.model.d_model // q
-            m.offsets[1 + m.roles.index("feature")] = (plan.feature_block() * local, cfg.model.d_model)
+            m.offsets[0] = (plan.residual_rows()[0], micro_batch)
+            local = model.d_model // q
+            m.offsets[1 + m.roles.index("feature")] = (plan.feature_block() * local, model.d_model)
 
 
 def placements(module: nn.Module) -> dict[str, tuple[Placement, tuple[int, ...]]]:
@@ -138,15 +140,15 @@ def gather_nd_state(local: dict[str, torch.Tensor], specs: dict, grid: Grid, gro
     return out
 
 
-def apply_tp_nd(engine, cfg, mesh, comm: CommStats) -> None:
-    """Shard the engine's GPT over the tp grid (module docstring). Called by `build_engine` when tp_mode is
-    2d, 2.5d or 3d."""
+def apply_tp_nd(engine, model_cfg: ModelConfig, micro_batch: int, mesh, comm: CommStats) -> None:
+    """Shard the engine's GPT over the mesh's tp grid (module docstring) for micro-batches of `micro_batch`
+    sequences. Called by `build_engine` when tp_mode is 2d, 2.5d or 3d."""
     grid = Grid.from_mesh(mesh, comm)
-    plan = make_plan(cfg, grid)
+    plan = make_plan(grid, micro_batch, model_cfg.d_model)
     model = engine.module
     shard_gpt(model, plan)
     engine.loss_fn = plan.loss(model.lm_head)
-    place_dropout(model, plan, cfg)
+    place_dropout(model, plan, model_cfg, micro_batch)
     specs = placements(model)  # by plain names, before a pipeline stage replaces the tied head by a copy
     tp_group = mesh.group("tp")
     coords = grid.shape.coords(mesh.local_rank("tp"))

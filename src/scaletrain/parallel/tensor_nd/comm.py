@@ -22,10 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from scaletrain.distributed.comm import CommStats, group_size
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from scaletrain.distributed.comm import CommStats, all_gather_single, group_size, reduce_scatter_single
 
 
 def _count(stats: CommStats | None, kind: str, nbytes: float) -> None:
@@ -71,7 +68,7 @@ def all_gather(x: torch.Tensor, dim: int, group, stats: CommStats | None) -> tor
     x = x.contiguous()
     out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
     _count(stats, "all_gather", (n - 1) / n * _bytes(out))
-    _all_gather_single(out.view(-1), x.view(-1), group=group)  # gloo wants 1-D buffers
+    all_gather_single(out.view(-1), x.view(-1), group=group)  # gloo wants 1-D buffers
     dim = dim % x.dim()
     return out.movedim(0, dim).flatten(dim, dim + 1)
 
@@ -85,7 +82,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, stats: CommStats | None) ->
     chunks = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     _count(stats, "reduce_scatter", (n - 1) / n * _bytes(chunks))
-    _reduce_scatter_single(out.view(-1), chunks.view(-1), group=group)
+    reduce_scatter_single(out.view(-1), chunks.view(-1), group=group)
     return out
 
 

@@ -29,17 +29,17 @@ from dataclasses import dataclass
 import torch
 
 from scaletrain.distributed.comm import CommStats
-from scaletrain.distributed.grid import GridShape, _root, grid_shape  # noqa: F401  (torch-free, for the planner)
+from scaletrain.distributed.grid import GridShape, grid_shape
 
 AXES = ("k", "i", "j")
 
 
-def shape_of(cfg) -> GridShape:
-    """The grid of a validated config with tp_mode 2d, 2.5d or 3d."""
-    p = cfg.parallel
-    shape = grid_shape(p.tp_mode, p.tp, p.tp_depth)
+def shape_of(par) -> GridShape:
+    """The grid of validated parallel dims (a `ParallelConfig` or the mesh's `ParallelDims`: tp, tp_mode, tp_depth)
+    with tp_mode 2d, 2.5d or 3d; the arithmetic is `distributed.grid`'s."""
+    shape = grid_shape(par.tp_mode, par.tp, par.tp_depth)
     if shape is None:
-        raise ValueError(f"parallel.tp ({p.tp}) is not a {p.tp_mode} grid")
+        raise ValueError(f"parallel.tp ({par.tp}) is not a {par.tp_mode} grid")
     return shape
 
 
@@ -124,10 +124,7 @@ class Grid:
 
     @classmethod
     def from_mesh(cls, mesh, stats: CommStats | None) -> Grid:
-        dims = mesh.dims
-        shape = grid_shape(dims.tp_mode, dims.tp, dims.tp_depth)
-        if shape is None:
-            raise ValueError(f"tp ({dims.tp}) is not a {dims.tp_mode} grid")
+        shape = shape_of(mesh.dims)
         c = shape.coords(mesh.local_rank("tp"))
         names = {"row": "tp_row", "col": "tp_col", "dep": "tp_dep", "dep_row": "tp_dep_row", "dep_col": "tp_dep_col"}
         groups = {field: mesh.group(name) if name in mesh.groups else None for field, name in names.items()}

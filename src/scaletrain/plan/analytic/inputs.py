@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.config.schema import OFFLOADS, OPTIMIZER_NAMES, RECOMPUTE_KINDS
+from scaletrain.config.schema import OFFLOADS, RECOMPUTE_KINDS
 from scaletrain.config.schema import SCHEDULES as _SCHEDULES
 from scaletrain.errors import UserError
+from scaletrain.optim.registry import OPTIMIZERS as OPTIMIZER_SPECS
 
 RECOMPUTE = tuple(k for k in RECOMPUTE_KINDS if k != "every")  # and every:k (segments of k blocks, arXiv 1604.06174)
 
@@ -34,7 +35,7 @@ def recompute_kind(spec: str) -> tuple[str, int]:
 
 SCHEDULES = ("1f1b", *(s for s in _SCHEDULES if s != "1f1b"))  # the config's, 1F1B (the default) listed first
 OFFLOAD = OFFLOADS
-OPTIMIZERS = tuple(o for o in OPTIMIZER_NAMES if o != "sgd")  # the config's, SGD aside: no planner term for it
+OPTIMIZERS = tuple(name for name, spec in OPTIMIZER_SPECS.items() if spec.sharded)  # the ones layouts can shard
 # bytes per element of parameters / gradients / activations, and K (optimizer bytes per parameter)
 DTYPES = {
     "bf16": (2, 2, 2, 12),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper, K = 12)

@@ -16,6 +16,7 @@ loaded rank.
 
 from __future__ import annotations
 
+from scaletrain.optim.registry import optimizer_spec
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_kind
 from scaletrain.plan.analytic.params import StageParams, factored_statistics, param_counts
 from scaletrain.plan.analytic.pipeline import inflight_chunks
@@ -70,7 +71,7 @@ def optimizer_bytes(m: ModelSpec, train: Training) -> tuple[float, float]:
     pb, _, _, k_default = DTYPES[train.dtype]
     if train.optimizer_k is not None:
         return train.optimizer_k, 0.0
-    if train.optimizer == "adamw":
+    if not optimizer_spec(train.optimizer).factored:  # AdamW: K of the dtype
         return k_default, 0.0
     state = 4 if pb == 2 else pb
     master = 4 if pb == 2 else 0
@@ -148,8 +149,8 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, firs
             buffers += 2 * per_layer * pb
             if lay.offload == "params":
                 params = 0.0
-        if lay.offload == "nvme":  # ZeRO-Infinity: only staging buffers stay (memory/offload_nvme.resident_bytes)
-            from scaletrain.memory.offload_nvme import STEP_CHUNK
+        if lay.offload == "nvme":  # ZeRO-Infinity: only staging buffers stay (offload_costs.resident_bytes)
+            from scaletrain.parallel.zero_nvme import STEP_CHUNK
 
             params = grads = optim = 0.0
             layer_shard = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.plan.analytic import tp_nd
+from scaletrain.plan.analytic import offload_costs, tp_nd
 from scaletrain.plan.analytic.comm import allreduce_time, gather_time, group_link
 from scaletrain.plan.analytic.flops import forward_flops_per_token, layer_matmul_flops, step_flops
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_kind
@@ -229,14 +229,15 @@ def optimizer_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     if lay.offload == "none":
         hbm = gpu.hbm_bandwidth * a.hbm_efficiency
         t_opt = shard * (2 * k + gb + pb + 4) / hbm  # read m, v, master, grad; write them and the param
-    elif lay.offload == "nvme":  # disk I/O behind the compute, the step streamed (memory/offload_nvme.step_time)
-        from scaletrain.memory.offload_nvme import step_time
+    elif lay.offload == "nvme":  # disk I/O behind the compute, the step streamed (offload_costs.step_time)
+        from scaletrain.parallel.zero_nvme import STEP_CHUNK
 
         pc = param_counts(m)
         layer = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
         units = [max(shard - lps * layer, 1.0)] + [layer] * int(round(lps))
-        exposed, streamed = step_time(units, pb, pb == 2, gb, mbs, True, a.nvme_read_bw, a.nvme_write_bw, pt.pipe,
-                                      shard / a.cpu_adam_params_per_s)
+        exposed, streamed = offload_costs.step_time(units, pb, pb == 2, gb, mbs, True, a.nvme_read_bw,
+                                                    a.nvme_write_bw, pt.pipe, shard / a.cpu_adam_params_per_s,
+                                                    STEP_CHUNK)
         t_off = exposed + streamed + 2 * mbs * st.total * pb / link_bw
     else:
         t_off = shard * (gb + pb) / link_bw + shard / a.cpu_adam_params_per_s

@@ -161,8 +161,7 @@ class RunProbe:
         from scaletrain.memory.recompute import apply_recompute
 
         if self.cfg.memory.recompute != "none" or self.cfg.memory.offload_activations:
-            mesh = types.SimpleNamespace(group=lambda name: None)
-            apply_recompute(types.SimpleNamespace(module=self.model), self.cfg, mesh)
+            apply_recompute(types.SimpleNamespace(module=self.model), self.cfg.memory)
 
     def _install_hooks(self, low: bool) -> None:
         """The engine's per-parameter gradient hook: fp32 accumulation (mixed precision) or a readiness
@@ -215,7 +214,7 @@ class RunProbe:
             p.grad = torch.randn(p.shape, generator=g, dtype=dtype) * 1e-3
         name = cfg.optim.name if cfg.parallel.zero == 0 else "adamw"
         self.opt = build_optimizer(name, [{"params": self.opt_params, "weight_decay": cfg.optim.weight_decay}],
-                                   **config_hyper(cfg))
+                                   **config_hyper(cfg.optim, cfg.train.lr))
         self.low_params = [torch.empty(s, dtype=run_memory._TORCH[cfg.train.dtype]) for s in shapes] if low else []
 
     def _build_loader(self) -> None:

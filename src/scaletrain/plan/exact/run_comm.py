@@ -82,7 +82,7 @@ def _group(mesh, dim: str):
 
 def _op(kind: str, nbytes: int, group, mesh, dim: str):
     """A callable issuing one collective of `kind` moving `nbytes` (the full tensor) on `group`."""
-    from scaletrain.parallel.zero import _all_gather, _reduce_scatter
+    from scaletrain.distributed.comm import all_gather_single, reduce_scatter_single
 
     n = dist.get_world_size(group)
     numel = max(1, -(-nbytes // 4))
@@ -92,9 +92,9 @@ def _op(kind: str, nbytes: int, group, mesh, dim: str):
     numel = -(-numel // n) * n
     full, shard = torch.zeros(numel), torch.zeros(numel // n)
     if kind == "all_gather":
-        return lambda: [_all_gather(full, shard, group=group, async_op=True)]
+        return lambda: [all_gather_single(full, shard, group=group, async_op=True)]
     if kind == "reduce_scatter":
-        return lambda: [_reduce_scatter(shard, full, group=group, async_op=True)]
+        return lambda: [reduce_scatter_single(shard, full, group=group, async_op=True)]
     if kind == "all_to_all":  # the expert dispatch: every rank sends 1/n of the slots to each rank
         send, recv = torch.zeros(numel), torch.zeros(numel)
         return lambda: [dist.all_to_all_single(recv, send, group=group, async_op=True)]

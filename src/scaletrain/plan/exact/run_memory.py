@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from scaletrain.config import Config, ModelConfig
+from scaletrain.plan.analytic import offload_costs
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.exact import tp_nd_memory
 
@@ -159,17 +160,17 @@ def optimizer_state_bytes(cfg: Config, params: list[torch.Tensor], state_elem: i
     """Bytes of the configured optimizer's state for these (local) parameters (ZeRO 0). Adafactor / SM3 keep
     their row / column statistics of the whole matrix on every tensor-parallel rank (`_st_global_shape` of a
     tp-split meta parameter) and their element-wise states for the local elements."""
+    from scaletrain.optim import optimizer_spec, state_elements
     from scaletrain.parallel.zero_factored import state_sizes
 
     o = cfg.optim
+    spec = optimizer_spec(o.name)
     total = 0
     for p in params:
         numel = p.numel()
-        if o.name == "adamw":
-            total += 2 * numel * state_elem + _step_bytes()
-            continue
-        if o.name == "sgd":  # torch's SGD: a momentum buffer only when momentum is on
-            total += numel * state_elem if o.momentum > 0 else 0
+        if not spec.factored:  # AdamW's two moments and step; SGD's momentum buffer only when momentum is on
+            total += state_elements(spec, numel, o.momentum > 0) * state_elem
+            total += _step_bytes() if spec.step_tensor else 0
             continue
         shape = getattr(p, "_st_global_shape", tuple(p.shape))
         sizes = state_sizes(o.name, shape, numel, beta1=o.use_beta1, momentum=o.momentum > 0)
@@ -183,10 +184,8 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
     from scaletrain.parallel.zero import predict_bytes_per_rank
 
     par, o = cfg.parallel, cfg.optim
-    if par.offload == "nvme":  # ZeRO-Infinity: only staging buffers are resident (memory/offload_nvme.py)
-        from scaletrain.memory.offload_nvme import planned_state_bytes
-
-        return planned_state_bytes(cfg, module)
+    if par.offload == "nvme":  # ZeRO-Infinity: only staging buffers are resident (parallel/zero_nvme.py)
+        return nvme_state_bytes(cfg, module)
     kw = dict(optimizer=o.name, beta1=o.use_beta1, momentum=o.momentum > 0)
     experts = [p for p in params if getattr(p, "_st_expert", False)]
     if not experts:
@@ -197,6 +196,43 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
     d = predict_bytes_per_rank(module, par.zero, par.dp, par.bucket_mb, par.offload, params=dense, **kw)
     e = predict_bytes_per_rank(module, par.zero, par.dp // par.ep, par.bucket_mb, par.offload, params=experts, **kw)
     return {k: max(d[r][k] + e[r // par.ep][k] for r in range(par.dp)) for k in d[0]}
+
+
+def nvme_shards(cfg: Config, module: nn.Module | None = None) -> tuple[list[int], int, bool, int]:
+    """ZeRO-Infinity: (shard elements per unit, element size, low precision, gradient element size) of a config, from
+    the same grouping the engine uses, on the meta device."""
+    from scaletrain.parallel.zero import group_params
+
+    if module is None:
+        module = engine_module_on_meta(cfg, 0)
+    n = cfg.parallel.dp
+    shards = [max(1, math.ceil(sum(p.numel() for p in g) / n)) for g in group_params(module, 3, cfg.parallel.bucket_mb)]
+    low = cfg.train.dtype in LOW
+    e = _TORCH[cfg.train.dtype].itemsize
+    return shards, e, low, 4 if low else e
+
+
+def nvme_state_bytes(cfg: Config, module: nn.Module | None = None) -> dict[str, int]:
+    """The resident params / grads / optim bytes of an nvme run (`offload_costs.resident_bytes`)."""
+    from scaletrain.parallel.zero_nvme import STEP_CHUNK
+
+    shards, e, low, ge = nvme_shards(cfg, module)
+    return offload_costs.resident_bytes(shards, e, low, ge, cfg.parallel.nvme_prefetch, cfg.parallel.nvme_grads,
+                                        STEP_CHUNK)
+
+
+def nvme_file_bytes(cfg: Config) -> int:
+    """Bytes of one rank's offload files (`offload_costs.file_bytes`)."""
+    shards, e, low, ge = nvme_shards(cfg)
+    return offload_costs.file_bytes(shards, e, low, ge, cfg.parallel.nvme_grads)
+
+
+def nvme_io(cfg: Config) -> dict[str, int]:
+    """The bytes one rank reads and writes per step (`offload_costs.io_per_step`), as the trainer logs them beside
+    the measured ones: `plan_nvme_read_bytes`, `plan_nvme_write_bytes`."""
+    shards, e, low, ge = nvme_shards(cfg)
+    read, write = offload_costs.io_per_step(shards, e, low, ge, cfg.grad_accum, cfg.parallel.nvme_grads)
+    return {"plan_nvme_read_bytes": read, "plan_nvme_write_bytes": write}
 
 
 def model_state_bytes(cfg: Config) -> dict[str, int]:

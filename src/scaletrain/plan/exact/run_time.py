@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from scaletrain.config import Config
 from scaletrain.parallel.pipeline.schedules import build_schedule
 from scaletrain.parallel.pipeline.simulate import simulate
+from scaletrain.plan.analytic import offload_costs
 from scaletrain.plan.analytic.comm import MeasuredLink, allreduce_time, gather_time, overlap_efficiency
 from scaletrain.plan.analytic.flops import step_flops
 from scaletrain.plan.analytic.inputs import recompute_kind
@@ -164,12 +165,12 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
     sync = 3 * allreduce_time(8, world, link) if world > 1 else 0.0
 
     nvme_io = 0.0
-    if par.offload == "nvme":  # ZeRO-Infinity: disk I/O behind the compute, the step streamed (memory/offload_nvme)
-        from scaletrain.memory.offload_nvme import _plan_shards, step_time
+    if par.offload == "nvme":  # ZeRO-Infinity: disk I/O behind the compute, the step streamed (parallel/zero_nvme)
+        from scaletrain.parallel.zero_nvme import STEP_CHUNK
 
-        shards, e_, low, ge = _plan_shards(cfg)
-        exposed, streamed = step_time(shards, e_, low, ge, mb, par.nvme_grads, prof.disk_read_bw, prof.disk_write_bw,
-                                      compute, prof.optimizer)
+        shards, e_, low, ge = run_memory.nvme_shards(cfg)
+        exposed, streamed = offload_costs.step_time(shards, e_, low, ge, mb, par.nvme_grads, prof.disk_read_bw,
+                                                    prof.disk_write_bw, compute, prof.optimizer, STEP_CHUNK)
         nvme_io = exposed + streamed - prof.optimizer  # what the disk adds to the in-memory step
     total = compute + dp_comm + prof.optimizer + nvme_io + prof.loader + sync
     tp_comm = mb * (stage_blocks * tp_block + tp_embed + tp_head)

@@ -14,11 +14,11 @@ from scaletrain.parallel.tensor_nd.grid import Grid, padded, shape_of
 def shard_meta(model, cfg) -> None:
     """Give the meta-device GPT every rank's shard shapes by running the engine's own pass with a grid of no groups
     (`tensor_nd.shard_gpt`: the same placements; all ranks hold equal shapes)."""
-    shard_gpt(model, make_plan(cfg, Grid(shape_of(cfg), 0, 0, 0)))
+    shard_gpt(model, make_plan(Grid(shape_of(cfg.parallel), 0, 0, 0), cfg.train.micro_batch, cfg.model.d_model))
 
 
 def _local(cfg) -> dict:
-    s = shape_of(cfg)
+    s = shape_of(cfg.parallel)
     m, dtype = cfg.model, cfg.train.dtype
     low = dtype in ("bf16", "fp16")
     e = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}[dtype]

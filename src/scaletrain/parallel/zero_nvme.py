@@ -21,12 +21,17 @@ arXiv 2104.07857. What we take from it, on top of our ZeRO-3 (`parallel/zero.py`
 What stays resident is bounded by the unit and chunk sizes, not by the model: two gathered units (current and
 prefetch, as in-memory ZeRO-3), prefetch + 1 parameter staging buffers of the largest shard, prefetch + 1
 gradient staging buffers (nvme_grads) and prefetch + 1 optimizer staging sets of STEP_CHUNK elements
-(`resident_bytes`, which the planner uses and the trainer measures).
+(`plan.analytic.offload_costs.resident_bytes`, which the planner uses and the trainer measures; the planner's I/O and
+step-time formulas are there too).
 
 The optimizer arithmetic is torch's own AdamW (`torch.optim.adamw.adamw`, single-tensor path) applied to the
-same pieces as in-memory ZeRO-3: elementwise, so chunking does not change a bit. `state_dict()` has the form of
-`ZeroOptimizer.state_dict()` (AdamW state per piece, parameter shards, masters under mixed precision), so a
-checkpoint written with nvme offload resumes in memory and the other way round; the offload files are scratch.
+same pieces as in-memory ZeRO-3: elementwise, so chunking does not change a bit. `state_dict()` gives this rank's
+whole state in in-memory ZeRO-3's form (AdamW state per piece, a flat parameter shard per unit, masters under mixed
+precision), which the checkpoint code (`train/state.py`) maps to the layout-independent names, so a checkpoint
+written with nvme offload resumes in memory and the other way round; the offload files are scratch.
+
+This module builds on `zero.py`'s public interface (`ZeroOptimizer`, `FlatGroup`, `make_group`, `unit_list`,
+`unit_params`, `preserve_version`, `in_backward`).
 """
 
 from __future__ import annotations
@@ -45,15 +50,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_fn
 
+from scaletrain.config import ModelConfig, OptimConfig, ParallelConfig
+from scaletrain.distributed.comm import CommStats, all_gather_single
+from scaletrain.distributed.mesh import Mesh
 from scaletrain.memory.nvme_io import ReadAhead, ShardFiles
+from scaletrain.optim import config_hyper, optimizer_spec
+from scaletrain.parallel.norms import is_norm_owner
 from scaletrain.parallel.zero import (
     FlatGroup,
     ZeroOptimizer,
-    _all_gather,
-    _in_backward,
-    _is_norm_owner,
-    _make_group,
-    _preserve_version,
+    in_backward,
+    make_group,
+    preserve_version,
     unit_list,
     unit_params,
 )
@@ -92,7 +100,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, *, device: torch.device,
                  directory: str | os.PathLike, init: Callable | None = None, prefetch: int = 2,
                  nvme_grads: bool = True, **kw: Any):
-        if kw.get("reduce", "sum") != "sum" or kw.get("optimizer", "adamw") != "adamw":
+        if kw.get("reduce", "sum") != "sum" or not optimizer_spec(kw.get("optimizer", "adamw")).streamed:
             raise ValueError("NvmeZeroOptimizer sums gradients and steps AdamW")
         if kw.get("gather", "unit") != "unit":
             raise ValueError("NvmeZeroOptimizer gathers per unit")
@@ -108,7 +116,22 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         self._io_mark = (0, 0)
         super().__init__(module, 3, group, offload="nvme", **kw)
         self.device = self._dev
-        self._hyper = kw
+
+    @classmethod
+    def from_config(cls, module: nn.Module, model: ModelConfig, optim: OptimConfig, par: ParallelConfig, seed: int,
+                    lr: float, mesh: Mesh, comm: CommStats, device: torch.device) -> NvmeZeroOptimizer:
+        """The run's ZeRO-Infinity optimizer over the dp group (`build_engine` with parallel.offload=nvme) in
+        `par.offload_dir` (resolved, `resolve_offload_dir`); `module` is on meta (`meta_gpt`) and is materialised
+        unit by unit here, each parameter initialised by (seed, name) as `build_gpt` does it."""
+        import weakref
+
+        root = Path(par.offload_dir)
+        root.mkdir(parents=True, exist_ok=True)  # the default under --out; a user's folder was checked before launch
+        opt = cls(module, mesh.group("dp"), device=device, directory=root, init=gpt_init(model, seed),
+                  prefetch=par.nvme_prefetch, nvme_grads=par.nvme_grads, weight_decay=optim.weight_decay,
+                  bucket_mb=par.bucket_mb, comm=comm, optimizer=optim.name, hyper=config_hyper(optim, lr))
+        weakref.finalize(opt, opt.files.close)  # scratch: deleted when the run ends (or the process exits)
+        return opt
 
     # ------------------------------------------------------------------ layout and streamed initialisation
 
@@ -131,7 +154,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         self.master_cat = "masters" if low else "params"
         names = {id(p): n for n, p in module.named_parameters()}
         for k, (u, own) in enumerate(owned):
-            g = _make_group(own, self.n, self.rank, self._dev)
+            g = make_group(own, self.n, self.rank, self._dev)
             with torch.no_grad():
                 for p, off in zip(g.params, g.offsets):
                     view = g.full[off: off + p.numel()].view_as(p)
@@ -217,13 +240,13 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         g.full.untyped_storage().resize_(g.full.numel() * g.full.element_size())
         src = buf.to(self.device)  # the same tensor on CPU; a synchronous copy from pinned memory on CUDA
         if self.n == 1:
-            with _preserve_version(g.full):
+            with preserve_version(g.full):
                 g.full.copy_(src)
             self.ahead.give(buf)
             return
         self.comm.add("all_gather", (self.n - 1) / self.n * g.full.numel() * g.full.element_size())
-        with _preserve_version(g.full):
-            work = _all_gather(g.full, src, group=self.group, async_op=async_op)
+        with preserve_version(g.full):
+            work = all_gather_single(g.full, src, group=self.group, async_op=async_op)
         if async_op:
             g.pending = (work, src)
             self._held[id(g)] = buf
@@ -237,7 +260,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         forward_hook = super()._make_pre_forward(i)
 
         def hook(module, args):
-            if _in_backward():
+            if in_backward():
                 self._wait_gather(self._unit_group[id(module)])
                 return None
             return forward_hook(module, args)
@@ -296,7 +319,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
                     buf[lo:hi] += part[: hi - lo]
             self.files.write("grads", k, buf)
             self._grad_sq[k] = [buf[pc.lo: pc.hi].double().square().sum()
-                                for pc in g.pieces if _is_norm_owner(pc.param)]
+                                for pc in g.pieces if is_norm_owner(pc.param)]
         finally:
             self._grad_free.append(self.grad_pool[[b.data_ptr() for b in self.grad_pool].index(buf.data_ptr())])
 
@@ -505,62 +528,14 @@ class NvmeZeroOptimizer(ZeroOptimizer):
                 "nvme_optim": f["exp_avg"] + f["exp_avg_sq"] + f.get("masters", 0)}
 
     def step_report(self) -> dict[str, int]:
-        """Bytes this rank read and wrote in this step, next to `io_per_step`'s formula."""
-        read = self.files.read_bytes - self._io_mark[0]
-        write = self.files.write_bytes - self._io_mark[1]
-        plan = io_per_step(self.shards, self.groups[0].full.element_size(), self.master_cat == "masters",
-                           torch.empty((), dtype=self.grad_dtype).element_size(), self._micros, self.nvme_grads)
-        return {"nvme_read_bytes": read, "nvme_write_bytes": write,
-                "plan_nvme_read_bytes": plan[0], "plan_nvme_write_bytes": plan[1]}
+        """Bytes this rank read and wrote in this step (the planner's `offload_costs.io_per_step` goes beside them)."""
+        return {"nvme_read_bytes": self.files.read_bytes - self._io_mark[0],
+                "nvme_write_bytes": self.files.write_bytes - self._io_mark[1]}
 
     def close(self) -> None:
         self._wait_grads()
         self.ahead.drop()
         self.files.close()
-
-
-# --------------------------------------------------------------------------- formulas (planner and reports)
-
-
-def io_per_step(shards: list[int], e: int, low: bool, grad_e: int, micro: int, nvme_grads: bool) -> tuple[int, int]:
-    """(bytes read, bytes written) per optimizer step by one rank, for units with shards of `shards` elements.
-
-    Reads: every unit's parameter shard twice per micro-batch (gathered for its forward and again for its
-    backward), the gradient shard for accumulation after the first micro-batch, and in the step the master,
-    both moments and the gradient. Writes: the gradient shard every micro-batch, and in the step the master,
-    both moments and (bf16/fp16) the new low-precision parameter shard."""
-    S = sum(shards)
-    me = 4 if low else e
-    grads = grad_e if nvme_grads else 0
-    read = 2 * micro * S * e + (micro - 1) * S * grads + S * (me + 2 * grad_e + grads)
-    write = micro * S * grads + S * (me + 2 * grad_e + (e if low else 0))
-    return read, write
-
-
-def file_bytes(shards: list[int], e: int, low: bool, grad_e: int, nvme_grads: bool) -> int:
-    """Bytes of one rank's shard files."""
-    S = sum(shards)
-    return S * (e + (4 if low else 0) + 2 * grad_e + (grad_e if nvme_grads else 0))
-
-
-def resident_bytes(shards: list[int], e: int, low: bool, grad_e: int, depth: int, nvme_grads: bool) -> dict[str, int]:
-    """Resident bytes per category between steps (as `memory_tensors` counts them): parameter staging
-    (depth + 1 buffers of the largest shard), gradient staging (nvme_grads; else the gradient shards) and the
-    optimizer's depth + 1 staging sets of min(STEP_CHUNK, largest shard) elements. During a step two gathered
-    units and transient flat gradients come on top, as in in-memory ZeRO-3 (`working_bytes`)."""
-    big = max(shards)
-    chunk = min(STEP_CHUNK, big)
-    me = 4 if low else e
-    return {"params": (depth + 1) * big * e,
-            "grads": (depth + 1) * big * grad_e if nvme_grads else sum(shards) * grad_e,
-            "optim": (depth + 1) * chunk * (me + 3 * grad_e + (e if low else 0))}
-
-
-def working_bytes(units: list[int], e: int, grad_e: int) -> int:
-    """Transient bytes of a ZeRO-3 step on top of the resident ones (in memory or nvme): the two largest gathered
-    units (current and prefetch) and up to three flat gradients of the largest unit in reduction."""
-    big = sorted(units, reverse=True)[:2]
-    return sum(big) * e + 3 * max(units) * grad_e
 
 
 def resolve_offload_dir(cfg, out: str | os.PathLike | None):
@@ -575,75 +550,3 @@ def resolve_offload_dir(cfg, out: str | os.PathLike | None):
     cfg = copy.deepcopy(cfg)
     cfg.parallel.offload_dir = str(Path(out) / "offload") if out is not None else tempfile.gettempdir()
     return cfg
-
-
-def nvme_optimizer(engine, cfg, mesh, comm, device: torch.device) -> NvmeZeroOptimizer:
-    """The run's ZeRO-Infinity optimizer over the dp group (`build_engine` with parallel.offload=nvme); the engine's
-    module is on meta (`meta_gpt`) and is materialised unit by unit here. Reports the file bytes per category."""
-    import weakref
-
-    from scaletrain.device.accounting import add_memory_report
-
-    module = engine.module
-    o, p = cfg.optim, cfg.parallel
-    root = Path(p.offload_dir)
-    root.mkdir(parents=True, exist_ok=True)  # the default under --out; a user's folder was checked before launch
-    opt = NvmeZeroOptimizer(module, mesh.group("dp"), device=device, directory=root,
-                            init=gpt_init(cfg.model, cfg.train.seed), prefetch=p.nvme_prefetch,
-                            nvme_grads=p.nvme_grads, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, bucket_mb=p.bucket_mb, comm=comm)
-    weakref.finalize(opt, opt.files.close)  # scratch: deleted when the run ends (or the process exits)
-    add_memory_report(engine, opt.file_bytes)
-    return opt
-
-
-def _plan_shards(cfg, module: nn.Module | None = None) -> tuple[list[int], int, bool, int]:
-    """(shard elements per unit, element size, low precision, gradient element size) of a config, from the same
-    grouping the engine uses, on the meta device."""
-    from scaletrain.parallel.zero import group_params
-    from scaletrain.plan.exact import run_memory
-
-    if module is None:
-        module = run_memory.engine_module_on_meta(cfg, 0)
-    n = cfg.parallel.dp
-    shards = [max(1, math.ceil(sum(p.numel() for p in g) / n)) for g in group_params(module, 3, cfg.parallel.bucket_mb)]
-    low = cfg.train.dtype in run_memory.LOW
-    e = run_memory._TORCH[cfg.train.dtype].itemsize
-    return shards, e, low, 4 if low else e
-
-
-def planned_state_bytes(cfg, module: nn.Module | None = None) -> dict[str, int]:
-    """The planner's resident params / grads / optim bytes of an nvme run (`resident_bytes`)."""
-    shards, e, low, ge = _plan_shards(cfg, module)
-    return resident_bytes(shards, e, low, ge, cfg.parallel.nvme_prefetch, cfg.parallel.nvme_grads)
-
-
-def planned_file_bytes(cfg) -> int:
-    """Bytes of one rank's offload files."""
-    shards, e, low, ge = _plan_shards(cfg)
-    return file_bytes(shards, e, low, ge, cfg.parallel.nvme_grads)
-
-
-def planned_io(cfg) -> tuple[int, int]:
-    """(read, written) bytes per step of one rank (`io_per_step`)."""
-    shards, e, low, ge = _plan_shards(cfg)
-    return io_per_step(shards, e, low, ge, cfg.grad_accum, cfg.parallel.nvme_grads)
-
-
-def step_time(shards: list[int], e: int, low: bool, grad_e: int, micro: int, nvme_grads: bool, read_bw: float,
-              write_bw: float, compute: float, optimizer: float) -> tuple[float, float]:
-    """(exposed I/O of the forward/backward, time of the streamed optimizer step) in seconds.
-
-    One disk serves reads and writes, so their times add. Forward/backward: the parameter reads (2 per unit and
-    micro-batch) and the gradient writes / accumulation reads run behind `compute` (read ahead, written behind);
-    what exceeds it is exposed, plus the first unit's read, which nothing hides. Step: the state reads and writes
-    overlap AdamW's arithmetic (`optimizer`, the in-memory step's time) chunk by chunk: the slower of the two,
-    plus one chunk's read to fill the pipeline."""
-    S = sum(shards)
-    me = 4 if low else e
-    g = grad_e if nvme_grads else 0
-    fb_io = 2 * micro * S * e / read_bw + micro * S * g / write_bw + (micro - 1) * S * g / read_bw
-    exposed = max(0.0, fb_io - compute) + shards[0] * e / read_bw
-    state_io = S * (me + 2 * grad_e + g) / read_bw + S * (me + 2 * grad_e + (e if low else 0)) / write_bw
-    fill = min(STEP_CHUNK, max(shards)) * (me + 2 * grad_e + g) / read_bw
-    return exposed, max(state_io, optimizer) + fill
