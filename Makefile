@@ -31,8 +31,10 @@ browser:
 test: $(STAMP) browser
 	$(BIN)/python -m pytest tests
 
+# ruff, and the import contracts of pyproject.toml (layers, torch-free modules, no cycles; docs/architecture.md)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

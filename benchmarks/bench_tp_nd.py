@@ -6,7 +6,7 @@ on gloo CPU processes of one thread, from the same (seed, name) weights. A step 
 backward and AdamW on one micro-batch. The modes are timed in alternating blocks (1d, 2d, 1d, 2d, ...) so they see
 the same machine load; the table gives the median over blocks of tokens/s with the range, the bytes autograd saves
 per rank on the first forward (`mem_activations`), the parameter bytes per rank, and the bytes each rank sends per
-step by collective (CommStats, ring conventions of parallel/comm.py: `tp.*` from the tensor-parallel layers, a
+step by collective (CommStats, ring conventions of distributed/comm.py: `tp.*` from the tensor-parallel layers, a
 bare `all_reduce` the gradient reduction, which 2.5d runs over its depth). The first-step losses are printed: equal
 across modes (they compute the same function).
 

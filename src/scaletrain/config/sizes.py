@@ -1,6 +1,7 @@
 """Sizes the model config implies, read by the model, the passes, the planner and validate() alike: the MLP hidden
-size (4C for GELU, LLaMA's rounding of 8C/3 for SwiGLU, arXiv 2002.05202 / 2302.13971) and the config of a
-reversible block's halves (RevNet, arXiv 1707.04585). Torch-free, like the rest of config/."""
+size (4C for GELU, LLaMA's rounding of 8C/3 for SwiGLU, arXiv 2002.05202 / 2302.13971), the config of a reversible
+block's halves (RevNet, arXiv 1707.04585), the mixture-of-experts layers and expert capacity (GShard, arXiv
+2006.16668) and the chunk of ZeRO-Infinity's streamed optimizer step. Torch-free, like the rest of config/."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import dataclasses
 import math
 
 from scaletrain.config.schema import ModelConfig
+
+NVME_STEP_CHUNK = 1 << 18
+"""parallel.offload=nvme: elements of a shard updated at once by the streamed optimizer step (one staging set holds
+this many of each state); the engine (parallel/zero_nvme.py) and the planner's formulas read it here."""
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -22,3 +27,17 @@ def ffn_size(cfg: ModelConfig) -> int:
 def half_config(cfg: ModelConfig) -> ModelConfig:
     """The config a reversible block's sub-layers are built with: width d_model / 2 (an explicit d_ff is kept)."""
     return dataclasses.replace(cfg, d_model=cfg.d_model // 2)
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block `layer` uses an MoE layer: every `every`-th block (GShard: every other one)."""
+    return cfg.moe.experts > 0 and (layer + 1) % cfg.moe.every == 0
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    return [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
+
+
+def capacity(group_tokens: int, experts: int, top_k: int, factor: float) -> int:
+    """Slots per expert and group: ceil(factor · k · S / E), at least 1, at most S."""
+    return min(group_tokens, max(1, math.ceil(factor * top_k * group_tokens / experts - 1e-9)))

@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletrain.config import ModelConfig
-from scaletrain.config.sizes import ffn_size
+from scaletrain.config.sizes import ffn_size, is_moe_layer
 from scaletrain.model.dropout import DropoutContext, GlobalDropout
-from scaletrain.model.moe import MoE, is_moe_layer
+from scaletrain.model.moe import MoE
 from scaletrain.model.norm import make_norm
 
 

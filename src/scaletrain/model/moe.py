@@ -31,29 +31,14 @@ do not depend on the layout either. No distributed code here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scaletrain.config import ModelConfig, MoEConfig
-
-
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether block `layer` uses an MoE layer: every `every`-th block (GShard: every other one)."""
-    return cfg.moe.experts > 0 and (layer + 1) % cfg.moe.every == 0
-
-
-def moe_layers(cfg: ModelConfig) -> list[int]:
-    return [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
-
-
-def capacity(group_tokens: int, experts: int, top_k: int, factor: float) -> int:
-    """Slots per expert and group: ceil(factor · k · S / E), at least 1, at most S."""
-    return min(group_tokens, max(1, math.ceil(factor * top_k * group_tokens / experts - 1e-9)))
-
+from scaletrain.config import MoEConfig
+from scaletrain.config.sizes import capacity
 
 # --------------------------------------------------------------------------- routing (pure functions)
 

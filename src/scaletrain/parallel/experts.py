@@ -35,9 +35,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.config import Config, OptimConfig, ParallelConfig
+from scaletrain.config.sizes import moe_layers
 from scaletrain.distributed.comm import CommStats, collective_device, group_size
 from scaletrain.distributed.mesh import Mesh
-from scaletrain.model.moe import Experts, moe_layers, moe_modules
+from scaletrain.model.moe import Experts, moe_modules
 from scaletrain.parallel.data_parallel import ReplicatedOptimizer
 from scaletrain.parallel.engine import EngineOptimizer
 from scaletrain.parallel.norms import clip_coefficient, global_grad_norm

@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.config import ModelConfig
+from scaletrain.config.sizes import moe_layers
 from scaletrain.distributed.comm import CommStats, group_size
 from scaletrain.errors import UserError
-from scaletrain.model.moe import moe_layers
 from scaletrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RNGTracker,

@@ -51,6 +51,7 @@ import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_fn
 
 from scaletrain.config import ModelConfig, OptimConfig, ParallelConfig
+from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 from scaletrain.distributed.comm import CommStats, all_gather_single
 from scaletrain.distributed.mesh import Mesh
 from scaletrain.memory.nvme_io import ReadAhead, ShardFiles
@@ -65,10 +66,6 @@ from scaletrain.parallel.zero import (
     unit_list,
     unit_params,
 )
-
-STEP_CHUNK = 1 << 18
-"""Elements of a shard updated at once by the streamed optimizer step (one staging set holds this many of each
-state)."""
 
 
 def meta_gpt(model_cfg, dtype: torch.dtype) -> nn.Module:

@@ -1,7 +1,7 @@
 """scaletrain.plan: predict memory, time and communication of parallel layouts before any process starts.
 
-Two halves. `analytic/` is the cost model of any layout on any cluster, without torch (offload=nvme reads the
-engine's step chunk), split by term: `inputs` (layout, training, assumptions), `params`, `flops`, `memory` (bytes
+Two halves. `analytic/` is the cost model of any layout on any cluster, without torch, split by
+term: `inputs` (layout, training, assumptions), `params`, `flops`, `memory` (bytes
 per category), `comm` (links and collective times), `zero3`, `pipeline` (schedules in closed form), `step_time`
 (step time, MFU, bytes per dimension), `tp_nd` (2D / 2.5D / 3D tensor parallelism), `offload_costs`
 (ZeRO-Infinity), `estimate` (the entry: `estimate(model, gpu, training, layout)`), `async_costs` (synchronisation

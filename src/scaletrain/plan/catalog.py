@@ -97,7 +97,7 @@ class ModelSpec:
         if not self.n_experts:
             return 1.0
         if self.group_tokens:
-            from scaletrain.model.moe import capacity
+            from scaletrain.config.sizes import capacity
 
             S = self.group_tokens
             return self.n_experts * capacity(S, self.n_experts, self.top_k, self.capacity_factor) / S

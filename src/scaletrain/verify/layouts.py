@@ -143,7 +143,7 @@ def config(layout: Layout) -> Config:
     schedule, _, v = str(layout["schedule"]).partition(":")
     p.schedule, p.virtual_stages = schedule, int(v or 1)
     chunks = p.pp * p.virtual_stages
-    per = 2 if layout["recompute"] == "every:2" else 1  # chunks hold whole every:2 segments (config.py)
+    per = 2 if layout["recompute"] == "every:2" else 1  # chunks hold whole every:2 segments (memory/rules.py)
     m.n_layers = max(2, chunks * per)
     if layout["partition"] == "uneven":  # one segment more on the first chunk
         m.n_layers = (chunks + 1) * per

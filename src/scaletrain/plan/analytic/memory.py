@@ -150,7 +150,7 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, firs
             if lay.offload == "params":
                 params = 0.0
         if lay.offload == "nvme":  # ZeRO-Infinity: only staging buffers stay (offload_costs.resident_bytes)
-            from scaletrain.parallel.zero_nvme import STEP_CHUNK
+            from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
             params = grads = optim = 0.0
             layer_shard = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp

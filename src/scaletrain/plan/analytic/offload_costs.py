@@ -4,8 +4,8 @@ Rajbhandari et al., "ZeRO-Infinity", arXiv 2104.07857. The engine is `parallel/z
 describe it from the sizes of its units' shards (elements per rank, `shards`) and its element sizes (`e` of the
 parameters, `grad_e` of the gradients and moments, fp32 masters when `low`), and are checked against what a run
 measures (tests/test_offload_nvme.py): the bytes read and written every step, the resident bytes per category and
-the size of the files. `chunk` is the streamed step's `zero_nvme.STEP_CHUNK` (elements of a shard updated at once).
-Torch-free: the analytic planner uses them too.
+the size of the files. `chunk` is the streamed step's `config.sizes.NVME_STEP_CHUNK` (elements of a shard updated at
+once). Torch-free: the analytic planner uses them too.
 """
 
 from __future__ import annotations

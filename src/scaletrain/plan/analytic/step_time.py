@@ -230,7 +230,7 @@ def optimizer_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
         hbm = gpu.hbm_bandwidth * a.hbm_efficiency
         t_opt = shard * (2 * k + gb + pb + 4) / hbm  # read m, v, master, grad; write them and the param
     elif lay.offload == "nvme":  # disk I/O behind the compute, the step streamed (offload_costs.step_time)
-        from scaletrain.parallel.zero_nvme import STEP_CHUNK
+        from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
         pc = param_counts(m)
         layer = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp

@@ -214,7 +214,7 @@ def nvme_shards(cfg: Config, module: nn.Module | None = None) -> tuple[list[int]
 
 def nvme_state_bytes(cfg: Config, module: nn.Module | None = None) -> dict[str, int]:
     """The resident params / grads / optim bytes of an nvme run (`offload_costs.resident_bytes`)."""
-    from scaletrain.parallel.zero_nvme import STEP_CHUNK
+    from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
     shards, e, low, ge = nvme_shards(cfg, module)
     return offload_costs.resident_bytes(shards, e, low, ge, cfg.parallel.nvme_prefetch, cfg.parallel.nvme_grads,
@@ -444,7 +444,7 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
     Exact for dropout 0 without router noise or random routing (`predicts_activations`); expert
     parallelism moves the same slots (the all-to-all saves nothing), tp replicates the layer, and under sequence
     parallelism each tp rank runs it on the n / t tokens of its shard."""
-    from scaletrain.model.moe import capacity
+    from scaletrain.config.sizes import capacity
 
     s, m = _sizes(cfg), cfg.model
     moe = m.moe
@@ -481,7 +481,7 @@ def _block_bytes(cfg: Config, lo: int, hi: int) -> int:
         return math.ceil((hi - lo) / mode.k) * layer_saved_bytes(cfg, "every")
     total = (hi - lo) * layer_saved_bytes(cfg, mode.kind)
     if mode.kind != "full" and _experts(cfg):
-        from scaletrain.model.moe import is_moe_layer
+        from scaletrain.config.sizes import is_moe_layer
 
         total += sum(is_moe_layer(cfg.model, i) for i in range(lo, hi)) * moe_layer_extra_bytes(cfg)
     return total

@@ -166,7 +166,7 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
 
     nvme_io = 0.0
     if par.offload == "nvme":  # ZeRO-Infinity: disk I/O behind the compute, the step streamed (parallel/zero_nvme)
-        from scaletrain.parallel.zero_nvme import STEP_CHUNK
+        from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
         shards, e_, low, ge = run_memory.nvme_shards(cfg)
         exposed, streamed = offload_costs.step_time(shards, e_, low, ge, mb, par.nvme_grads, prof.disk_read_bw,
@@ -184,7 +184,7 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
 
 def n_moe_blocks(cfg: Config, lo: int, hi: int) -> int:
     """MoE blocks among blocks lo..hi-1."""
-    from scaletrain.model.moe import is_moe_layer
+    from scaletrain.config.sizes import is_moe_layer
 
     return sum(is_moe_layer(cfg.model, i) for i in range(lo, hi))
 
@@ -192,7 +192,7 @@ def n_moe_blocks(cfg: Config, lo: int, hi: int) -> int:
 def ep_all_to_all_bytes(cfg: Config) -> int:
     """Bytes of one expert all-to-all of one MoE block and microbatch: the (E, G, K, C) slots of this
     rank's tokens (capacity_factor x k rows per token, rounded up per group; `parallel.experts`)."""
-    from scaletrain.model.moe import capacity
+    from scaletrain.config.sizes import capacity
 
     m, tr = cfg.model, cfg.train
     moe = m.moe
