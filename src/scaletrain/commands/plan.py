@@ -20,12 +20,8 @@ from scaletrain.config.schema import MLPS, POSITIONS
 from scaletrain.errors import UserError
 from scaletrain.guards import positive_float
 from scaletrain.optim import optimizer_spec
-from scaletrain.plan import catalog, hardware, report
-from scaletrain.plan.analytic.estimate import estimate
+from scaletrain.plan import catalog, hardware
 from scaletrain.plan.analytic.inputs import DTYPES, OPTIMIZERS, Assumptions, Layout, Training
-from scaletrain.plan.analytic.memory import memory_model_states
-from scaletrain.plan.analytic.params import total_params
-from scaletrain.plan.search import dedupe, parse_layout, search
 
 
 def add_parser(subparsers) -> None:
@@ -179,6 +175,8 @@ def _assumptions(args) -> Assumptions:
 
 
 def run(args) -> int:
+    from scaletrain.plan.search import dedupe, parse_layout, search
+
     if args.top < 1:
         raise UserError(f"--top must be >= 1, got {args.top}")
     if args.gpus is not None and args.gpus < 1:
@@ -217,6 +215,9 @@ def run(args) -> int:
 
 def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool = False,
           extra: dict | None = None) -> int:
+    from scaletrain.plan import report
+    from scaletrain.plan.analytic.params import total_params
+
     if args.png:
         report.memory_png(top, cluster.gpu.memory_bytes, args.png,
                           f"{model.name} on {cluster.n_gpus} x {cluster.gpu.name}: memory per GPU")
@@ -292,6 +293,7 @@ def config_training(cfg) -> Training:
 
 def _run_config(args) -> int:
     from scaletrain.config import load_config, validate
+    from scaletrain.plan.analytic.estimate import estimate
 
     cfg = validate(load_config(args.config, args.set))
     from scaletrain.plan.analytic.async_costs import as_bsp
@@ -348,6 +350,8 @@ def params_rows(psi: float, gpus: int, fixed: dict, dtype: str, optimizer: str =
     time model, "best" is: layouts that fit first; among them the least data-parallel traffic per step and GPU
     (ring volumes: 2Ψ' gradient bytes for ZeRO 0-2, plus Ψ' parameter bytes for ZeRO-3's extra all-gather; the
     ZeRO paper's 2Ψ and 3Ψ), then the least memory; then the layouts that do not fit, closest first."""
+    from scaletrain.plan.analytic.memory import memory_model_states
+
     bad = sorted(set(fixed) - set(PARAMS_LAYOUT_KEYS))
     if bad:
         raise UserError(f"--params models model states only: --layout {', '.join(bad)} needs a model (--model NAME "
@@ -398,6 +402,9 @@ def _sync_comm(args, model, gpu, train, lay, outer: str = "avg") -> dict | None:
 
 
 def _run_params(args) -> int:
+    from scaletrain.plan import report
+    from scaletrain.plan.search import parse_layout
+
     if args.params <= 0:
         raise UserError(f"--params must be positive, got {args.params}")
     if args.gpus is None:
