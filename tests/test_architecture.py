@@ -4,18 +4,26 @@ is the only importer of the analytic half's direction, and no package has an imp
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _contract_layers() -> list[str]:
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    """The package's layers as import-linter reads them from pyproject.toml."""
+    from importlinter.api import read_configuration
+
+    cwd = Path.cwd()
+    os.chdir(ROOT)
+    try:
+        contracts = read_configuration()["contracts_options"]
+    finally:
+        os.chdir(cwd)
     return next(c["layers"] for c in contracts if c["type"] == "layers" and c.get("containers") == ["scaletrain"])
 
 
