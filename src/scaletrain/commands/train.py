@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
+from scaletrain.config.load import load_config_keys
 from scaletrain.errors import UserError
 from scaletrain.guards import MAX_SAMPLE_TOKENS, bounded_int, check_out_dir, mark_run, nonneg_float
 from scaletrain.multinode import launcher as multinode_launcher
@@ -24,7 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--reshard", action="store_true",
                    help="resume the run in --out under a different layout or number of processes")
     p.add_argument("--init-from", default=None, metavar="HF_DIR",
-                   help="start a new run from a Hugging Face GPT-2 / Llama directory (config.json + safetensors)")
+                   help="start a new run from a Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory (config.json + "
+                        "safetensors); the model keys come from its config.json")
     multinode_launcher.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
@@ -77,7 +79,11 @@ def cmd_train(args) -> int:
     from scaletrain.distributed.process_group import detect_env
     from scaletrain.plan.budget import check_before_launch, local_world_size
 
-    cfg = load_config(args.config, args.set)
+    cfg, explicit = load_config_keys(args.config, args.set)
+    if args.init_from is not None:  # the model is DIR/config.json's; a bad directory fails here, before anything
+        from scaletrain.interop.hf_config import apply_hf_model
+
+        apply_hf_model(cfg, explicit, Path(args.init_from))
     env = detect_env()
     resume_args = {"reshard": args.reshard, "init_from": args.init_from}
     if env is not None:
@@ -108,10 +114,6 @@ def cmd_train(args) -> int:
     from scaletrain.train.runner import check_run
 
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
-    if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
-        from scaletrain.interop.hf import check_hf_config, read_hf_config
-
-        check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
     warn_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)

@@ -1,5 +1,6 @@
 """Loading a run configuration: defaults, then a YAML file, then `--set key=value` overrides, each converted to the
-field's type with a `ConfigError` naming the key when it does not fit. Does not validate (`config/validate.py`)."""
+field's type with a `ConfigError` naming the key when it does not fit; then `model.preset` fills the model keys
+neither gave (config/presets.py). Does not validate (`config/validate.py`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from scaletrain.config.presets import apply_preset
 from scaletrain.config.schema import Config
 from scaletrain.errors import ConfigError
 
@@ -72,7 +74,7 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {typ!r}")
 
 
-def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
+def _apply(node: Any, values: dict[str, Any], prefix: str, seen: set[str] | None = None) -> None:
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {values!r}")
     hints = _field_types(type(node))
@@ -83,9 +85,11 @@ def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
             raise ConfigError(f"unknown config key '{dotted}' (known here: {known})")
         current = getattr(node, key)
         if dataclasses.is_dataclass(current):
-            _apply(current, value, dotted + ".")
+            _apply(current, value, dotted + ".", seen)
         else:
             setattr(node, key, _convert(value, hints[key], dotted))
+            if seen is not None:
+                seen.add(dotted)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -125,8 +129,16 @@ def set_value(cfg: Config, dotted: str, raw: str) -> None:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides in order. Does not validate."""
+    """Defaults, then the YAML file, then `key=value` overrides in order, then the model preset. Does not validate."""
+    return load_config_keys(path, overrides)[0]
+
+
+def load_config_keys(path: str | os.PathLike | None = None,
+                     overrides: list[str] | None = None) -> tuple[Config, set[str]]:
+    """`load_config`, and the dotted keys the YAML file or the overrides set (what a preset or a Hugging Face
+    config.json must not change: `train --init-from` refuses one that contradicts it)."""
     cfg = Config()
+    explicit: set[str] = set()
     if path is not None:
         p = Path(path)
         if p.is_dir():
@@ -142,13 +154,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         except UnicodeDecodeError:
             raise ConfigError(f"config file {p} is not a text file") from None
         if data is not None:
-            _apply(cfg, data, "")
+            _apply(cfg, data, "", explicit)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
         set_value(cfg, key.strip(), raw.strip())
-    return cfg
+        explicit.add(key.strip())
+    apply_preset(cfg.model, explicit)
+    return cfg, explicit
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

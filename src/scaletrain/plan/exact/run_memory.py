@@ -56,7 +56,7 @@ def _shard_tp_on_meta(model: nn.Module, cfg: Config, t: int) -> None:
     Parameters are replaced under the same attribute names, so registration order, and hence the ZeRO
     buckets and the optimizer's parameter list, are those of the real pass. All tp ranks get equal shapes
     (the vocabulary is padded to a multiple of t)."""
-    from scaletrain.parallel.tensor_parallel import padded_vocab
+    from scaletrain.parallel.tensor_parallel import copy_layout, padded_vocab
     from scaletrain.parallel.tp_plan import Column, Row, VocabEmbedding, VocabHead, gpt_plan, resolve_plan
 
     converted: dict[int, nn.Parameter] = {}
@@ -72,9 +72,10 @@ def _shard_tp_on_meta(model: nn.Module, cfg: Config, t: int) -> None:
 
     for name, style in resolve_plan(model, gpt_plan(cfg.model)):
         mod = model.get_submodule(name)
-        if isinstance(style, Column):
-            swap(mod, "weight", (mod.out_features // t, mod.in_features))
-            swap(mod, "bias", (mod.out_features // t,))
+        if isinstance(style, Column):  # grouped-query kv: at most n_kv_heads pieces, copied when tp is larger
+            pieces = copy_layout(t, style.shards)[0]
+            swap(mod, "weight", (mod.out_features // pieces, mod.in_features))
+            swap(mod, "bias", (mod.out_features // pieces,))
         elif isinstance(style, Row):
             swap(mod, "weight", (mod.out_features, mod.in_features // t))
         elif isinstance(style, VocabEmbedding):
