@@ -199,7 +199,7 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
     else:  # ZeRO-3: per-layer all-gathers in forward and backward and reduce-scatters, every microbatch
         pc = param_counts(m)
         lps = m.n_layers / lay.pp
-        layer = pc.layer_tp / t + pc.layer_rep
+        layer = pc.layer_per_rank(t) - pc.layer_expert
         root = max(st.total - lps * (layer + pc.layer_expert / lay.ep), 0.0)
         full = recompute_kind(lay.recompute)[0] == "full"
         f_layer = lt.forward
@@ -233,7 +233,7 @@ def optimizer_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
         from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
         pc = param_counts(m)
-        layer = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
+        layer = pc.layer_per_rank(t, lay.ep) / lay.dp
         units = [max(shard - lps * layer, 1.0)] + [layer] * int(round(lps))
         exposed, streamed = offload_costs.step_time(units, pb, pb == 2, gb, mbs, True, a.nvme_read_bw,
                                                     a.nvme_write_bw, pt.pipe, shard / a.cpu_adam_params_per_s,
