@@ -114,6 +114,10 @@ def cmd_train(args) -> int:
     from scaletrain.train.runner import check_run
 
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
+    if args.init_from is not None:  # weights whose shapes disagree with config.json fail here, before any process
+        from scaletrain.interop.hf import check_hf_weights
+
+        check_hf_weights(Path(args.init_from), cfg.model)
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
     warn_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)

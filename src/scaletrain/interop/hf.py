@@ -214,19 +214,30 @@ def _weight_files(directory: Path) -> list[Path]:
     raise UserError(f"{directory} has no model.safetensors")
 
 
-def read_hf_weights(directory: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameters by plain name from a HF GPT-2 / Llama / Mistral / Qwen2 directory, after checking its config
-    against `m` and every tensor's shape against the model's."""
+def _hf_tensors(directory: Path, shapes_only: bool) -> dict[str, torch.Tensor]:
+    """The directory's tensors by HF name; with `shapes_only` as meta tensors of their shapes (the files' headers
+    only are read)."""
     st = _require_safetensors()
-    directory = Path(directory)
-    family = check_hf_config(read_hf_config(directory), m, directory)
-    hf: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for path in _weight_files(directory):
         try:
-            hf.update(st.load_file(str(path)))
+            if shapes_only:
+                from safetensors import safe_open
+
+                with safe_open(str(path), "pt") as f:
+                    for name in f.keys():
+                        out[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+            else:
+                out.update(st.load_file(str(path)))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for bad files
             raise UserError(f"{path} cannot be read as safetensors: {str(e).splitlines()[0][:160]}") from None
-    ours = from_hf(m, hf, family)
+    return out
+
+
+def _mapped(directory: Path, m: ModelConfig, shapes_only: bool) -> dict[str, torch.Tensor]:
+    directory = Path(directory)
+    family = check_hf_config(read_hf_config(directory), m, directory)
+    ours = from_hf(m, _hf_tensors(directory, shapes_only), family)
     expect = {n: tuple(p.shape) for n, p in _meta_gpt(m).named_parameters()}
     for name, shape in expect.items():
         got = ours.get(name)
@@ -234,7 +245,19 @@ def read_hf_weights(directory: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
             raise UserError(f"{directory}: no weight maps to {name}")
         if tuple(got.shape) != shape:
             raise UserError(f"{directory}: {name} has shape {tuple(got.shape)}, but config.json's model needs {shape}")
-    return {n: ours[n] for n in expect}  # in their dtype: each rank copies (and converts) only its own shards
+    return {n: ours[n] for n in expect}
+
+
+def check_hf_weights(directory: Path, m: ModelConfig) -> None:
+    """Before launch: the directory's config describes `m` and every weight has the shape `m` needs (the
+    safetensors headers only are read); UserError naming the first tensor that does not."""
+    _mapped(directory, m, shapes_only=True)
+
+
+def read_hf_weights(directory: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our parameters by plain name from a HF GPT-2 / Llama / Mistral / Qwen2 directory, after checking its config
+    against `m` and every tensor's shape against the model's."""
+    return _mapped(directory, m, shapes_only=False)  # in their dtype: each rank copies (and converts) its own shards
 
 
 def _meta_gpt(m: ModelConfig):
