@@ -28,15 +28,23 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 import yaml
 from harness import TINY, run_ranks
 
 from scaletrain.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-transformers.utils.logging.disable_progress_bar()
-transformers.utils.logging.set_verbosity_error()
+
+
+def _tf():
+    """transformers, imported when a test needs it (not by the ranks of the multi-process test, which import this
+    module to find their function)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return transformers
+
 
 TOL = 1e-5
 PROMPTS = ("def ", "import numpy as", "class Foo(")
@@ -52,14 +60,14 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=64)
 FAMILIES = {  # name: (the architecture the export loads as, its config)
-    "gpt2": ("GPT2LMHeadModel", lambda: transformers.GPT2Config(
+    "gpt2": ("GPT2LMHeadModel", lambda: _tf().GPT2Config(
         n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new", **NO_TOKENS)),
-    "llama": ("LlamaForCausalLM", lambda: transformers.LlamaConfig(
+    "llama": ("LlamaForCausalLM", lambda: _tf().LlamaConfig(
         **SMALL, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
         rope_scaling=LLAMA3, **NO_TOKENS)),
-    "qwen2": ("Qwen2ForCausalLM", lambda: transformers.Qwen2Config(
+    "qwen2": ("Qwen2ForCausalLM", lambda: _tf().Qwen2Config(
         **SMALL, num_key_value_heads=1, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1e6, **NO_TOKENS)),
-    "mistral": ("LlamaForCausalLM", lambda: transformers.MistralConfig(
+    "mistral": ("LlamaForCausalLM", lambda: _tf().MistralConfig(
         **SMALL, num_key_value_heads=2, head_dim=8, sliding_window=None, rms_norm_eps=1e-5, rope_theta=1e6,
         **NO_TOKENS)),
 }
@@ -73,7 +81,7 @@ def _save_tiny(config, directory: Path):
     """A random transformers model of `config`, its norms and biases moved off 1 and 0 (a wrong mapping shows),
     saved with save_pretrained."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = _tf().AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -161,7 +169,7 @@ def test_hugging_face_model_imports_trains_exports_and_generates_alike(family, t
 
     assert main(["export", str(run), "--format", "hf", "--to", str(exported)]) == 0
     assert arch in capsys.readouterr().out
-    back = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    back = _tf().AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(back).__name__ == arch
     with torch.no_grad():
         assert (_our_logits(run, x) - back(x).logits).abs().max() <= TOL
@@ -176,7 +184,7 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(name, over
     assert main(["export", str(run), "--format", "hf", "--to", str(hf_dir)]) == 0
     assert arch in capsys.readouterr().out
     assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    hf = _tf().AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(hf).__name__ == arch
     x = torch.randint(0, 256, (2, TINY["model.seq_len"]), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -250,7 +258,7 @@ def test_an_imported_model_trains_under_dp_tp_and_pp_as_one_process(tmp_path):
         ours = _imported_model(directory, cfg, torch.float64)
         losses = _plain_loop(ours, cfg, lambda m, x: m(x))
         state = {k: v.detach() for k, v in ours.state_dict().items()}
-        hf = transformers.AutoModelForCausalLM.from_pretrained(directory).double()
+        hf = _tf().AutoModelForCausalLM.from_pretrained(directory).double()
         hf_losses = _plain_loop(hf, cfg, lambda m, x: m(x).logits)  # transformers' own model, the same recipe
         assert all(abs(a - b) <= 1e-8 * a for a, b in zip(losses, hf_losses)), (losses, hf_losses)
         theirs = from_hf(cfg.model, {k: v.detach() for k, v in hf.state_dict().items()}, family)

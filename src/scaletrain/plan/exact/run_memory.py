@@ -598,7 +598,7 @@ def implementation_activation_bytes(m: ModelSpec, batch: int, elem: int) -> floa
     cfg = Config(model=ModelConfig(
         n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, vocab_size=m.vocab_size,
         d_ff=m.d_ff, mlp=m.mlp, position=m.position, tie_embeddings=m.tie_embeddings, bias=m.bias,
-        dropout=0.1 if m.dropout else 0.0))
+        dropout=0.1 if m.dropout else 0.0, n_kv_heads=m.n_kv_heads, qkv_bias=m.qkv_bias))
     cfg.train.dtype = {4: "fp32", 8: "fp64", 2: "bf16"}[elem]
     cfg.train.micro_batch = cfg.train.global_batch = batch
     loader_batch = 8 * batch * (m.seq_len + 1)  # the trainer's ids are views of it; here ids are targets
