@@ -233,5 +233,9 @@ def cmd_export(args) -> int:
     out = _new_output(args.to, "export")
     state = ckpt.read_tensors(directory, "model/")
     arch = export_hf(cfg.model, state, out)
-    print(f"{directory} (step {meta['step']}) -> {out}: {arch}, config.json + model.safetensors (fp32)")
+    from scaletrain.data.tokenizer import run_tokenizer
+
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.data.eot_token, directory).save(out)  # AutoTokenizer reads it
+    files = "".join(f" + {p.name}" for p in tokenizer)
+    print(f"{directory} (step {meta['step']}) -> {out}: {arch}, config.json + model.safetensors (fp32){files}")
     return 0
