@@ -24,5 +24,5 @@ from scaletrain.config.validate import validate
 from scaletrain.errors import ConfigError
 
 __all__ = ["DTYPES", "SCHEDULES", "Config", "ConfigError", "DataConfig", "MemoryConfig", "MixSource", "ModelConfig",
-           "MoEConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "config_from_dict", "flatten", "load_config", "set_value",
-           "validate"]
+           "MoEConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "config_from_dict", "flatten", "load_config",
+           "set_value", "validate"]

@@ -6,7 +6,7 @@ rank and every resume reuses it.
 No paper. Writing is atomic: tokens go to a temporary file, fsync'd and renamed, then the sidecar (the commit mark)
 is written the same way; a build holds a file lock, so ranks that start together tokenize once. A cache is used only
 when its sidecar parses, names this key, this tokenizer and this format version, and the file's size is
-`tokens` x itemsize; with `verify` its BLAKE2b checksum is recomputed too (`scaletrain train` does this once before
+`tokens` x itemsize; with `verify` its CRC-32 is recomputed too (`scaletrain train` does this once before
 it starts any process; ranks check the size). Anything else is a partial or corrupt cache: it is said in one line
 and rebuilt, never used. The Hugging Face tokenizer encodes each chunk of `CHUNK_BYTES` of text with
 `encode_batch_fast` on all cores (Rust threads) while a reader thread parses the next chunk.
@@ -23,6 +23,7 @@ import queue
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,11 +58,12 @@ def cache_key(source: Source, tok: Tokenizer) -> str:
 
 
 def checksum(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    """CRC-32 of the file (as gzip and zip check their data: it detects corruption, fast)."""
+    crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def cached_stream(source: Source, tok: Tokenizer, folder: Path, progress: bool = False,
@@ -150,7 +152,7 @@ def build(source: Source, tok: Tokenizer, target: Path, key: str, progress: bool
     """Tokenize `source` into `target` and write its sidecar; returns the sidecar's content."""
     dtype = dtype_for(tok.vocab_size)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    h = hashlib.blake2b(digest_size=16)
+    crc = 0
     n = docs = 0
     top = -1
     bar = Progress(f"tokenizing {source.spec}", source.total_bytes, progress)
@@ -160,7 +162,7 @@ def build(source: Source, tok: Tokenizer, target: Path, key: str, progress: bool
                 if chunk:
                     ids = tok.encode_documents(chunk, dtype)
                     out.write(memoryview(ids).cast("B"))
-                    h.update(memoryview(ids).cast("B"))
+                    crc = zlib.crc32(memoryview(ids).cast("B"), crc)
                     n, docs, top = n + len(ids), docs + len(chunk), max(top, int(ids.max()))
                 bar.advance(read, n)
             out.flush()
@@ -174,7 +176,7 @@ def build(source: Source, tok: Tokenizer, target: Path, key: str, progress: bool
     finally:
         tmp.unlink(missing_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "key": key, "dtype": dtype.name, "tokens": n, "max_id": top,
-            "documents": docs, "checksum": h.hexdigest(), "source": source.spec, "kind": source.kind,
+            "documents": docs, "checksum": f"{crc:08x}", "source": source.spec, "kind": source.kind,
             "text_field": source.text_field if source.kind in ("jsonl", "parquet", "arrow") else None,
             "tokenizer": {"name": tok.name, "digest": tok.digest, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}}
     side_tmp = sidecar(tmp)

@@ -107,7 +107,7 @@ class BatchLoader:
         train = sum(len(p) for p in self.train.parts)
         reads = tokens_per_step * steps
         return (f"data: {what} ({tok}, {dtypes}); {train:,} for training, {c.n_tokens - train:,} held "
-                f"out; {steps:,} steps read {reads:,} tokens ({reads / max(train, 1):.2f} of the training tokens)")
+                f"out; {steps:,} steps read {reads:,} tokens ({reads / max(train, 1):.3g} epochs)")
 
 
 def staged(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
