@@ -241,3 +241,15 @@ def test_a_large_stream_costs_a_rank_only_the_pages_of_a_batch(tmp_path, monkeyp
     released, kept = growth(1 << 20), growth(1 << 40)
     assert released < 2_000, released  # KiB: at most one batch's pages
     assert kept > 10 * max(released, 100), (kept, released)
+
+
+def test_byte_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from scaletrain.data.tokenizer import ByteTokenizer, encode
+
+    ByteTokenizer().save(tmp_path)
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = 'def f(x):\n    return "é\x00✓"  \t'
+    assert auto(text)["input_ids"] == encode(text).tolist()
+    assert auto.decode(auto(text)["input_ids"]) == text

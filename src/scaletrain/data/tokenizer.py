@@ -60,7 +60,33 @@ class ByteTokenizer:
         return decode(ids)
 
     def save(self, out: Path) -> list[Path]:
-        return []  # nothing to write: the byte tokenizer needs no files
+        """The byte tokenizer as a Hugging Face tokenizer.json (a byte-level BPE with the 256 bytes and no merges:
+        id = byte value, as GPT-2's byte-to-character table spells bytes), so exported runs load with AutoTokenizer."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        alphabet = _byte_alphabet()
+        tok = Tokenizer(models.BPE({alphabet[b]: b for b in range(256)}, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        out.mkdir(parents=True, exist_ok=True)
+        tok.save(str(out / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+        return [out / "tokenizer.json", out / "tokenizer_config.json"]
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable character for each byte (printable Latin-1 bytes stand for themselves, the others are
+    shifted to 256 + k), which the `ByteLevel` pre-tokenizer and decoder use."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 def tokenizer_file(spec: str) -> Path:
