@@ -40,6 +40,8 @@ def corpus_texts(mb: float) -> list[str]:
     while size < mb * 1e6:
         for f in files:
             t = f.read_text(encoding="utf-8", errors="replace")
+            if not t:
+                continue  # an empty document has no tokens (ours skips it; so does the reference count)
             texts.append(t)
             size += len(t.encode())
             if size >= mb * 1e6:
@@ -118,7 +120,15 @@ def ranks_of(launcher: int) -> list[int]:
         kids = psutil.Process(launcher).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [k.pid for k in kids if any("train" in a for a in k.cmdline()) and "--nproc" not in k.cmdline()]
+    pids = []
+    for k in kids:
+        try:
+            argv = k.cmdline()
+        except psutil.Error:  # exited meanwhile
+            continue
+        if any("train" in a for a in argv) and "--nproc" not in argv:
+            pids.append(k.pid)
+    return pids
 
 
 def one_run(source: Path, out: Path, steps: int) -> dict[str, float]:
@@ -155,11 +165,13 @@ def write_stream(path: Path, tokens: int) -> None:
 
 
 def memory(args) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="bench_data_mem_", dir=args.dir))
+    tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_data_mem_"))
+    tmp.mkdir(parents=True, exist_ok=True)
     big, small = tmp / "big.bin", tmp / "small.bin"
     start = time.perf_counter()
-    write_stream(big, int(args.gb * 1e9) // 2)
-    write_stream(small, 4_000_000)
+    for path, tokens in ((big, int(args.gb * 1e9) // 2), (small, 4_000_000)):
+        if not path.is_file() or path.stat().st_size != 2 * tokens:  # kept from an earlier run in --dir
+            write_stream(path, tokens)
     print(f"streams written in {time.perf_counter() - start:.0f} s: {big.stat().st_size / 1e9:.2f} GB and "
           f"{small.stat().st_size / 1e6:.0f} MB (uint16, no sidecar); {args.steps} steps of 32 x 128 tokens, dp 2")
     rows: dict[str, list[dict]] = {"small": [], "big": []}
@@ -173,8 +185,9 @@ def memory(args) -> None:
               f"{spread([x['anon'] for x in rs])} |")
     diff = statistics.median(x["rss"] for x in rows["big"]) - statistics.median(x["rss"] for x in rows["small"])
     print(f"\nbig - small, median peak VmRSS per rank: {diff:+.1f} MB (the stream is {args.gb:.1f} GB)")
-    for p in tmp.rglob("*.bin"):
-        p.unlink()
+    if not args.dir:
+        for p in tmp.rglob("*.bin"):
+            p.unlink()
 
 
 def main() -> None:
@@ -188,7 +201,8 @@ def main() -> None:
     m.add_argument("--gb", type=float, default=3)
     m.add_argument("--steps", type=int, default=200)
     m.add_argument("--repeats", type=int, default=2)
-    m.add_argument("--dir", default=None, help="where the streams are written (default: the temp folder)")
+    m.add_argument("--dir", default=None, help="where the streams are written and kept (default: a temporary folder, "
+                   "removed after)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     throughput(args) if args.what == "throughput" else memory(args)

@@ -18,6 +18,8 @@ from data_corpus import documents, write_jsonl, write_parquet
 from harness import TINY, assert_same_run, make_config, train_parallel
 
 from scaletrain.cli import main
+from scaletrain.config import load_config
+from scaletrain.data.tokenizer import folder_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,10 +73,22 @@ def test_tokenizer_train_sample_export_and_init_from(world):
     assert auto(text)["input_ids"] == lib.encode(text, add_special_tokens=False).ids
     assert auto.eos_token == "<|endoftext|>"
     assert AutoModelForCausalLM.from_pretrained(str(root / "hf")).config.vocab_size == 400
-    code, out, err = run(["train", *CLI_TINY, "--set", f"data.source={world['jsonl']}", "--init-from",
-                          str(root / "hf"), "--out", str(root / "again")])
-    assert code == 0, err
-    assert yaml.safe_load((root / "again" / "config.yaml").read_text())["data"]["tokenizer"] == str(root / "hf")
+    # `train --init-from DIR` loads its config with DIR's tokenizer below the file and --set (commands/train.py)
+    init = load_config(None, [], base=folder_tokenizer(root / "hf"))
+    assert (init.data.tokenizer, init.model.vocab_size) == (str(root / "hf"), 400)
+    assert load_config(None, ["data.tokenizer=byte"], base=folder_tokenizer(root / "hf")).data.tokenizer == "byte"
+
+
+def test_byte_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from scaletrain.data.tokenizer import ByteTokenizer, encode
+
+    ByteTokenizer().save(tmp_path)
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = 'def f(x):\n    return "é\x00✓"  \t'
+    assert auto(text)["input_ids"] == encode(text).tolist()
+    assert auto.decode(auto(text)["input_ids"]) == text
 
 
 # --------------------------------------------------------------------------- a mixture under dp 2 x ZeRO-1
