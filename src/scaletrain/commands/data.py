@@ -35,7 +35,7 @@ def cmd_tokenizer(args) -> int:
         raise UserError("--text-field must name the text column; got ''")
     if Path(args.source).suffix == ".bin":
         raise UserError(f"--from {args.source} is a token file; a tokenizer is trained on text")
-    source = find_source(args.source, args.text_field)
+    source = find_source(args.source, args.text_field, what="--from")
     result = train_bpe(source, args.vocab, out, args.min_frequency)
     note = "" if result.vocab_size == args.vocab else f" (the corpus has merges for {result.vocab_size:,} only)"
     print(f"byte-level BPE tokenizer of {result.vocab_size:,} tokens{note}, trained on {args.source} "

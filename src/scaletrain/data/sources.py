@@ -76,7 +76,7 @@ class Source:
             yield from read(f, self.text_field, as_bytes)
 
 
-def find_source(spec: str, text_field: str = "text") -> Source:
+def find_source(spec: str, text_field: str = "text", what: str = "data.source") -> Source:
     """The source `spec` names (not a `.bin` file); DataError naming it when missing, empty or of mixed formats."""
     if spec == "builtin":
         files = builtin_files()
@@ -85,7 +85,7 @@ def find_source(spec: str, text_field: str = "text") -> Source:
         return Source(spec, "builtin", tuple(files))
     path = Path(spec).expanduser()
     if not path.exists():
-        raise DataError(f"data.source not found: {spec}")
+        raise DataError(f"{what} not found: {spec}")
     if path.is_file():
         kind = "jsonl" if _is_jsonl(path) else "parquet" if path.suffix == ".parquet" else \
             "arrow" if path.suffix == ".arrow" else "text"
@@ -95,7 +95,7 @@ def find_source(spec: str, text_field: str = "text") -> Source:
             splits = json.loads((path / "dataset_dict.json").read_text()).get("splits")
         except (OSError, ValueError, AttributeError):
             splits = None
-        raise DataError(f"data.source {spec} is a datasets DatasetDict (splits {splits}); give one split's folder, "
+        raise DataError(f"{what} {spec} is a datasets DatasetDict (splits {splits}); give one split's folder, "
                         f"e.g. {path / (splits[0] if splits else 'train')}")
     elif (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         kind, files = "arrow", _arrow_files(path)
@@ -105,11 +105,11 @@ def find_source(spec: str, text_field: str = "text") -> Source:
         jsonl = [p for p in found if _is_jsonl(p)]
         parquet = [p for p in found if p.suffix == ".parquet"]
         if jsonl and parquet:
-            raise DataError(f"data.source {spec} holds both JSONL ({jsonl[0].name}) and Parquet ({parquet[0].name}) "
+            raise DataError(f"{what} {spec} holds both JSONL ({jsonl[0].name}) and Parquet ({parquet[0].name}) "
                             "files; give one folder per format, combined with data.mix")
         kind, files = ("jsonl", jsonl) if jsonl else ("parquet", parquet) if parquet else ("text", found)
     if not files or sum(f.stat().st_size for f in files) == 0:
-        raise DataError(f"data.source {spec} has no data (no non-empty files)")
+        raise DataError(f"{what} {spec} has no data (no non-empty files)")
     return Source(spec, kind, tuple(files), text_field)
 
 
