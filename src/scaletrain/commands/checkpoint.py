@@ -69,11 +69,11 @@ def _new_output(to: str, what: str) -> Path:
 
 def cmd_inspect(args) -> int:
     from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train import dcp_io
+    from scaletrain.train import ckpt_index
 
     directory = find_checkpoint(args.dir)
     meta = ckpt.read_meta(directory)
-    index = dcp_io.read_index(directory)
+    index = ckpt_index.read_index(directory)
     report = ckpt.verify(directory, index)
     kinds: dict[str, int] = {}
     params = 0
