@@ -186,6 +186,11 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(name, over
     assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
                                                         "tokenizer_config.json"]  # the byte tokenizer (issue 28)
     assert _tf().AutoTokenizer.from_pretrained(hf_dir)("def ")["input_ids"] == list(b"def ")
+    from scaletrain.config import load_config
+    from scaletrain.data.tokenizer import folder_tokenizer, load_tokenizer
+
+    data = load_config(None, [], base=folder_tokenizer(hf_dir)).data  # what `train --init-from` the export reads
+    assert load_tokenizer(data.tokenizer, data.eot_token).eot_id == 0  # documents still end with NUL
     hf = _tf().AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(hf).__name__ == arch
     x = torch.randint(0, 256, (2, TINY["model.seq_len"]), generator=torch.Generator().manual_seed(0))
