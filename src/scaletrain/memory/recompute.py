@@ -148,16 +148,25 @@ class CheckpointHooks:
     """
 
     def __init__(self, tp_group: dist.ProcessGroup | None, offload: bool, stats: OffloadStats,
-                 arena: Arena | None = None):
+                 arena: Arena | None = None, partner: CheckpointHooks | None = None):
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.offload, self.stats = offload, stats
         self.arena = arena  # memory.contiguous: kept checkpoints live in its slots (memory/contiguous.py)
-        self.encoder = None
+        self.partner = partner  # hooks whose encoder these share (nth:k's offload-only hooks of the other blocks)
+        self._encoder = None
+
+    @property
+    def encoder(self) -> Any:
         """memory.compress with bf16 / int8: the engine's `ActivationCompressor` (set by `apply_compress_pass`).
         These hooks are innermost, so the compressor's own never see what they keep: they encode it with it
         first and partition / offload / hold the encoding, as one process keeps it encoded."""
+        return self.partner.encoder if self.partner is not None else self._encoder
+
+    @encoder.setter
+    def encoder(self, value: Any) -> None:
+        self._encoder = value
 
     @property
     def active(self) -> bool:
@@ -437,11 +446,13 @@ def apply_recompute(engine: Any, mem: Any, tp_group: Any = None) -> OffloadStats
     else:
         if mode.kind == "ops":
             check_op_policy(mem.recompute)
+        # what a block that is not a checkpoint saves is offloaded, never partitioned: it is not replicated over tp
+        plain = hooks if tp_group is None else CheckpointHooks(None, mem.offload_activations, stats, arena, hooks)
         for index, b in (ib for run in runs for ib in run):
             if mode.kind in ("full", "ops") or (mode.kind == "nth" and index % mode.k == 0):
                 b.forward = _Checkpointed(b.forward, hooks, [b], mode.ops)
             elif mem.offload_activations:  # none (and nth's other blocks): offload everything the block saves
-                b.forward = functools.partial(_offloaded, b.forward, hooks)
+                b.forward = functools.partial(_offloaded, b.forward, plain)
     if mem.offload_activations:
         add_memory_report(engine, lambda: {"mem_activations_host": stats.peak})
     return stats

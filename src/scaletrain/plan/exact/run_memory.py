@@ -42,6 +42,7 @@ from scaletrain.config import Config, ModelConfig
 from scaletrain.plan.analytic import offload_costs
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.exact import tp_nd_memory
+from scaletrain.plan.exact.gathered import gathered_param_bytes
 
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW = ("bf16", "fp16")
@@ -648,6 +649,10 @@ def predict_run(cfg: Config) -> dict:
     """
     states = model_state_bytes(cfg)
     out = {f"plan_mem_{k}": int(v) for k, v in states.items()}
+    gathered = gathered_param_bytes(cfg, [engine_module_on_meta(cfg, r) for r in range(cfg.parallel.pp)]) \
+        if cfg.parallel.zero == 3 else None
+    if gathered is not None:
+        out["plan_mem_params_gathered"] = gathered
     if predicts_activations(cfg):
         out["plan_mem_activations"] = int(activation_bytes(cfg))
     return out
