@@ -3,11 +3,13 @@
 Policies (`memory.recompute`): none, attn-core (Korthikanti et al., arXiv 2205.05198), full (Chen et al., arXiv
 1604.06174), nth:2 (torchtitan's selective layer), ops:matmul and ops:matmul+attention (torchtitan's selective op,
 torch's selective activation checkpointing). For each: `mem_activations` (bytes kept for backward, measured by the
-trainer) next to the exact run planner's `plan_mem_activations`, the peak bytes of tensors allocated during a step
-(`TensorPeak`: kept activations plus the recomputation's working set and temporaries), the median forward + backward
-time and its overhead over `none`, and the hardware FLOPs of a step over `none`'s (FlopCounterMode; the recomputed
-ops counted, the cached ones not). The configurations take their timed steps in turn (`bench_memory.run_all`), after
-one warm-up step each; same weights and data everywhere, so the final losses must be identical.
+trainer) next to the exact run planner's `plan_mem_activations`; the peak bytes of tensors allocated during one
+forward + backward with the gradients already allocated (`TensorPeak`: kept activations plus the recomputation's
+working set and temporaries; a whole step's peak is AdamW's temporaries here, the same for every policy); the median
+forward + backward time with its spread (min-max over the timed steps) and its overhead over `none`; the hardware
+FLOPs of a step over `none`'s (FlopCounterMode; the recomputed ops counted, the cached ones not). The configurations
+take their timed steps in turn (`bench_memory.run_all`), after one warm-up step each; same weights and data
+everywhere, so the final losses must be identical.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_recompute_policies.py [--layers 8 --d-model 720 --steps 5]
 """
@@ -19,7 +21,19 @@ import argparse
 import torch
 from bench_memory import MiB, make_trainer, run_all
 
+from scaletrain.device.accounting import TensorPeak
+
 POLICIES = ("none", "attn-core", "full", "nth:2", "ops:matmul", "ops:matmul+attention")
+
+
+def fwd_bwd_peak(t) -> int:
+    """Peak bytes allocated during one forward + backward of the trainer's engine, its gradients already allocated
+    (a first pass allocates them; the measured one accumulates into them)."""
+    micro = t.loader.micro_batches(1, 0, 1, t.cfg.train.micro_batch)
+    t.engine.forward_backward(micro, 1.0)
+    with TensorPeak() as peak:
+        t.engine.forward_backward(micro, 1.0)
+    return peak.peak
 
 
 def main() -> None:
@@ -37,14 +51,17 @@ def main() -> None:
           f"{args.heads} heads), seq {args.seq}, batch {args.batch}, fp32, 1 thread, {args.steps} timed steps\n")
     rec = run_all(args, {p: [f"memory.recompute={p}"] for p in POLICIES})
     none = rec["none"]
-    print("| policy | kept for backward | planner (exact) | peak in step | fwd+bwd time | overhead | FLOPs over none |")
+    peaks = {p: fwd_bwd_peak(rec[p]["trainer"]) for p in POLICIES}
+    print("| policy | kept for backward | planner (exact) | peak of fwd+bwd | fwd+bwd time (min-max) | overhead | "
+          "FLOPs over none |")
     print("|---|---|---|---|---|---|---|")
     for p in POLICIES:
         r = rec[p]
         planned = r.get("plan_mem_activations")
         plan = f"{planned / MiB:.2f} MiB" + (" (=)" if planned == r["mem_activations"] else " (differs)")
-        print(f"| {p} | {r['mem_activations'] / MiB:.2f} MiB | {plan} | {r['peak_step_bytes'] / MiB:.1f} MiB | "
-              f"{r['fwd_bwd_s']:.2f} s | {r['fwd_bwd_s'] / none['fwd_bwd_s'] - 1:+.0%} | "
+        print(f"| {p} | {r['mem_activations'] / MiB:.2f} MiB | {plan} | {peaks[p] / MiB:.1f} MiB | "
+              f"{r['fwd_bwd_s']:.2f} s ({min(r['fwd_bwd_all']):.2f}-{max(r['fwd_bwd_all']):.2f}) | "
+              f"{r['fwd_bwd_s'] / none['fwd_bwd_s'] - 1:+.0%} | "
               f"{r['flops'] / none['flops'] - 1:+.1%} |")
     same = len({rec[p]["loss"] for p in POLICIES}) == 1
     print(f"\nFinal losses identical across policies: {same} ({none['loss']:.6f}).")
