@@ -9,7 +9,7 @@ import pytest
 from scaletrain.errors import UserError
 from scaletrain.plan.analytic.estimate import estimate
 from scaletrain.plan.analytic.inputs import Layout, Training
-from scaletrain.plan.analytic.pipeline import inflight_chunks, pipeline_time
+from scaletrain.plan.analytic.stages import inflight_count, pipeline_makespan
 from scaletrain.plan.catalog import get_model
 from scaletrain.plan.hardware import get_gpu
 from scaletrain.plan.search import dedupe, parse_layout, search
@@ -18,6 +18,11 @@ CASES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "
          for p in (1, 2, 3, 4, 8) for m in (p, 2 * p, 2 * p + 1, 4 * p)
          for v in ((1, 2, 3) if name == "interleaved" else (1,))]
 TIMES = [(1.0, 2.0, 0.0), (1.0, 1.0, 1.0), (1.0, 1.5, 0.7), (1.0, 1.0, 3.0), (0.5, 0.3, 0.9)]
+
+
+def pipeline_time(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float = 0.0) -> float:
+    """The planner's step for equal stages: t_f, t_b (input backward, or all of it when t_w = 0), t_w per rank."""
+    return pipeline_makespan(name, p, m, v, [t_f + t_b + t_w] * p, [max(t_f + t_b - t_w, t_f)] * p)
 
 
 def test_closed_forms_agree_with_schedule_simulator():
@@ -36,7 +41,7 @@ def test_closed_forms_agree_with_schedule_simulator():
             if name == "2bw" and p > 1:  # one isolated step: fill and drain once (see pipeline_time)
                 closed += (p - 1) * (t_f + t_b + t_w)
             assert r.makespan == pytest.approx(closed, rel=1e-9), (name, p, m, v, t_f, t_b, t_w)
-            assert max(r.peak_in_flight) == inflight_chunks(name, p, m, v), (name, p, m, v)
+            assert r.peak_in_flight == [inflight_count(name, p, m, v, rank) for rank in range(p)], (name, p, m, v)
             checked += 1
     assert checked > 300
 
@@ -54,7 +59,7 @@ def test_bubble_fraction_closed_forms():
 def test_interleaved_inflight_matches_korthikanti_factor():
     # first stage holds L(1 + (p-1)/(pv)) layers' activations (arXiv 2205.05198 Sec. 4.2.3)
     for p, v in ((4, 2), (8, 3), (16, 4)):
-        chunks = inflight_chunks("interleaved", p, 4 * p, v)  # a chunk holds L/(pv) layers
+        chunks = inflight_count("interleaved", p, 4 * p, v, 0)  # a chunk holds L/(pv) layers
         assert chunks / (p * v) == pytest.approx(1 + (p - 1) / (p * v))
 
 

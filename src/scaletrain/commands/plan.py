@@ -271,7 +271,9 @@ def config_layout(cfg) -> Layout:
                   recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
                   virtual_stages=par.virtual_stages,
                   sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
-                  tp_mode=par.tp_mode, tp_depth=par.tp_depth)
+                  tp_mode=par.tp_mode, tp_depth=par.tp_depth,
+                  # `time` profiles the run's own blocks: predicted, as predict_run does, with the parameter balance
+                  partition="params" if par.partition == "time" else par.partition.replace(" ", ""))
 
 
 def config_training(cfg) -> Training:

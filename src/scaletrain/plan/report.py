@@ -63,7 +63,7 @@ def table(cands: list[Estimate], cluster: Cluster, title: str):
     for i, c in enumerate(cands, 1):
         mem = "/".join(in_unit(c.memory[k], size) for k in MEM_KEYS)
         fits = "yes" if c.fits else f"no (+{gib(c.over_by)} GiB)"
-        t.add_row(str(i), c.layout.short(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
+        t.add_row(str(i), c.label(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
                   f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}", f"{c.bubble_fraction:.1%}",
                   TIME_LABELS.get(c.dominant, c.dominant))
     return t
@@ -72,12 +72,12 @@ def table(cands: list[Estimate], cluster: Cluster, title: str):
 def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> str:
     """Why `best` beats `other`: the time components that differ most, in plain words."""
     if not other.fits and best.fits:
-        return (f"{best.layout.short()} is the fastest layout that fits; {other.layout.short()} would need "
+        return (f"{best.label()} is the fastest layout that fits; {other.label()} would need "
                 f"{gib(other.over_by)} GiB more than the {gib(cluster.gpu.memory_bytes)} GiB per GPU.")
     ratio = other.step_time_s / best.step_time_s
     if ratio < 1.005:
         saved = other.memory["total"] - best.memory["total"]
-        return (f"{best.layout.short()} and the runner-up {other.layout.short()} take the same time per step "
+        return (f"{best.label()} and the runner-up {other.label()} take the same time per step "
                 f"({best.step_time_s:.3g} s)" + (f"; the best needs {gib(saved)} GiB less memory per GPU."
                                                   if saved > 0 else "."))
     diffs = sorted(((other.time_breakdown.get(k, 0) - best.time_breakdown.get(k, 0), k)
@@ -88,7 +88,7 @@ def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> 
             continue
         o, b = other.time_breakdown[key], best.time_breakdown[key]
         parts.append(f"{TIME_LABELS[key]} {b:.3g} s vs {o:.3g} s")  # best first, as in the headline
-    text = (f"{best.layout.short()} is {ratio:.2f}x faster than the runner-up {other.layout.short()}"
+    text = (f"{best.label()} is {ratio:.2f}x faster than the runner-up {other.label()}"
             f" ({best.step_time_s:.3g} s vs {other.step_time_s:.3g} s per step)")
     text += ": " + "; ".join(parts) + "." if parts else "."
     bl, ol = best.layout, other.layout
@@ -137,7 +137,7 @@ def memory_png(cands: list[Estimate], capacity: float, path: str | Path, title: 
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cands) + 2), 4.5))
-    labels = [f"#{i}\n" + c.layout.short().replace(" ", "\n", 3) for i, c in enumerate(cands, 1)]
+    labels = [f"#{i}\n" + c.label().replace(" ", "\n", 3) for i, c in enumerate(cands, 1)]
     bottom = [0.0] * len(cands)
     for key in MEM_KEYS:
         vals = [c.memory[key] / GiB for c in cands]

@@ -35,6 +35,7 @@ from scaletrain.plan.analytic.inputs import (
     Training,
     recompute_kind,
 )
+from scaletrain.plan.analytic.stages import PARTITIONS
 from scaletrain.plan.analytic.tp_nd import grid
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
@@ -43,13 +44,17 @@ LAYOUT_FIELDS = {f.name: f.type for f in fields(Layout)}
 
 
 def parse_layout(text: str) -> dict:
-    """`"dp=8,tp=8,recompute=selective,sequence_parallel=true"` -> {field: value}; UserError if bad."""
+    """`"dp=8,tp=8,recompute=selective,sequence_parallel=true"` -> {field: value}; UserError if bad. Block counts
+    of `partition` continue over the commas: `"pp=4,partition=7,8,8,7"`."""
     out: dict = {}
     if not text:
         return out
     for item in text.split(","):
         item = item.strip()
         if not item:
+            continue
+        if "=" not in item and item.isdigit() and str(out.get("partition", "x")).replace(",", "").isdigit():
+            out["partition"] += f",{item}"
             continue
         if "=" not in item:
             raise UserError(f"--layout expects key=value pairs, got {item!r}")
@@ -71,6 +76,11 @@ def parse_layout(text: str) -> dict:
                 recompute_kind(raw)
             except UserError as e:
                 raise UserError(f"--layout: {e}") from None
+            out[key] = raw
+        elif key == "partition":
+            if raw not in PARTITIONS and not raw.isdigit():
+                raise UserError(f"--layout: partition must be one of {', '.join(PARTITIONS)} or block counts like"
+                                f" 7,8,8,7; got {raw!r}")
             out[key] = raw
         elif key in ("schedule", "offload"):
             allowed = {"schedule": SCHEDULES, "offload": OFFLOAD}[key]
@@ -116,7 +126,7 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
     for mode, tp, depth, rows in _tp_choices(m, gpu, n_gpus, fixed):
         grid_mode = mode != "1d"
         for pp in _options(fixed, "pp", divisors(n_gpus // tp) if n_gpus % tp == 0 else []):
-            if n_gpus % (tp * pp) or m.n_layers % pp or (pp > 1 and mode in ("2.5d", "3d")):
+            if n_gpus % (tp * pp) or m.n_layers < pp or (pp > 1 and mode in ("2.5d", "3d")):
                 continue
             dp = n_gpus // (tp * pp)
             if "dp" in fixed and fixed["dp"] != dp:
@@ -130,24 +140,24 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
                            if m.n_experts else [1])
             zeros = _options(fixed, "zero", [0, 1] if grid_mode else [0, 1, 2, 3])
             sps = _options(fixed, "sequence_parallel", [True, False] if tp > 1 and not grid_mode else [False])
-            scheds: list[tuple[str, int]] = []
+            scheds: list[tuple[str, int, str]] = []
             if pp == 1:
-                scheds = [(fixed.get("schedule", "1f1b"), fixed.get("virtual_stages", 1))]
+                scheds = [(fixed.get("schedule", "1f1b"), fixed.get("virtual_stages", 1), "uniform")]
             else:
                 names = _options(fixed, "schedule", ["1f1b", "interleaved"] + ([] if grid_mode else ["zb-h1"]))
                 for name in names:
                     if name == "interleaved":
-                        vs = _options(fixed, "virtual_stages",
-                                      [v for v in (2, 4, 8) if m.n_layers % (pp * v) == 0])
-                        scheds += [(name, v) for v in vs]
-                    elif fixed.get("virtual_stages", 1) == 1:
-                        scheds.append((name, 1))
+                        vs = _options(fixed, "virtual_stages", [v for v in (2, 4, 8) if _partitions(
+                            m, {}, pp * v, grid_mode)])
+                    else:
+                        vs = [1] if fixed.get("virtual_stages", 1) == 1 else []
+                    scheds += [(name, v, part) for v in vs for part in _partitions(m, fixed, pp * v, grid_mode)]
             # with flash attention the attention core is already recomputed in backward: `selective`
             # only adds time, so it is evaluated when asked for
             recs = _options(fixed, "recompute", [r for r in RECOMPUTE
                                                  if r != "selective" or train.attention == "standard"])
             offs = _options(fixed, "offload", list(offload))
-            for ep, mb, zero, sp, (sched, v), rec, off in itertools.product(
+            for ep, mb, zero, sp, (sched, v, part), rec, off in itertools.product(
                     eps, mbs, zeros, sps, scheds, recs, offs):
                 if off == "params" and zero != 3:
                     continue
@@ -155,8 +165,25 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
                     continue
                 out.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec,
                                   schedule=sched, virtual_stages=v, sequence_parallel=sp, offload=off,
-                                  tp_mode=mode, tp_depth=depth))
+                                  tp_mode=mode, tp_depth=depth, partition=part))
     return out
+
+
+def _partitions(m: ModelSpec, fixed: dict, n_stages: int, grid_mode: bool) -> list[str]:
+    """The partitions to try for `n_stages` stages: `uniform` when the layers divide; `ends` when layers + 2 divide
+    (Megatron's stages that count the embedding and the loss as a layer; also tried beside `uniform`); otherwise
+    `params` (PipeDream's balance over parameter counts, the engine's)."""
+    if "partition" in fixed:
+        return [fixed["partition"]]
+    L = m.n_layers
+    if L < n_stages or (grid_mode and L % n_stages):
+        return []
+    if grid_mode or n_stages == 1:
+        return ["uniform"]
+    out = ["uniform"] if L % n_stages == 0 else []
+    if (L + 2) % n_stages == 0 and L + 2 >= 2 * n_stages:  # >= 1 block on the first and the last stage
+        out.append("ends")
+    return out or ["params"]
 
 
 def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[str, int, int, int]]:
@@ -228,8 +255,8 @@ def _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload) -> SearchResult:
 def _no_layout_reason(m: ModelSpec, n_gpus: int, train: Training, fixed: dict) -> str:
     if "tp" in fixed and m.n_heads % fixed["tp"]:
         return f"heads ({m.n_heads}) is not divisible by tp ({fixed['tp']})"
-    if "pp" in fixed and m.n_layers % fixed["pp"]:
-        return f"layers ({m.n_layers}) is not divisible by pp ({fixed['pp']})"
+    if "pp" in fixed and m.n_layers < fixed["pp"]:
+        return f"layers ({m.n_layers}) are fewer than pp ({fixed['pp']})"
     if "dp" in fixed and train.global_batch % fixed["dp"]:
         return f"global batch ({train.global_batch}) is not divisible by dp ({fixed['dp']})"
     return (f"no layout of {n_gpus} GPUs fits the constraints (layers {m.n_layers}, heads {m.n_heads},"

@@ -115,12 +115,11 @@ def balance(costs: LayerCosts, n_stages: int) -> Partition:
     cut = [[0] * (L + 1) for _ in range(n_stages + 1)]
     best[0][0] = (0.0, 0.0)
     for s in range(1, n_stages + 1):
+        prev = best[s - 1]
         for j in range(s, L - (n_stages - s) + 1):
-            for i in range(s - 1, j):
-                if best[s - 1][i] == inf:
-                    continue
+            for i in _valley(lambda i: prev[i][0], lambda i: seg(i, j), s - 1, j):  # noqa: B023 (used at once)
                 c = seg(i, j)
-                cand = (max(best[s - 1][i][0], c), best[s - 1][i][1] + c * c)
+                cand = (max(prev[i][0], c), prev[i][1] + c * c)
                 if _better(cand, best[s][j]):
                     best[s][j], cut[s][j] = cand, i
     blocks, j = [], L
@@ -130,6 +129,29 @@ def balance(costs: LayerCosts, n_stages: int) -> Partition:
         j = i
     blocks.reverse()
     return Partition(tuple(blocks), stage_costs(blocks, costs))
+
+
+def _valley(before, last, lo: int, hi: int) -> range:
+    """The cuts i in [lo, hi) where max(before(i), last(i)) is within the tolerance of its minimum: `before` (the
+    best bottleneck of the blocks before i) never falls as i grows and `last` (the stage from i on) never rises, so
+    the maximum falls then rises and its minimisers are one run around the crossing, found by bisection. The
+    dynamic program looks only at these (the full scan's result, in O(log L) instead of O(L) per cell)."""
+    a, b = lo, hi  # first i with before(i) >= last(i), or hi
+    while a < b:
+        mid = (a + b) // 2
+        if before(mid) >= last(mid):
+            b = mid
+        else:
+            a = mid + 1
+    f = lambda i: max(before(i), last(i))  # noqa: E731
+    best = min(f(i) for i in (a - 1, a) if lo <= i < hi)
+    tol = 1e-12 * max(1.0, abs(best))
+    left, right = max(a - 1, lo), min(a, hi - 1)
+    while left > lo and f(left - 1) <= best + tol:
+        left -= 1
+    while right + 1 < hi and f(right + 1) <= best + tol:
+        right += 1
+    return range(left, right + 1)
 
 
 def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:

@@ -9,9 +9,12 @@ and, for mixture-of-experts layers (GShard arXiv 2006.16668, Switch arXiv 2101.0
 
 from __future__ import annotations
 
+import functools
+
 from scaletrain.plan.catalog import ModelSpec
 
 
+@functools.lru_cache(maxsize=1024)
 def layer_matmul_flops(m: ModelSpec, padded: bool = True) -> tuple[float, float]:
     """Forward matmul FLOPs per token of the whole model's blocks: (split over tp: attention and dense
     MLPs, replicated over tp: routers and experts). An MoE layer's experts compute `expert_slots_per_token`

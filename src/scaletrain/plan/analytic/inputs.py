@@ -84,6 +84,9 @@ class Layout:
     """`1d` (Megatron), `2d`, `2.5d`, `3d` (plan/analytic/tp_nd.py)."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d."""
+    partition: str = "uniform"
+    """How the blocks split into pp x virtual_stages stages: uniform, params, time, ends or block counts "7,8,8,7"
+    (plan/analytic/stages.py; the engine's `parallel.partition`)."""
 
     @property
     def world(self) -> int:
@@ -92,7 +95,7 @@ class Layout:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute",
                                                "schedule", "virtual_stages", "sequence_parallel", "offload",
-                                               "tp_mode", "tp_depth")}
+                                               "tp_mode", "tp_depth", "partition")}
 
     def short(self) -> str:
         mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth})" if self.tp_depth > 1
@@ -103,6 +106,8 @@ class Layout:
         s += f" z{self.zero} mb{self.micro_batch} {self.recompute}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            if self.partition != "uniform":
+                s += f" {self.partition}"
         if self.sequence_parallel:
             s += " sp"
         if self.offload != "none":

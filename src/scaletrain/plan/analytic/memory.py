@@ -9,20 +9,23 @@ loaded rank.
   parallelism, sbh(10 + 24/t + 5as/(ht)) with tp, sbh/t (34 + 5as/h) with tp + sp, 34 sbh/t with selective
   recompute, 2sbh(/t) per layer with full recompute), written term by term so that SwiGLU, GQA, dropout-free
   models, flash attention and fp32 elements follow; mixture-of-experts layers (GShard arXiv 2006.16668) save
-  their dispatched slots; times the layers in flight of the pipeline schedule (`pipeline.inflight_chunks`).
+  their dispatched slots; times the microbatch-chunks each pipeline rank holds (`stages.peak_chunk_bytes`).
 - Buffers: ZeRO-3's gathered layers, DDP buckets, pipeline send/recv buffers, the reserved CUDA context and
   workspaces, and allocator fragmentation (ZeRO-R's M_D).
 """
 
 from __future__ import annotations
 
+import functools
+
 from scaletrain.optim.registry import optimizer_spec
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_kind
-from scaletrain.plan.analytic.params import StageParams, factored_statistics, param_counts
-from scaletrain.plan.analytic.pipeline import inflight_chunks
+from scaletrain.plan.analytic.params import StageParams, block_kinds, factored_statistics, param_counts
+from scaletrain.plan.analytic.stages import Stages, inflight_count, peak_chunk_bytes
 from scaletrain.plan.catalog import ModelSpec
 
 
+@functools.lru_cache(maxsize=4096)
 def layer_activation_bytes(m: ModelSpec, tokens: float, t: int, sp: bool, recompute: str, attention: str,
                            elem: int) -> float:
     """Bytes one layer keeps for backward for `tokens` tokens of one microbatch (Korthikanti eq. 1-6).
@@ -94,34 +97,45 @@ def memory_model_states(psi: float, dp: int, zero: int, param_b: float = 2, grad
     return params, grads, optim
 
 
-def stage_activation_bytes(m: ModelSpec, train: Training, lay: Layout, mbs: int) -> tuple[float, float, float]:
-    """(the blocks' activations a rank holds at the schedule's peak, the first stage's extra, the last stage's
-    extra): the first stage keeps the embedding output (+ dropout mask) per in-flight microbatch, the last the
-    final norm and head inputs plus fp32 logits for the loss, 4sbv/t (Korthikanti Sec. 4.3)."""
+def rank_activation_bytes(m: ModelSpec, train: Training, lay: Layout, mbs: int, st: Stages) -> list[float]:
+    """Activation bytes one rank of every group of pipeline ranks (`Stages.groups`) holds at its peak: its chunks'
+    blocks times the microbatch-chunks the schedule keeps on it (`stages.peak_chunk_bytes`), and on the first stage
+    the embedding output (+ dropout mask)
+    per in-flight microbatch, on the last the final norm and head inputs plus fp32 logits for the loss, 4sbv/t
+    (Korthikanti Sec. 4.3)."""
     _, _, eb, _ = DTYPES[train.dtype]
     t, p, v, s, h = lay.tp, lay.pp, lay.virtual_stages, m.seq_len, m.d_model
     tokens = lay.micro_batch * s
     # (the grid modes split every activation over the t ranks: Korthikanti's fully partitioned form, as with sp)
     sp = lay.sequence_parallel or lay.tp_mode != "1d"
-    kind, seg = recompute_kind(lay.recompute)
-    layer_act = layer_activation_bytes(m, tokens, t, sp, kind, train.attention, eb)
-    layers_per_chunk = m.n_layers / (p * v)
-    chunks = inflight_chunks(lay.schedule, p, mbs, v)
-    acts = layer_act * layers_per_chunk * chunks / seg  # every:k keeps one input per segment of k blocks
-    if kind == "full":  # one segment's full activations live while it is recomputed
-        acts += seg * layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
     sp_div = t if sp else 1
-    if m.reversible:  # a chunk keeps its output stream; one layer's activations live while it is rebuilt
-        acts = chunks * tokens * eb * h / sp_div + layer_act
-    first_extra = tokens * (eb + (1 if m.dropout else 0)) * h / sp_div * min(chunks, mbs)
-    last_extra = tokens * (2 * eb * h / sp_div + 4 * m.vocab_size / t)
-    return acts, first_extra, last_extra
+    kind, seg = recompute_kind(lay.recompute)
+    kinds = block_kinds(m)  # dense, MoE block
+    saved = [layer_activation_bytes(x, tokens, t, sp, kind, train.attention, eb) for x in kinds]
+    whole = [layer_activation_bytes(x, tokens, t, sp, "none", train.attention, eb) for x in kinds] if kind == "full" \
+        else saved
+    out = []
+    for g in st.groups:
+        r = g.rank
+        chunk_bytes = [(st.blocks[c] - st.moe[c]) * saved[0] + st.moe[c] * saved[1] for c in g.stages]
+        if m.reversible:  # a chunk keeps its output stream; one layer's activations live while it is rebuilt
+            acts = peak_chunk_bytes(lay.schedule, p, mbs, v, r, [tokens * eb * h / sp_div] * v) + max(saved)
+        else:  # every:k keeps one input per segment of k blocks; one segment lives whole while it is recomputed
+            acts = peak_chunk_bytes(lay.schedule, p, mbs, v, r, [b / seg for b in chunk_bytes])
+            acts += seg * max(whole) if kind == "full" else 0.0
+        if r == 0:
+            acts += tokens * (eb + (1 if m.dropout else 0)) * h / sp_div * min(inflight_count(
+                lay.schedule, p, mbs, v, 0), mbs)
+        if r == p - 1:
+            acts += tokens * (2 * eb * h / sp_div + 4 * m.vocab_size / t)
+        out.append(acts)
+    return out
 
 
-def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, first: StageParams,
-                last: StageParams, mbs: int) -> dict[str, float]:
-    """Bytes per category (and their total) on the most loaded rank: of the first and the last pipeline stage
-    (parameters `first` and `last`), the one with the most bytes."""
+def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, ranks: list[StageParams],
+                acts: list[float], mbs: int) -> dict[str, float]:
+    """Bytes per category (and their total) on the most loaded rank: of the pipeline ranks (its parameters `ranks[i]`
+    and activations `acts[i]`), the one with the most bytes."""
     pb, gb, eb, _ = DTYPES[train.dtype]
     gb, pb = train.grad_bytes or gb, train.param_bytes or pb
     k, k_whole = optimizer_bytes(m, train)
@@ -129,12 +143,9 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, firs
     edp = lay.dp // lay.ep
     tokens = lay.micro_batch * m.seq_len
     sp_div = t if lay.sequence_parallel or lay.tp_mode != "1d" else 1
-    acts, first_extra, last_extra = stage_activation_bytes(m, train, lay, mbs)
     pc = param_counts(m)
     rows = []
-    stages = ((first, acts + first_extra + last_extra),) if p == 1 else \
-        ((first, acts + first_extra), (last, acts + last_extra))
-    for st, stage_acts in stages:
+    for st, stage_acts in zip(ranks, acts):
         params, grads, optim = memory_model_states(st.dense, lay.dp, lay.zero, pb, gb, k, st.expert, edp)
         optim += (st.dense + st.expert) * k_whole
         if lay.offload != "none":

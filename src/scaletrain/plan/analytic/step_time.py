@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.parallel.pipeline.balance import LayerCosts
 from scaletrain.plan.analytic import offload_costs, tp_nd
 from scaletrain.plan.analytic.comm import allreduce_time, gather_time, group_link
 from scaletrain.plan.analytic.flops import forward_flops_per_token, layer_matmul_flops, step_flops
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_kind
 from scaletrain.plan.analytic.memory import layer_activation_bytes
-from scaletrain.plan.analytic.params import StageParams, param_counts
-from scaletrain.plan.analytic.pipeline import pipeline_time
+from scaletrain.plan.analytic.params import StageParams, block_kinds, param_counts
+from scaletrain.plan.analytic.stages import Stages, pipeline_makespan
 from scaletrain.plan.analytic.zero3 import zero3_exposed_time
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
@@ -135,36 +136,65 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm)
 
 
+def kind_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions,
+               lt: LayerTimes) -> tuple[LayerTimes, LayerTimes]:
+    """The times of one dense and of one mixture-of-experts block (`lt`, the mean, for models of one kind)."""
+    if not m.n_experts or m.moe_every == 1:
+        return lt, lt
+    return tuple(layer_times(x, gpu, train, lay, a) for x in block_kinds(m))
+
+
+def logits_time(m: ModelSpec, gpu: GPU, lay: Layout, a: Assumptions, lt: LayerTimes) -> float:
+    """Forward of the head on one microbatch: the 2Vh logits GEMM and the fp32 logits' memory traffic."""
+    tokens = lay.micro_batch * m.seq_len
+    _, _, logits = forward_flops_per_token(m)
+    t = lay.tp
+    return tokens * logits / t / (gpu.peak_flops * lt.eff) + a.mem_traffic * tokens * 4 * m.vocab_size / t / lt.hbm
+
+
+def block_time_costs(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions) -> LayerCosts:
+    """Forward + backward seconds of every block, the embedding and the head (with the loss) on one microbatch: the
+    costs `partition=time` balances (the engine profiles the same three on its own rank 0)."""
+    from scaletrain.plan.analytic.stages import is_moe_block
+
+    _, _, eb = _elem_bytes(train)
+    lt = layer_times(m, gpu, train, lay, a)
+    kinds = kind_times(m, gpu, train, lay, a, lt)
+    per = [3 * k.forward + k.tp_f + k.tp_b + 2 * k.ep + k.recompute for k in kinds]
+    blocks = tuple(per[is_moe_block(m, i)] for i in range(m.n_layers))
+    embed = 3 * lay.micro_batch * m.seq_len * m.d_model * eb / lt.hbm  # a gather, and its gradient's scatter-add
+    return LayerCosts(blocks, embed, 3 * logits_time(m, gpu, lay, a, lt), "s")
+
+
 def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, mbs: int,
-                   lt: LayerTimes) -> PipelineTimes:
-    """A stage's forward and backward per microbatch (logits on the last), its p2p sends, and the pipeline's
-    step time and bubble from the schedule's closed form."""
+                   lt: LayerTimes, st: Stages) -> PipelineTimes:
+    """Every stage's forward and backward per microbatch (its blocks, logits on the last, its p2p sends), and the
+    pipeline's step time and bubble (`stages.pipeline_makespan`); the fields are the heaviest rank's."""
     _, _, eb = _elem_bytes(train)
     t, p, v = lay.tp, lay.pp, lay.virtual_stages
     tokens = lay.micro_batch * m.seq_len
-    lps = m.n_layers / p
-    _, _, logits = forward_flops_per_token(m)
-    f_layer = lt.forward
-    t_logits = tokens * logits / t / (gpu.peak_flops * lt.eff) + a.mem_traffic * tokens * 4 * m.vocab_size / t / lt.hbm
-    fwd = lps * (f_layer + lt.tp_f + lt.ep)
-    bwd = lps * (2 * f_layer + lt.tp_b + lt.ep + lt.recompute)
-    w_part = lps * lt.gemm  # weight-gradient GEMMs (the zero-bubble W pass)
-    fwd_last, bwd_last = fwd + t_logits, bwd + 2 * t_logits
-    t_f, t_b = max(fwd, fwd_last), max(bwd, bwd_last)
+    t_logits = logits_time(m, gpu, lay, a, lt)
     pp_bytes = tokens * m.d_model * eb / t  # Megatron's scatter/gather of the p2p message over tp ranks
     pp_link = group_link(gpu, p, t * lay.dp, a)
-    t_pp = 0.0
-    if p > 1:
-        t_pp = v * (pp_bytes / pp_link[0] + pp_link[1])
-    t_f += t_pp
-    t_b += t_pp
-    if lay.schedule == "zb-h1":
-        t_pipe = pipeline_time(lay.schedule, p, mbs, v, t_f, t_b - w_part, w_part)
-    else:
-        t_pipe = pipeline_time(lay.schedule, p, mbs, v, t_f, t_b)
-    busy = mbs * (t_f + t_b)
-    bubble = max(t_pipe - busy, 0.0)
-    return PipelineTimes(t_logits, fwd, bwd, fwd_last, bwd_last, t_f, t_b, t_pp, pp_bytes, t_pipe, busy, bubble)
+    t_pp = v * (pp_bytes / pp_link[0] + pp_link[1]) if p > 1 else 0.0
+    kinds = kind_times(m, gpu, train, lay, a, lt)
+    fwd, bwd, wgt = [], [], []
+    groups = st.groups
+    last = [g.rank == p - 1 for g in groups]
+    for g in groups:
+        n = (g.dense, g.moe)
+        fwd.append(sum(c * (k.forward + k.tp_f + k.ep) for c, k in zip(n, kinds)))
+        bwd.append(sum(c * (2 * k.forward + k.tp_b + k.ep + k.recompute) for c, k in zip(n, kinds)))
+        wgt.append(sum(c * k.gemm for c, k in zip(n, kinds)))  # weight-gradient GEMMs (the zero-bubble W pass)
+    f_all = [f + (t_logits if is_last else 0.0) + t_pp for f, is_last in zip(fwd, last)]
+    b_all = [b + (2 * t_logits if is_last else 0.0) + t_pp for b, is_last in zip(bwd, last)]
+    work = [f + b for f, b in zip(f_all, b_all)]
+    fill = [max(f + b - 2 * w, f) for f, b, w in zip(f_all, b_all, wgt)] if lay.schedule == "zb-h1" else work
+    t_pipe = pipeline_makespan(lay.schedule, p, mbs, v, work, fill, [g.count for g in groups])
+    h = max(range(len(groups)), key=lambda i: work[i])
+    busy = mbs * work[h]
+    return PipelineTimes(t_logits, fwd[h], bwd[h], fwd[h] + t_logits, bwd[h] + 2 * t_logits, f_all[h], b_all[h],
+                         t_pp, pp_bytes, t_pipe, busy, max(t_pipe - busy, 0.0))
 
 
 def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, st: StageParams, mbs: int,
@@ -216,13 +246,12 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
 
 
 def optimizer_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, st: StageParams,
-                   mbs: int, k: float, pt: PipelineTimes) -> tuple[float, float, float]:
+                   mbs: int, k: float, pt: PipelineTimes, lps: float) -> tuple[float, float, float]:
     """(optimizer step seconds, offload seconds, parameters of this rank's shard): the step is memory-bound on
     the GPU; offloaded, it runs on the CPU behind PCIe transfers (or NVMe I/O)."""
     pb, gb, _ = _elem_bytes(train)
     t = lay.tp
     edp = lay.dp // lay.ep
-    lps = m.n_layers / lay.pp
     link_bw = gpu.host_bw * a.link_efficiency
     shard = st.dense / (lay.dp if lay.zero >= 1 else 1) + st.expert / (edp if lay.zero >= 1 else 1)
     t_opt, t_off = 0.0, 0.0
@@ -246,18 +275,19 @@ def optimizer_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     return t_opt, t_off, shard
 
 
-def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, first: StageParams,
-              last: StageParams, mbs: int, k: float) -> StepCost:
-    """The step time of the layout (memory already checked) with its breakdown, rates and bytes moved."""
+def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, ranks: list[StageParams],
+              stages: Stages, mbs: int, k: float) -> StepCost:
+    """The step time of the layout (memory already checked) with its breakdown, rates and bytes moved; `ranks` are
+    the parameters of every pipeline rank, `stages` their blocks."""
     pb, gb, eb = _elem_bytes(train)
     t, p, v, s = lay.tp, lay.pp, lay.virtual_stages, m.seq_len
     n_gpus = lay.world
-    lps = m.n_layers / p
+    lps = stages.heaviest_blocks
     lt = layer_times(m, gpu, train, lay, a)
-    pt = pipeline_times(m, gpu, train, lay, a, mbs, lt)
-    st = max(first, last, key=lambda x: x.total)
+    pt = pipeline_times(m, gpu, train, lay, a, mbs, lt, stages)
+    st = max(ranks, key=lambda x: x.total)
     t_dp, dp_bytes = dp_time(m, gpu, train, lay, a, st, mbs, lt, pt)
-    t_opt, t_off, shard = optimizer_time(m, gpu, train, lay, a, st, mbs, k, pt)
+    t_opt, t_off, shard = optimizer_time(m, gpu, train, lay, a, st, mbs, k, pt, lps)
 
     step = pt.pipe + t_dp + t_opt + t_off
     kind = recompute_kind(lay.recompute)[0]
