@@ -180,7 +180,8 @@ def test_config_mode_describes_the_layout_the_trainer_runs(capsys, tmp_path, ove
       "pp=5,tp=8,partition=uniform"], "layers (96) is not divisible by pp (5) x virtual_stages (1) = 5"),
     (["plan", "--layers", "4", "--hidden", "100", "--heads", "3", "--vocab", "10", "--seq-len", "8",
       "--gpus", "1", "--global-batch", "1"], "hidden size (100) is not divisible by heads (3)"),
-    (BASE + ["--layout", "recompute=sometimes"], "recompute must be one of"),
+    (BASE + ["--layout", "recompute=sometimes"], "recompute must be none, full, every:k, nth:k"),
+    (BASE + ["--layout", "recompute=ops:softmax"], "op kind softmax is not one of matmul, attention"),
     (["plan", "--model", "gpt2", "--global-batch", "8"], "--gpus is required"),
     (BASE + ["--zero3-bw", "0"], "--zero3-bw must be a positive bandwidth in GB/s, got 0.0"),
 ])

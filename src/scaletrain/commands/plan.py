@@ -247,6 +247,8 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     con.print(f"model assumptions: {model_flags(model)}", soft_wrap=True)
     if offload_needed:
         con.print("Nothing fits without offload; these layouts offload optimizer state or parameters.")
+    for note in dict.fromkeys(n for c in top for n in c.notes):  # each once, in the order of the table
+        con.print(f"note: {note}", soft_wrap=True)
     if len(top) > 1:
         con.print(report.explain(top[0], top[1], model, cluster))
     elif top and not top[0].fits:

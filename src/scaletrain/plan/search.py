@@ -28,12 +28,11 @@ from scaletrain.plan.analytic.estimate import Estimate, estimate
 from scaletrain.plan.analytic.inputs import (
     DEFAULT_ASSUMPTIONS,
     OFFLOAD,
-    RECOMPUTE,
     SCHEDULES,
     Assumptions,
     Layout,
     Training,
-    recompute_kind,
+    recompute_policy,
 )
 from scaletrain.plan.analytic.stages import PARTITIONS
 from scaletrain.plan.analytic.tp_nd import grid
@@ -41,6 +40,9 @@ from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
 
 LAYOUT_FIELDS = {f.name: f.type for f in fields(Layout)}
+SEARCHED_RECOMPUTE = ("none", "full", "ops:matmul+attention")
+"""The checkpointing policies the search tries; `attn-core` too with standard attention (with flash attention the
+kernel already recomputes the core: it would save nothing). every:k and nth:k are evaluated when asked for."""
 
 
 def parse_layout(text: str) -> dict:
@@ -73,10 +75,9 @@ def parse_layout(text: str) -> dict:
             out[key] = raw.lower() in ("true", "1", "yes")
         elif key == "recompute":
             try:
-                recompute_kind(raw)
+                out[key] = recompute_policy(raw).spec
             except UserError as e:
                 raise UserError(f"--layout: {e}") from None
-            out[key] = raw
         elif key == "partition":
             if raw not in PARTITIONS and not raw.isdigit():
                 raise UserError(f"--layout: partition must be one of {', '.join(PARTITIONS)} or block counts like"
@@ -146,16 +147,15 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
             else:
                 names = _options(fixed, "schedule", ["1f1b", "interleaved"] + ([] if grid_mode else ["zb-h1"]))
                 for name in names:
-                    if name == "interleaved":
+                    if name == "interleaved":  # chunks of equal size, or ends' (Megatron's)
                         vs = _options(fixed, "virtual_stages", [v for v in (2, 4, 8) if _partitions(
-                            m, {}, pp * v, grid_mode)])
+                            m, {}, pp * v, grid_mode, balance=False)])
                     else:
                         vs = [1] if fixed.get("virtual_stages", 1) == 1 else []
-                    scheds += [(name, v, part) for v in vs for part in _partitions(m, fixed, pp * v, grid_mode)]
-            # with flash attention the attention core is already recomputed in backward: `selective`
-            # only adds time, so it is evaluated when asked for
-            recs = _options(fixed, "recompute", [r for r in RECOMPUTE
-                                                 if r != "selective" or train.attention == "standard"])
+                    scheds += [(name, v, part) for v in vs
+                               for part in _partitions(m, fixed, pp * v, grid_mode, balance=name != "interleaved")]
+            recs = _options(fixed, "recompute", SEARCHED_RECOMPUTE + (("attn-core",) if train.attention == "standard"
+                                                                      else ()))
             offs = _options(fixed, "offload", list(offload))
             for ep, mb, zero, sp, (sched, v, part), rec, off in itertools.product(
                     eps, mbs, zeros, sps, scheds, recs, offs):
@@ -169,10 +169,10 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
     return out
 
 
-def _partitions(m: ModelSpec, fixed: dict, n_stages: int, grid_mode: bool) -> list[str]:
+def _partitions(m: ModelSpec, fixed: dict, n_stages: int, grid_mode: bool, balance: bool = True) -> list[str]:
     """The partitions to try for `n_stages` stages: `uniform` when the layers divide; `ends` when layers + 2 divide
     (Megatron's stages that count the embedding and the loss as a layer; also tried beside `uniform`); otherwise
-    `params` (PipeDream's balance over parameter counts, the engine's)."""
+    `params` (PipeDream's balance over parameter counts, the engine's) when `balance`."""
     if "partition" in fixed:
         return [fixed["partition"]]
     L = m.n_layers
@@ -183,7 +183,7 @@ def _partitions(m: ModelSpec, fixed: dict, n_stages: int, grid_mode: bool) -> li
     out = ["uniform"] if L % n_stages == 0 else []
     if (L + 2) % n_stages == 0 and L + 2 >= 2 * n_stages:  # >= 1 block on the first and the last stage
         out.append("ends")
-    return out or ["params"]
+    return out or (["params"] if balance else [])
 
 
 def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[str, int, int, int]]:

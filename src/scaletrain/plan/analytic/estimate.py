@@ -22,7 +22,7 @@ from scaletrain.plan.analytic.inputs import (
     Assumptions,
     Layout,
     Training,
-    recompute_kind,
+    recompute_policy,
 )
 from scaletrain.plan.analytic.memory import optimizer_bytes, rank_activation_bytes, rank_memory
 from scaletrain.plan.analytic.stages import Stages, check_partition, rank_params, run_length, split, stages_of
@@ -47,6 +47,8 @@ class Estimate:
     time_breakdown: dict[str, float] = field(default_factory=dict)
     stage_blocks: tuple[int, ...] = ()
     """Blocks per pipeline stage, in model order (pp x virtual_stages of them)."""
+    notes: tuple[str, ...] = ()
+    """What the prediction assumed that a user should know (printed under the table, `notes` in --json)."""
 
     @property
     def fits(self) -> bool:
@@ -83,6 +85,7 @@ class Estimate:
             "microbatches": self.microbatches,
             "dominant_cost": self.dominant,
             "blocks_per_stage": list(self.stage_blocks),
+            "notes": list(self.notes),
         }
 
 
@@ -111,7 +114,7 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
     check_partition(lay.partition, m.n_layers, chunks)
     if lay.zero not in (0, 1, 2, 3):
         raise UserError(f"zero must be 0, 1, 2 or 3, got {lay.zero}")
-    recompute_kind(lay.recompute)
+    recompute_policy(lay.recompute)
     if lay.schedule not in SCHEDULES:
         raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, got {lay.schedule!r}")
     if lay.offload not in OFFLOAD:
@@ -147,11 +150,20 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     else:
         ranks = rank_params(m, lay, st)
     memory = rank_memory(m, train, lay, a, ranks, rank_activation_bytes(m, train, lay, mbs, st), mbs)
-    est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks)
+    est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks, notes=layout_notes(train, lay))
     if memory_only:
         return est
     k, _ = optimizer_bytes(m, train)
     return replace(est, **vars(step_cost(m, gpu, train, lay, a, ranks, st, mbs, k)))
+
+
+def layout_notes(train: Training, lay: Layout) -> tuple[str, ...]:
+    """Sentences on what a layout's setting does under these training settings, where it may surprise."""
+    notes = []
+    if recompute_policy(lay.recompute).kind == "attn-core" and train.attention == "flash":
+        notes.append("recompute=attn-core with flash attention saves no memory (the kernel keeps only its output and"
+                     " log-sum-exp) and runs the attention forward again: it only costs time")
+    return tuple(notes)
 
 
 def pipeline_stages(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions) -> Stages:

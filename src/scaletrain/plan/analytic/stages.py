@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from scaletrain.config.schema import PARTITION_KINDS
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.pipeline import balance
-from scaletrain.plan.analytic.inputs import Layout
+from scaletrain.plan.analytic.inputs import Layout, Recompute
 from scaletrain.plan.analytic.params import StageParams, layer_kind_counts, param_counts
 from scaletrain.plan.catalog import ModelSpec
 
@@ -169,6 +169,23 @@ def stages_of(m: ModelSpec, blocks: tuple[int, ...], p: int, v: int) -> Stages:
         moe.append(sum(is_moe_block(m, i) for i in range(lo, lo + n)))
         lo += n
     return Stages(tuple(blocks), tuple(moe), p, v)
+
+
+def recomputed_blocks(m: ModelSpec, st: Stages, g: RankGroup, pol: Recompute) -> tuple[int, int]:
+    """(dense, MoE) blocks of a rank of group `g` that the policy runs (partly) again in backward: none for `none`,
+    the blocks 0, k, 2k, ... of the model for nth:k, all of them for the others."""
+    if pol.kind == "none":
+        return 0, 0
+    if pol.kind != "nth":
+        return g.dense, g.moe
+    dense = moe = 0
+    for s in g.stages:
+        lo = sum(st.blocks[:s])
+        for i in range(lo, lo + st.blocks[s]):
+            if pol.checkpointed(i):
+                moe += is_moe_block(m, i)
+                dense += not is_moe_block(m, i)
+    return dense, moe
 
 
 def inflight_count(schedule: str, p: int, m: int, v: int, r: int) -> int:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from scaletrain.parallel.pipeline.balance import LayerCosts
 from scaletrain.plan.analytic import offload_costs, tp_nd
 from scaletrain.plan.analytic.comm import allreduce_time, gather_time, group_link
-from scaletrain.plan.analytic.flops import forward_flops_per_token, layer_matmul_flops, step_flops
-from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_kind
+from scaletrain.plan.analytic.flops import attention_kept, forward_flops_per_token, layer_matmul_flops, step_flops
+from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_policy
 from scaletrain.plan.analytic.memory import layer_activation_bytes
 from scaletrain.plan.analytic.params import StageParams, block_kinds, param_counts
-from scaletrain.plan.analytic.stages import Stages, pipeline_makespan
+from scaletrain.plan.analytic.stages import Stages, pipeline_makespan, recomputed_blocks
 from scaletrain.plan.analytic.zero3 import zero3_exposed_time
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
@@ -43,7 +43,8 @@ class LayerTimes:
     ep: float
     """Expert all-to-alls of one pass."""
     recompute: float
-    """The recomputed forward (full), attention core (selective), or the reversible blocks' rebuild."""
+    """What a block the policy recomputes runs again in backward: its forward (full, every:k, nth:k's checkpoints),
+    all but the kept ops (ops:...), the attention core (attn-core), plus the reversible blocks' rebuild."""
     msg: float
     """Bytes of a sub-layer's output (half the stream with reversible blocks)."""
     a2a_bytes: float
@@ -76,6 +77,10 @@ class PipelineTimes:
     pipe: float
     busy: float
     bubble: float
+    recompute: float = 0.0
+    """Seconds of recomputation per microbatch on the heaviest rank."""
+    tp_again: float = 0.0
+    """Blocks of the heaviest rank whose forward tp collectives run again in backward."""
 
 
 @dataclass
@@ -128,10 +133,18 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     a2a_bytes = msg * m.expert_slots_per_token
     t_ep = n_moe * 2 * gather_time(a2a_bytes, lay.ep, ep_link)
     f_layer = t_gemm + t_attn + t_mem
-    recompute = {"none": 0.0, "full": f_layer + t_tp + t_ep,
-                 "selective": t_attn + (a.mem_traffic * (stored - layer_activation_bytes(
-                     m, tokens, t, sp, "selective", train.attention, eb)) / hbm)}
-    r_layer = recompute[recompute_kind(lay.recompute)[0]] + recompute["full"] * m.reversible
+    pol = recompute_policy(lay.recompute)
+    full = f_layer + t_tp + t_ep
+    if pol.kind == "ops":  # everything but the kept ops' outputs runs again; in-place all-reduces on kept outputs not
+        kept_gemm, kept_attn = "matmul" in pol.ops, attention_kept(pol, train.attention)
+        r_block = t_mem + (0.0 if kept_gemm else t_gemm) + (0.0 if kept_attn else t_attn) + t_ep + \
+            (t_tp if sp or not kept_gemm else 0.0)
+    elif pol.kind == "attn-core":  # the attention core again (with flash attention: the kernel's forward again)
+        r_block = t_attn + a.mem_traffic * (stored - layer_activation_bytes(
+            m, tokens, t, sp, "attn-core", train.attention, eb)) / hbm
+    else:
+        r_block = 0.0 if pol.kind == "none" else full
+    r_layer = r_block + full * m.reversible
     t_tp_b = (t_tp_nd_b if nd else t_tp) * (1 - a.tp_overlap)
     return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm)
 
@@ -181,10 +194,15 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     fwd, bwd, wgt = [], [], []
     groups = st.groups
     last = [g.rank == p - 1 for g in groups]
+    pol = recompute_policy(lay.recompute)
+    recomp, tp_again = [], []
     for g in groups:
-        n = (g.dense, g.moe)
+        n, again = (g.dense, g.moe), recomputed_blocks(m, st, g, pol)
         fwd.append(sum(c * (k.forward + k.tp_f + k.ep) for c, k in zip(n, kinds)))
-        bwd.append(sum(c * (2 * k.forward + k.tp_b + k.ep + k.recompute) for c, k in zip(n, kinds)))
+        recomp.append(sum(r * k.recompute for r, k in zip(again, kinds)))
+        bwd.append(sum(c * (2 * k.forward + k.tp_b + k.ep) for c, k in zip(n, kinds)) + recomp[-1])
+        tp_again.append(sum(again) if pol.kind in ("full", "every", "nth") or (
+            pol.kind == "ops" and (lay.sequence_parallel or "matmul" not in pol.ops)) else 0.0)
         wgt.append(sum(c * k.gemm for c, k in zip(n, kinds)))  # weight-gradient GEMMs (the zero-bubble W pass)
     f_all = [f + (t_logits if is_last else 0.0) + t_pp for f, is_last in zip(fwd, last)]
     b_all = [b + (2 * t_logits if is_last else 0.0) + t_pp for b, is_last in zip(bwd, last)]
@@ -194,7 +212,7 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     h = max(range(len(groups)), key=lambda i: work[i])
     busy = mbs * work[h]
     return PipelineTimes(t_logits, fwd[h], bwd[h], fwd[h] + t_logits, bwd[h] + 2 * t_logits, f_all[h], b_all[h],
-                         t_pp, pp_bytes, t_pipe, busy, max(t_pipe - busy, 0.0))
+                         t_pp, pp_bytes, t_pipe, busy, max(t_pipe - busy, 0.0), recomp[h], tp_again[h])
 
 
 def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, st: StageParams, mbs: int,
@@ -231,7 +249,7 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
         lps = m.n_layers / lay.pp
         layer = pc.layer_tp / t + pc.layer_rep
         root = max(st.total - lps * (layer + pc.layer_expert / lay.ep), 0.0)
-        full = recompute_kind(lay.recompute)[0] == "full"
+        full = recompute_policy(lay.recompute).kind in ("full", "every", "nth", "ops")  # checkpoints: gathered again
         f_layer = lt.forward
         t_dp = mbs * zero3_exposed_time(
             root * pb, [layer * pb] * int(round(lps)), gb / pb, f_layer + lt.tp_f + lt.ep,
@@ -290,10 +308,10 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     t_opt, t_off, shard = optimizer_time(m, gpu, train, lay, a, st, mbs, k, pt, lps)
 
     step = pt.pipe + t_dp + t_opt + t_off
-    kind = recompute_kind(lay.recompute)[0]
-    model_f, hw_f = step_flops(m, train.global_batch * s, kind)
+    pol = recompute_policy(lay.recompute)
+    model_f, hw_f = step_flops(m, train.global_batch * s, pol, train.attention)
     comp = lps * 3 * lt.forward + pt.logits * 3
-    recomp = lps * lt.recompute
+    recomp = pt.recompute
     tp_c = lps * (lt.tp_f + lt.tp_b)
     ep_c = lps * 2 * lt.ep
     share = pt.busy / max(mbs * (comp + recomp + tp_c + ep_c + 2 * pt.pp), 1e-30)
@@ -304,10 +322,11 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     }
     tp_bytes = 0.0
     if t > 1 and lay.tp_mode != "1d":
-        per_layer = tp_nd.layer_comm_bytes(lay.tp_mode, t, tp_nd.dims_of(m, lay.micro_batch, eb), 1, kind)
+        again = "full" if pol.kind in ("full", "every") else "none"
+        per_layer = tp_nd.layer_comm_bytes(lay.tp_mode, t, tp_nd.dims_of(m, lay.micro_batch, eb), 1, again)
         tp_bytes = mbs * lps * sum(per_layer.values())
-    elif t > 1:
-        n_coll = 4 + (2 if kind == "full" or m.reversible else 0)
+    elif t > 1:  # 4 collectives per block, 2 more for each whose forward (with its collectives) runs again
+        n_coll = 4 + 2 * (pt.tp_again / max(lps, 1) if not m.reversible else 1.0)
         tp_bytes = mbs * lps * n_coll * 2 * (t - 1) / t * lt.msg
     ep_bytes = mbs * lps * lt.n_moe * 4 * (lay.ep - 1) / lay.ep * lt.a2a_bytes if lay.ep > 1 else 0.0
     pp_total = mbs * 2 * v * pt.pp_bytes if p > 1 else 0.0
