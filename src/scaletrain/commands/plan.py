@@ -249,11 +249,11 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
         con.print("Nothing fits without offload; these layouts offload optimizer state or parameters.")
     for note in dict.fromkeys(n for c in top for n in c.notes):  # each once, in the order of the table
         con.print(f"note: {note}", soft_wrap=True)
-    if len(top) > 1:
-        con.print(report.explain(top[0], top[1], model, cluster))
-    elif top and not top[0].fits:
-        con.print(f"Does not fit: {report.gib(top[0].over_by)} GiB over the "
+    if top and not top[0].fits:
+        con.print(f"Does not fit: the closest layout is {report.gib(top[0].over_by)} GiB over the "
                   f"{report.gib(cluster.gpu.memory_bytes)} GiB per GPU.")
+    elif len(top) > 1:
+        con.print(report.explain(top[0], top[1], model, cluster))
     if extra:
         for key, value in extra.get("run_prediction", {}).items():
             con.print(f"{key}: {value:,} bytes")
@@ -275,7 +275,8 @@ def config_layout(cfg) -> Layout:
                   sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
                   tp_mode=par.tp_mode, tp_depth=par.tp_depth,
                   # `time` profiles the run's own blocks: predicted, as predict_run does, with the parameter balance
-                  partition="params" if par.partition == "time" else par.partition.replace(" ", ""))
+                  partition="params" if par.partition == "time" else par.partition.replace(" ", ""),
+                  reshard_after_forward=getattr(par, "reshard_after_forward", None))
 
 
 def config_training(cfg) -> Training:

@@ -61,7 +61,8 @@ def parse_layout(text: str) -> dict:
         if "=" not in item:
             raise UserError(f"--layout expects key=value pairs, got {item!r}")
         key, raw = (x.strip() for x in item.split("=", 1))
-        key = {"mb": "micro_batch", "sp": "sequence_parallel", "v": "virtual_stages"}.get(key, key)
+        key = {"mb": "micro_batch", "sp": "sequence_parallel", "v": "virtual_stages",
+               "reshard": "reshard_after_forward"}.get(key, key)
         if key not in LAYOUT_FIELDS:
             raise UserError(f"--layout: unknown field {key!r} (known: {', '.join(LAYOUT_FIELDS)})")
         if key == "tp_mode":
@@ -69,9 +70,9 @@ def parse_layout(text: str) -> dict:
                 raise UserError(f"--layout: tp_mode must be one of {', '.join(TP_MODES)}, got {raw!r}")
             out[key] = raw
             continue
-        if key == "sequence_parallel":
+        if key in ("sequence_parallel", "reshard_after_forward"):
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise UserError(f"--layout: sequence_parallel must be true or false, got {raw!r}")
+                raise UserError(f"--layout: {key} must be true or false, got {raw!r}")
             out[key] = raw.lower() in ("true", "1", "yes")
         elif key == "recompute":
             try:
@@ -159,13 +160,16 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
             offs = _options(fixed, "offload", list(offload))
             for ep, mb, zero, sp, (sched, v, part), rec, off in itertools.product(
                     eps, mbs, zeros, sps, scheds, recs, offs):
-                if off == "params" and zero != 3:
+                if off in ("params", "nvme") and zero != 3:
                     continue
                 if sched == "interleaved" and (per_rank // mb) % pp:
                     continue
-                out.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec,
-                                  schedule=sched, virtual_stages=v, sequence_parallel=sp, offload=off,
-                                  tp_mode=mode, tp_depth=depth, partition=part))
+                # ZeRO-3 without pipelining: also the units kept gathered from forward to backward (FSDP's option)
+                reshards = _options(fixed, "reshard_after_forward", [None, False] if zero == 3 and pp == 1 and
+                                    off != "nvme" else [None])
+                out += [Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec, schedule=sched,
+                               virtual_stages=v, sequence_parallel=sp, offload=off, tp_mode=mode, tp_depth=depth,
+                               partition=part, reshard_after_forward=keep) for keep in reshards]
     return out
 
 
@@ -217,7 +221,10 @@ def search(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixed: dict | N
     result = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, ("none",))
     if not any(c.fits for c in result.candidates) and "offload" not in fixed:
         for offload in (("optimizer", "params"), ("nvme",)):  # host memory first, then NVMe (ZeRO-Infinity)
-            more = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload)
+            try:
+                more = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload)
+            except UserError:  # e.g. a fixed zero < 3 leaves no parameter or NVMe offload to try: the misses stand
+                continue
             if any(c.fits for c in more.candidates):
                 more.offload_needed = True
                 more.evaluated += result.evaluated

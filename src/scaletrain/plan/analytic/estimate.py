@@ -120,7 +120,17 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
     if lay.offload not in OFFLOAD:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD)}, got {lay.offload!r}")
     if lay.offload in ("params", "nvme") and lay.zero != 3:
-        raise UserError(f"offload={lay.offload} needs zero=3")
+        raise UserError(f"offload={lay.offload} needs zero=3 (the optimizer states alone: offload=optimizer, any zero)")
+    if lay.reshard_after_forward is not None:
+        value = str(lay.reshard_after_forward).lower()
+        if lay.zero != 3:
+            raise UserError(f"reshard_after_forward={value} needs zero=3, got zero={lay.zero}")
+        if lay.reshard_after_forward and lay.pp > 1:
+            raise UserError(f"reshard_after_forward=true with pp ({lay.pp}) > 1: a pipeline stage keeps its ZeRO-3"
+                            " parameters gathered for the whole step")
+        if not lay.reshard_after_forward and lay.offload == "nvme":
+            raise UserError("reshard_after_forward=false with offload=nvme: ZeRO-Infinity streams each unit's"
+                            " parameters from files just in time")
     if lay.virtual_stages > 1 and lay.schedule != "interleaved":
         raise UserError(f"virtual_stages ({lay.virtual_stages}) > 1 needs schedule=interleaved")
     if lay.ep > 1 and (not m.n_experts or m.n_experts % lay.ep or lay.dp % lay.ep):

@@ -133,6 +133,16 @@ class Layout:
     partition: str = "uniform"
     """How the blocks split into pp x virtual_stages stages: uniform, params, time, ends or block counts "7,8,8,7"
     (plan/analytic/stages.py; the engine's `parallel.partition`)."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 (FSDP's option, the engine's parallel.reshard_after_forward): true releases a unit's gathered
+    parameters after its forward and gathers them again for its backward; false keeps them from its forward to the
+    end of its backward (one all-gather per unit and microbatch, all units gathered at the end of the forward).
+    Unset: true, except with pp > 1, where a stage stays gathered for the whole step (false)."""
+
+    @property
+    def reshards(self) -> bool:
+        """reshard_after_forward resolved: the value given, else true without and false with pp > 1."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
     @property
     def world(self) -> int:
@@ -141,7 +151,7 @@ class Layout:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute",
                                                "schedule", "virtual_stages", "sequence_parallel", "offload",
-                                               "tp_mode", "tp_depth", "partition")}
+                                               "tp_mode", "tp_depth", "partition", "reshard_after_forward")}
 
     def short(self) -> str:
         mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth})" if self.tp_depth > 1
@@ -149,7 +159,8 @@ class Layout:
         s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
-        s += f" z{self.zero} mb{self.micro_batch} {self.recompute}"
+        s += f" z{self.zero}" + ("-keep" if self.zero == 3 and self.pp == 1 and not self.reshards else "")
+        s += f" mb{self.micro_batch} {self.recompute}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
             if self.partition != "uniform":

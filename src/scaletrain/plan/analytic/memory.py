@@ -205,8 +205,8 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, rank
         if lay.offload != "none":
             optim = 0.0
         buffers = 0.0
-        if lay.zero == 3 and p > 1:  # with pp the stage's parameters stay gathered for the step (16-bit)
-            buffers += st.total * pb
+        if lay.zero == 3 and not lay.reshards:  # the stage's parameters all gathered at once (16-bit): with pp for
+            buffers += st.total * pb  # the step, without resharding from the end of the forward
             if lay.offload == "params":
                 params = 0.0
         elif lay.zero == 3:  # two gathered layers (current + prefetch) in 16-bit

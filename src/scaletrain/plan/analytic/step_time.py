@@ -254,10 +254,10 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
         t_dp = mbs * zero3_exposed_time(
             root * pb, [layer * pb] * int(round(lps)), gb / pb, f_layer + lt.tp_f + lt.ep,
             2 * f_layer + lt.tp_b + lt.ep + lt.recompute, 0.0, pt.fwd_last - pt.fwd, pt.bwd_last - pt.bwd, 0.0,
-            lay.dp, dp_link, a.zero3_style, lt.recompute if full else 0.0)
+            lay.dp, dp_link, a.zero3_style, lt.recompute if full else 0.0, lay.reshards)
         if st.expert:  # experts shard over dp / ep: their gathers, on their own group, assumed hidden
             t_dp += mbs * max(3 * gather_time(st.expert * pb, edp, edp_link) - pt.t_f - pt.t_b, 0.0)
-        gathers = 3 if a.zero3_style == "per-tensor" and full else 2
+        gathers = 3 if a.zero3_style == "per-tensor" and full else 2 if lay.reshards else 1
         dp_bytes = mbs * ((lay.dp - 1) / lay.dp * (gathers * st.dense * pb + dense_b) +
                           (edp - 1) / max(edp, 1) * (2 * st.expert * pb + expert_b))
     return t_dp, dp_bytes
