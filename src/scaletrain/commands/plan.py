@@ -78,6 +78,10 @@ def add_parser(subparsers) -> None:
                          "per-tensor (DeepSpeed ZeRO-3 up to v0.4); see docs/planner.md")
     tr.add_argument("--zero3-bw", type=float, metavar="GB/S",
                     help="per-GPU bandwidth ZeRO-3's collectives reach across nodes (default: all NICs of a node)")
+    tr.add_argument("--tp-overlap", action="store_true",
+                    help="tensor-parallel all-gathers / reduce-scatters (with sequence parallelism) decomposed and "
+                         "overlapped with their GEMMs, as Megatron's tp-comm-overlap or PyTorch's async TP (default: "
+                         "fully exposed; the plan says which it assumed)")
     p.add_argument("--layout", default="",
                    help='fix fields, e.g. "dp=8,tp=8,pp=4,zero=1,recompute=selective"; the rest is searched')
     out = p.add_argument_group("output")
@@ -168,7 +172,8 @@ def _assumptions(args) -> Assumptions:
     bw = getattr(args, "zero3_bw", None)
     if bw is not None and not bw > 0:
         raise UserError(f"--zero3-bw must be a positive bandwidth in GB/s, got {bw}")
-    zero3 = {"zero3_style": style, "zero3_link_bw": bw * 1e9 if bw is not None else None}
+    zero3 = {"zero3_style": style, "zero3_link_bw": bw * 1e9 if bw is not None else None,
+             "tp_comm_overlap": getattr(args, "tp_overlap", False)}
     if args.calibrate:  # measured rates are achieved rates already
         return Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0, **zero3)
     return Assumptions(**zero3)

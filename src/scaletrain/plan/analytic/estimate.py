@@ -164,7 +164,8 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     if memory_only:
         return est
     k, _ = optimizer_bytes(m, train)
-    return replace(est, **vars(step_cost(m, gpu, train, lay, a, ranks, st, mbs, k)))
+    cost = step_cost(m, gpu, train, lay, a, ranks, st, mbs, k)
+    return replace(est, **{**vars(cost), "notes": est.notes + cost.notes})
 
 
 def layout_notes(train: Training, lay: Layout) -> tuple[str, ...]:

@@ -186,8 +186,13 @@ class Assumptions:
     """HBM bytes moved by the element-wise work of a forward pass per byte of activations it stores
     (each stored tensor written once and read once); backward moves twice that."""
     hbm_efficiency: float = 0.8
-    tp_overlap: float = 0.0
-    """Fraction of backward tp communication hidden behind weight-gradient GEMMs."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel communication overlapped with its GEMMs (`--tp-overlap`; Megatron's tp-comm-overlap, PyTorch's
+    async TP): with sequence parallelism each all-gather / reduce-scatter is decomposed into tp chunks exchanged
+    while the GEMM that consumes or produces it runs on the others (Wang et al., ASPLOS 2023, "Overlap
+    communication with dependent computation via decomposition"; Flux, arXiv 2406.06858), so one chunk's transfer
+    stays exposed and the rest only where the collective outlasts its GEMM (`step_time.tp_exposed`). Off: every tp
+    collective exposed. The all-reduces of tp without sequence parallelism are exposed either way."""
     fragmentation: float = 0.05
     """Allocator fragmentation allowance, a fraction of everything else (ZeRO-R's M_D)."""
     reserved_bytes: float = 1.0 * (1 << 30)

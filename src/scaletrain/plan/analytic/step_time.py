@@ -39,7 +39,7 @@ class LayerTimes:
     tp_f: float
     """tp collectives of the forward."""
     tp_b: float
-    """tp collectives of the backward, less what `Assumptions.tp_overlap` hides."""
+    """tp collectives of the backward (exposed part with `Assumptions.tp_comm_overlap`)."""
     ep: float
     """Expert all-to-alls of one pass."""
     recompute: float
@@ -54,6 +54,8 @@ class LayerTimes:
     """GEMM efficiency at this rank's width."""
     hbm: float
     """Reached HBM bandwidth, bytes/s."""
+    tp_raw: float = 0.0
+    """tp collectives of one pass before any overlap (what `tp_f` would be with all of it exposed)."""
 
     @property
     def forward(self) -> float:
@@ -95,6 +97,7 @@ class StepCost:
     bubble_fraction: float
     time_breakdown: dict[str, float]
     comm_bytes: dict[str, float]
+    notes: tuple[str, ...] = ()
 
 
 def _elem_bytes(train: Training) -> tuple[int, int, int]:
@@ -123,9 +126,12 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     t_mem = a.mem_traffic * stored / hbm
     tp_link = group_link(gpu, t, 1, a)
     msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
-    t_tp = 2 * allreduce_time(msg, t, tp_link)  # 2 all-reduces (or AG + RS pairs with sp) per pass
+    t_tp = t_tp_raw = 2 * allreduce_time(msg, t, tp_link)  # 2 all-reduces (or AG + RS pairs with sp) per pass
     if nd:  # the grid's collectives per layer, each on its group's link
         t_tp, t_tp_nd_b = tp_nd.layer_comm_time(lay.tp_mode, t, tp_nd.dims_of(m, b, eb), gpu, a)
+        t_tp_raw = t_tp
+    elif t > 1 and lay.sequence_parallel and a.tp_comm_overlap:
+        t_tp = tp_exposed(m, tokens, t, allreduce_time(msg, t, tp_link) / 2, peak * eff)
     # expert all-to-alls: dispatch + combine of capacity_factor x k slots per token, on the ep group (ranks
     # t apart: intra- or inter-node by `group_link`), per MoE layer; n_moe = the MoE share of the layers
     n_moe = m.n_moe_layers / m.n_layers
@@ -145,8 +151,28 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     else:
         r_block = 0.0 if pol.kind == "none" else full
     r_layer = r_block + full * m.reversible
-    t_tp_b = (t_tp_nd_b if nd else t_tp) * (1 - a.tp_overlap)
-    return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm)
+    t_tp_b = t_tp_nd_b if nd else t_tp
+    return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm, t_tp_raw)
+
+
+def tp_exposed(m: ModelSpec, tokens: float, t: int, collective: float, rate: float) -> float:
+    """Exposed seconds of one pass's four sequence-parallel collectives (all-gather before the qkv and first MLP
+    GEMMs, reduce-scatter after the attention projection and the second MLP GEMM), each of `collective` seconds,
+    decomposed into t chunks around its GEMM (`Assumptions.tp_comm_overlap`): the first chunk's transfer waits, the
+    other t - 1 hide behind the GEMM's chunks as far as the GEMM is longer, i.e. c/t + (t - 1)/t max(0, c - g). The
+    MLP GEMMs of an MoE block are the experts' (not tp-split, after their all-to-all): its MLP collectives stay
+    exposed."""
+    h, f = m.width, m.ffn
+    kv = m.kv_heads * m.head_dim
+    cols = (2 if m.mlp == "swiglu" else 1) * f
+    gemms = [2 * h * (h + 2 * kv), 2 * h * h, 2 * h * cols, 2 * f * h]  # qkv, projection, MLP in, MLP out
+    dense = 1 - m.n_moe_layers / m.n_layers
+    out = 0.0
+    for i, flops in enumerate(gemms):
+        g = tokens * flops / t / rate
+        hidden = collective / t + (t - 1) / t * max(0.0, collective - g)
+        out += hidden if i < 2 else dense * hidden + (1 - dense) * collective
+    return out
 
 
 def kind_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions,
@@ -334,4 +360,19 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
             "offload": (shard * (gb + pb) if lay.offload != "none" else 0.0)}
     return StepCost(step, train.global_batch * s / step, model_f / step / n_gpus / 1e12,
                     hw_f / step / n_gpus / 1e12, model_f / step / n_gpus / gpu.peak_flops,
-                    pt.bubble / pt.pipe if pt.pipe else 0.0, breakdown, comm)
+                    pt.bubble / pt.pipe if pt.pipe else 0.0, breakdown, comm, tp_notes(lay, a, lt))
+
+
+def tp_notes(lay: Layout, a: Assumptions, lt: LayerTimes) -> tuple[str, ...]:
+    """Which tensor-parallel communication the step time assumed exposed."""
+    if lay.tp == 1 or lay.tp_mode != "1d":
+        return ()
+    if not lay.sequence_parallel:
+        return ("tensor-parallel all-reduces assumed fully exposed (without sequence parallelism they are not"
+                " overlapped)",)
+    if not a.tp_comm_overlap:
+        return ("tensor-parallel all-gathers and reduce-scatters assumed fully exposed (--tp-overlap models them"
+                " decomposed and overlapped with their GEMMs)",)
+    share = (lt.tp_f + lt.tp_b) / (2 * lt.tp_raw) if lt.tp_raw else 0.0
+    return (f"tensor-parallel communication {share:.0%} exposed: all-gathers and reduce-scatters decomposed into tp"
+            " chunks overlapped with their GEMMs (--tp-overlap)",)
