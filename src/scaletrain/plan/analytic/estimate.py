@@ -28,7 +28,7 @@ from scaletrain.plan.analytic.memory import optimizer_bytes, rank_activation_byt
 from scaletrain.plan.analytic.stages import Stages, check_partition, rank_params, run_length, split, stages_of
 from scaletrain.plan.analytic.step_time import block_time_costs, step_cost
 from scaletrain.plan.catalog import ModelSpec
-from scaletrain.plan.hardware import GPU
+from scaletrain.plan.hardware import CATALOG, GPU
 
 
 @dataclass
@@ -151,6 +151,8 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
              n_gpus: int | None = None, memory_only: bool = False) -> Estimate:
     """Memory, time and communication of one layout. Raises UserError for impossible layouts."""
     mbs = check_layout(m, train, lay, n_gpus)
+    if train.dtype == "fp8" and not gpu.fp8_flops:
+        raise UserError(f"--dtype fp8 needs FP8 tensor cores: {gpu.name} has none ({', '.join(FP8_GPUS)} have)")
     if lay.tp_mode == "2.5d":  # the same bytes and times as 2d with d times the dp (tp_nd.as_2d)
         return replace(estimate(m, gpu, train, tp_nd.as_2d(lay), a, n_gpus, memory_only), layout=lay)
     st = pipeline_stages(m, gpu, train, lay, a)
@@ -160,7 +162,8 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     else:
         ranks = rank_params(m, lay, st)
     memory = rank_memory(m, train, lay, a, ranks, rank_activation_bytes(m, train, lay, mbs, st), mbs)
-    est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks, notes=layout_notes(train, lay))
+    est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks,
+                   notes=layout_notes(train, lay, gpu))
     if memory_only:
         return est
     k, _ = optimizer_bytes(m, train)
@@ -168,9 +171,17 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
     return replace(est, **{**vars(cost), "notes": est.notes + cost.notes})
 
 
-def layout_notes(train: Training, lay: Layout) -> tuple[str, ...]:
+FP8_GPUS = tuple(name for name, g in CATALOG.items() if g.fp8_flops)
+
+
+def layout_notes(train: Training, lay: Layout, gpu: GPU | None = None) -> tuple[str, ...]:
     """Sentences on what a layout's setting does under these training settings, where it may surprise."""
     notes = []
+    if train.dtype == "fp8" and gpu is not None:
+        notes.append(f"FP8: the blocks' linear layers run their three GEMMs at {gpu.fp8_flops / 1e12:,.0f} TFLOP/s"
+                     f" FP8 peak x {gpu.fp8_gemm_efficiency:.2f}, with dynamic tensorwise scaling (casts, tp scale"
+                     " all-reduces, FP8 ZeRO-3 gathers); attention, embeddings, head and experts in bf16; MFU is"
+                     " against the bf16 peak")
     if recompute_policy(lay.recompute).kind == "attn-core" and train.attention == "flash":
         notes.append("recompute=attn-core with flash attention saves no memory (the kernel keeps only its output and"
                      " log-sum-exp) and runs the attention forward again: it only costs time")

@@ -88,6 +88,7 @@ DTYPES = {
     "fp16": (2, 2, 2, 12),
     "fp32": (4, 4, 4, 8),  # plain Adam in fp32: m + v
     "fp64": (8, 8, 8, 16),
+    "fp8": (2, 2, 2, 12),  # FP8 GEMMs in the blocks' linear layers, the rest as bf16 mixed precision (step_time.py)
 }
 
 

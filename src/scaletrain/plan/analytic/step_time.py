@@ -118,12 +118,13 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     hbm = gpu.hbm_bandwidth * a.hbm_efficiency
     mats_split, mats_rep = layer_matmul_flops(m)
     _, attn, _ = forward_flops_per_token(m)
-    t_gemm = tokens * (mats_split / t + mats_rep) / m.n_layers / (peak * eff)
-    attn_eff = eff * (a.attn_efficiency if train.attention == "standard" else 1.0)
-    t_attn = tokens * attn / m.n_layers / t / (peak * attn_eff)
+    fp8 = train.dtype == "fp8"  # the blocks' linear layers (split over tp) in FP8; experts, routers in bf16
+    split_rate = gpu.fp8_flops * gpu.fp8_gemm_efficiency * d / (d + a.gemm_half_dim) if fp8 else peak * eff
+    t_gemm = tokens * (mats_split / t / split_rate + mats_rep / (peak * eff)) / m.n_layers
+    t_attn = tokens * attn / m.n_layers / t / attention_rate(gpu, train, a, eff)
     sp = lay.sequence_parallel or nd
     stored = layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
-    t_mem = a.mem_traffic * stored / hbm
+    t_mem = a.mem_traffic * stored / hbm + (fp8_cast_bytes(m, tokens, t) / hbm / 3 if fp8 else 0.0)
     tp_link = group_link(gpu, t, 1, a)
     msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
     t_tp = t_tp_raw = 2 * allreduce_time(msg, t, tp_link)  # 2 all-reduces (or AG + RS pairs with sp) per pass
@@ -132,6 +133,9 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
         t_tp_raw = t_tp
     elif t > 1 and lay.sequence_parallel and a.tp_comm_overlap:
         t_tp = tp_exposed(m, tokens, t, allreduce_time(msg, t, tp_link) / 2, peak * eff)
+    if fp8 and t > 1 and not nd:  # each FP8 GEMM's scales: the absolute maxima all-reduced over tp (tensorwise)
+        scales = 6 * allreduce_time(4, t, tp_link)  # inputs and weights in the forward, gradients and weights back
+        t_tp, t_tp_raw = t_tp + scales, t_tp_raw + scales
     # expert all-to-alls: dispatch + combine of capacity_factor x k slots per token, on the ep group (ranks
     # t apart: intra- or inter-node by `group_link`), per MoE layer; n_moe = the MoE share of the layers
     n_moe = m.n_moe_layers / m.n_layers
@@ -153,6 +157,34 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     r_layer = r_block + full * m.reversible
     t_tp_b = t_tp_nd_b if nd else t_tp
     return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm, t_tp_raw)
+
+
+def attention_rate(gpu: GPU, train: Training, a: Assumptions, eff: float) -> float:
+    """FLOP/s at which the attention core's counted FLOPs (the full s x s square, as MFU counts them) are done:
+    unfused batched matmuls at `attn_efficiency` of the GEMM rate; the flash kernel at the GPU's
+    `flash_efficiency` of peak on the work it executes - half the square for causal attention, 1 forward and 2.5
+    backward (its backward recomputes the scores), which is 1.75 of the 3 passes counted - or, for a GPU
+    without that figure, at the GEMM rate."""
+    if train.attention == "standard":
+        return gpu.peak_flops * eff * a.attn_efficiency
+    if not gpu.flash_efficiency:
+        return gpu.peak_flops * eff
+    return gpu.peak_flops * gpu.flash_efficiency * 3 / 1.75
+
+
+def fp8_cast_bytes(m: ModelSpec, tokens: float, t: int) -> float:
+    """HBM bytes of one block's FP8 casts for one microbatch, forward and backward, with dynamic tensorwise scaling
+    (Micikevicius et al., arXiv 2209.05433; torchao float8): every input of the four linear layers (h, h, h and the
+    MLP hidden) and every gradient of their outputs (q k v, h, the MLP hidden, h) read once for its absolute
+    maximum and once to write its FP8 copy (2 + 2 + 1 bytes), plus an FP8 transposed copy for the other GEMM that
+    uses it (1 + 1 bytes): 7 bytes per element; the weights the same per microbatch."""
+    h, f = m.width, m.ffn
+    kv = m.kv_heads * m.head_dim
+    cols = (2 if m.mlp == "swiglu" else 1) * f
+    dense = 1 - m.n_moe_layers / m.n_layers
+    acts = (2 * h + (h + 2 * kv) + h + dense * (h + f + cols + h)) / t
+    weights = (h * (h + 2 * kv) + h * h + dense * (h * cols + f * h)) / t
+    return 7 * (tokens * acts + weights)
 
 
 def tp_exposed(m: ModelSpec, tokens: float, t: int, collective: float, rate: float) -> float:
@@ -274,18 +306,24 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
         pc = param_counts(m)
         lps = m.n_layers / lay.pp
         layer = pc.layer_tp / t + pc.layer_rep
+        # FP8 training gathers the blocks' linear weights in FP8 (1 byte, torchao's float8 all-gather) and
+        # all-reduces their scales once per step
+        gather_pb = (pc.layer_tp / t * 1 + pc.layer_rep * pb) / layer if train.dtype == "fp8" else pb
         root = max(st.total - lps * (layer + pc.layer_expert / lay.ep), 0.0)
         full = recompute_policy(lay.recompute).kind in ("full", "every", "nth", "ops")  # checkpoints: gathered again
         f_layer = lt.forward
         t_dp = mbs * zero3_exposed_time(
-            root * pb, [layer * pb] * int(round(lps)), gb / pb, f_layer + lt.tp_f + lt.ep,
+            root * pb, [layer * gather_pb] * int(round(lps)), gb / gather_pb, f_layer + lt.tp_f + lt.ep,
             2 * f_layer + lt.tp_b + lt.ep + lt.recompute, 0.0, pt.fwd_last - pt.fwd, pt.bwd_last - pt.bwd, 0.0,
             lay.dp, dp_link, a.zero3_style, lt.recompute if full else 0.0, lay.reshards)
         if st.expert:  # experts shard over dp / ep: their gathers, on their own group, assumed hidden
             t_dp += mbs * max(3 * gather_time(st.expert * pb, edp, edp_link) - pt.t_f - pt.t_b, 0.0)
         gathers = 3 if a.zero3_style == "per-tensor" and full else 2 if lay.reshards else 1
-        dp_bytes = mbs * ((lay.dp - 1) / lay.dp * (gathers * st.dense * pb + dense_b) +
+        block_w = lps * layer
+        dp_bytes = mbs * ((lay.dp - 1) / lay.dp * (gathers * (root * pb + block_w * gather_pb) + dense_b) +
                           (edp - 1) / max(edp, 1) * (2 * st.expert * pb + expert_b))
+        if train.dtype == "fp8":
+            t_dp += allreduce_time(4 * 4 * lps, lay.dp, dp_link)
     return t_dp, dp_bytes
 
 
