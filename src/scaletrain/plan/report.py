@@ -21,7 +21,7 @@ TIME_LABELS = {
     "compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
     "ep_comm": "expert all-to-all", "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
     "dp_comm": "data-parallel communication", "optimizer": "optimizer step", "offload": "offload transfers",
-    "loader": "data loading", "sync": "step synchronisation",
+    "loader": "data loading", "sync": "step synchronisation", "stragglers": "waiting for the slowest GPU",
 }
 
 

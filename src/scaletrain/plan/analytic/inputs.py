@@ -214,6 +214,11 @@ class Assumptions:
     DeepSpeed ZeRO-3 up to v0.4 (the runs of arXiv 2104.04473 Table 2): one all-gather per weight behind a
     device synchronise, so only the next weight's gather hides behind the current compute; weights are
     gathered again for the recomputed forward, and each gradient reduce-scatter is waited for."""
+    gpu_speed_spread: float = 0.05
+    """Spread (fastest to slowest) of the sustained speed of the GPUs of one 8-GPU node: "5% and higher differences
+    on an 8-gpu node" (silicon lottery, cooling; S. Bekman, ml-engineering, compute/accelerator/README.md). A
+    synchronous step waits for the slowest of its N GPUs: its compute takes sigma x E[max of N standard normals]
+    longer, with sigma = spread / E[range of 8] (`step_time.straggler_factor`). 0 turns it off."""
     zero3_link_bw: float | None = None
     """Per-GPU bandwidth (bytes/s) ZeRO-3's collectives reach over a dp group that spans nodes; None = a
     ring over all the node's NICs (`group_link`). Set it from a measurement of your implementation."""

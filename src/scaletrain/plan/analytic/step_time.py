@@ -14,6 +14,7 @@ offload (PCIe and CPU Adam, ZeRO-Offload arXiv 2101.06840; NVMe, ZeRO-Infinity a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from scaletrain.parallel.pipeline.balance import LayerCosts
 from scaletrain.plan.analytic import offload_costs, tp_nd
@@ -324,6 +325,12 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
                           (edp - 1) / max(edp, 1) * (2 * st.expert * pb + expert_b))
         if train.dtype == "fp8":
             t_dp += allreduce_time(4 * 4 * lps, lay.dp, dp_link)
+        # each gather and reduce-scatter also moves its unit through HBM, on the compute's time: the shard copied into
+        # the collective's buffer, the gathered buffer written, then copied out into the parameters (3 passes of
+        # the unit's bytes), the gradients copied into the reduce-scatter's input and read by it (3 passes); as
+        # PyTorch FSDP2 does (all_gather_copy_in / foreach_all_gather_copy_out, arXiv 2304.11277)
+        t_dp += mbs * 3 * (gathers * (root * pb + block_w * gather_pb) + st.dense * gb) / (
+            gpu.hbm_bandwidth * a.hbm_efficiency)
     return t_dp, dp_bytes
 
 
@@ -371,7 +378,8 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     t_dp, dp_bytes = dp_time(m, gpu, train, lay, a, st, mbs, lt, pt)
     t_opt, t_off, shard = optimizer_time(m, gpu, train, lay, a, st, mbs, k, pt, lps)
 
-    step = pt.pipe + t_dp + t_opt + t_off
+    slow = straggler_factor(n_gpus, a.gpu_speed_spread)
+    step = (pt.pipe + t_opt) * slow + t_dp + t_off
     pol = recompute_policy(lay.recompute)
     model_f, hw_f = step_flops(m, train.global_batch * s, pol, train.attention)
     comp = lps * 3 * lt.forward + pt.logits * 3
@@ -382,7 +390,7 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     breakdown = {
         "compute": mbs * comp * share, "recompute": mbs * recomp * share, "tp_comm": mbs * tp_c * share,
         "ep_comm": mbs * ep_c * share, "pp_comm": mbs * 2 * pt.pp * share, "bubble": pt.bubble,
-        "dp_comm": t_dp, "optimizer": t_opt, "offload": t_off,
+        "dp_comm": t_dp, "optimizer": t_opt, "offload": t_off, "stragglers": (pt.pipe + t_opt) * (slow - 1),
     }
     tp_bytes = 0.0
     if t > 1 and lay.tp_mode != "1d":
@@ -399,6 +407,18 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     return StepCost(step, train.global_batch * s / step, model_f / step / n_gpus / 1e12,
                     hw_f / step / n_gpus / 1e12, model_f / step / n_gpus / gpu.peak_flops,
                     pt.bubble / pt.pipe if pt.pipe else 0.0, breakdown, comm, tp_notes(lay, a, lt))
+
+
+def straggler_factor(n: int, spread: float) -> float:
+    """How much longer a synchronous step of n GPUs computes than one GPU of average speed: 1 + sigma E[max of n
+    standard normals] (Blom's approximation Phi^-1((n - 0.375) / (n + 0.25))), sigma = spread / E[range of 8]."""
+    if n <= 1 or spread <= 0:
+        return 1.0
+    return 1.0 + spread / (2 * _expected_max(8)) * _expected_max(n)
+
+
+def _expected_max(n: int) -> float:
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
 def tp_notes(lay: Layout, a: Assumptions, lt: LayerTimes) -> tuple[str, ...]:
