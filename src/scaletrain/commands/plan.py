@@ -83,7 +83,10 @@ def add_parser(subparsers) -> None:
                          "overlapped with their GEMMs, as Megatron's tp-comm-overlap or PyTorch's async TP (default: "
                          "fully exposed; the plan says which it assumed)")
     p.add_argument("--layout", default="",
-                   help='fix fields, e.g. "dp=8,tp=8,pp=4,zero=1,recompute=selective"; the rest is searched')
+                   help='fix fields, e.g. "dp=8,tp=8,pp=4,zero=1,recompute=full"; the rest is searched')
+    p.add_argument("--baseline", metavar="LAYOUT",
+                   help='your own layout, e.g. "dp=16,tp=8,pp=8,zero=1": shown beside the search\'s, and each one '
+                        "the planner ranks above it says whether the difference is beyond the planner's held-out error")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="layouts to show")
     out.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -215,7 +218,24 @@ def run(args) -> int:
     result = search(model, gpu, args.gpus, train, fixed, _assumptions(args))
     top = dedupe(result.candidates, args.top)
     extra = _sync_comm(args, model, gpu, train, top[0].layout) if top else None
+    if args.baseline:
+        extra = {**(extra or {}), "baseline": _baseline(args, model, gpu, train)}
     return _emit(args, model, cluster, train, top, result.evaluated, result.offload_needed, extra)
+
+
+def _baseline(args, model, gpu, train):
+    """The user's own layout (`--baseline`), evaluated as given: every field it does not name takes its default."""
+    from scaletrain.plan.analytic.estimate import estimate
+    from scaletrain.plan.search import parse_layout
+
+    fixed = parse_layout(args.baseline)
+    missing = [k for k in ("dp", "tp", "pp") if k not in fixed]
+    if missing:
+        raise UserError(f"--baseline names a whole layout: it needs {', '.join(missing)} (e.g. \"dp=8,tp=8,pp=16\")")
+    try:
+        return estimate(model, gpu, train, Layout(**fixed), _assumptions(args), n_gpus=args.gpus)
+    except UserError as e:
+        raise UserError(f"--baseline: {e}") from None
 
 
 def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool = False,
@@ -233,10 +253,15 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
         write_plan_page({**report.to_json(model, cluster, train, top), **(extra or {})}, args.html, explanation)
         if not args.json:
             sys.stderr.write(f"wrote {args.html}\n")
+    extra = dict(extra or {})
+    base = extra.pop("baseline", None)
     if args.json:
         doc = report.to_json(model, cluster, train, top)
-        if extra:
-            doc.update(extra)
+        doc.update(extra)
+        if base is not None:
+            doc["baseline"] = {**base.to_dict(), "faster": [
+                {"rank": i, "beyond_held_out_error": report.trusted(c, base)}
+                for i, c in enumerate(top, 1) if c.fits and c.step_time_s < base.step_time_s]}
         json.dump(doc, sys.stdout, indent=2, default=float)
         sys.stdout.write("\n")
         return 0
@@ -248,17 +273,20 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     title = (f"{model.name}: {size} params on {cluster.n_gpus} x "
              f"{cluster.gpu.name}, global batch {train.global_batch} x {model.seq_len} tokens "
              f"({evaluated} layouts evaluated)")
-    con.print(report.table(top, cluster, title))
+    con.print(report.table(top + ([base] if base is not None else []), cluster, title, base))
     con.print(f"model assumptions: {model_flags(model)}", soft_wrap=True)
     if offload_needed:
         con.print("Nothing fits without offload; these layouts offload optimizer state or parameters.")
-    for note in dict.fromkeys(n for c in top for n in c.notes):  # each once, in the order of the table
+    shown = top + ([base] if base is not None else [])
+    for note in dict.fromkeys(n for c in shown for n in (*c.notes, *report.coverage_notes(c))):  # each once
         con.print(f"note: {note}", soft_wrap=True)
     if top and not top[0].fits:
         con.print(f"Does not fit: the closest layout is {report.gib(top[0].over_by)} GiB over the "
                   f"{report.gib(cluster.gpu.memory_bytes)} GiB per GPU.")
     elif len(top) > 1:
         con.print(report.explain(top[0], top[1], model, cluster))
+    if base is not None:
+        con.print(_baseline_text(report, top, base), soft_wrap=True)
     if extra:
         for key, value in extra.get("run_prediction", {}).items():
             con.print(f"{key}: {value:,} bytes")
@@ -269,6 +297,21 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     if args.png:
         con.print(f"memory breakdown: {args.png}")
     return 0
+
+
+def _baseline_text(report, top: list, base) -> str:
+    """What the search found against the user's layout, each gain said beyond or inside the planner's error."""
+    faster = [c for c in top if c.fits and c.step_time_s < base.step_time_s]
+    head = f"Your layout {base.label()}: {base.step_time_s:.3g} s per step" + ("" if base.fits else
+                                                                            f", {report.gib(base.over_by)} GiB over")
+    if not faster:
+        return head + "; none of the layouts shown is predicted faster."
+    sure = [c for c in faster if report.trusted(c, base)]
+    text = f"{head}; the best shown is {report.verdict(faster[0], base)}."
+    if len(faster) > 1:
+        text += (f" {len(sure)} of the {len(faster)} shown faster than yours are beyond that error." if sure else
+                 f" None of the {len(faster)} shown faster than yours is beyond that error.")
+    return text
 
 
 def config_layout(cfg) -> Layout:

@@ -30,6 +30,38 @@ def gib(x: float) -> str:
 
 
 MEM_LEGEND = "p/g/o/a/b = parameters / gradients / optimizer states / activations / buffers, per GPU"
+TRUST = 0.26
+"""How far a predicted step time can be trusted: the 90th percentile of the planner's |error| on the published runs
+held out from its calibration (tests/test_plan_published.py, docs/planner-validation.md section 1b: 9 in 10 of
+them within it). Differences between layouts smaller than this are not ones the planner can vouch for."""
+
+
+VALIDATED_ZERO3_DP = 128
+"""The widest ZeRO-3 / FSDP data-parallel group among the held-out published runs (MPT on 128 A100 40GB)."""
+
+
+def coverage_notes(c: Estimate) -> list[str]:
+    """Where a candidate goes beyond what the planner was checked against."""
+    lay = c.layout
+    if lay.zero == 3 and lay.dp > VALIDATED_ZERO3_DP:
+        return [f"ZeRO-3 over {lay.dp} data-parallel ranks is beyond the validated range (the widest held-out FSDP run"
+                f" has {VALIDATED_ZERO3_DP}); DeepSpeed's 2021 ZeRO-3 on 384-2240 GPUs ran 1.5-4.8x slower than this"
+                " model's default predicts (docs/planner-validation.md)"]
+    return []
+
+
+def trusted(best: Estimate, other: Estimate) -> bool:
+    """Whether `best` is faster than `other` by more than the planner's held-out error."""
+    return other.step_time_s > best.step_time_s * (1 + TRUST)
+
+
+def verdict(best: Estimate, other: Estimate) -> str:
+    """The sentence on whether a predicted speed-up of `best` over `other` is beyond the planner's error."""
+    gain = other.step_time_s / best.step_time_s - 1
+    if trusted(best, other):
+        return f"{gain:.0%} faster, beyond the planner's held-out error of ±{TRUST:.0%}"
+    return (f"{gain:.0%} faster, inside the planner's held-out error of ±{TRUST:.0%}: the planner cannot tell"
+            " them apart (choose by memory, simplicity or a measurement)")
 
 
 def memory_unit(values: list[float]) -> tuple[str, float]:
@@ -52,18 +84,19 @@ def in_unit(x: float, size: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def table(cands: list[Estimate], cluster: Cluster, title: str):
+def table(cands: list[Estimate], cluster: Cluster, title: str, baseline: Estimate | None = None):
     from rich.table import Table
 
     unit, size = memory_unit([c.memory[k] for c in cands for k in MEM_KEYS])
     t = Table(title=title, show_lines=False, caption=MEM_LEGEND)
-    for col in ("#", "layout", "fits", f"mem {unit} (p/g/o/a/b)", f"total {unit}", "step s", "tokens/s", "MFU",
-                "bubble", "dominant"):
+    for col in ("#", "layout", "fits", f"mem {unit} (p/g/o/a/b)", f"total {unit}", f"step s (±{TRUST:.0%})",
+                "tokens/s", "MFU", "bubble", "dominant"):
         t.add_column(col, justify="right" if col not in ("layout", "dominant") else "left")
     for i, c in enumerate(cands, 1):
         mem = "/".join(in_unit(c.memory[k], size) for k in MEM_KEYS)
         fits = "yes" if c.fits else f"no (+{gib(c.over_by)} GiB)"
-        t.add_row(str(i), c.label(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
+        mark = "yours" if baseline is not None and c is baseline else str(i)
+        t.add_row(mark, c.label(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
                   f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}", f"{c.bubble_fraction:.1%}",
                   TIME_LABELS.get(c.dominant, c.dominant))
     return t
@@ -78,8 +111,8 @@ def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> 
     if ratio < 1.005:
         saved = other.memory["total"] - best.memory["total"]
         return (f"{best.label()} and the runner-up {other.label()} take the same time per step "
-                f"({best.step_time_s:.3g} s)" + (f"; the best needs {gib(saved)} GiB less memory per GPU."
-                                                  if saved > 0 else "."))
+                f"({best.step_time_s:.3g} s, ±{TRUST:.0%})" + (f"; the best needs {gib(saved)} GiB less memory per GPU."
+                                                                if saved > 0 else "."))
     diffs = sorted(((other.time_breakdown.get(k, 0) - best.time_breakdown.get(k, 0), k)
                     for k in set(best.time_breakdown) | set(other.time_breakdown)), reverse=True)
     parts = []
@@ -109,6 +142,8 @@ def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> 
         notes.append(f"recompute {bl.recompute} vs {ol.recompute}")
     if notes:
         text += " " + "; ".join(notes) + "."
+    if not trusted(best, other):
+        text += f" The difference is inside the planner's held-out error of ±{TRUST:.0%}: it cannot tell them apart."
     return text
 
 
@@ -125,6 +160,7 @@ def to_json(m: ModelSpec, cluster: Cluster, train: Training, cands: list[Estimat
                      "attention": train.attention, "optimizer": train.optimizer,
                      "optimizer_bytes_per_param": sum(optimizer_bytes(m, train))},
         "candidates": [c.to_dict() for c in cands],
+        "held_out_error": TRUST,
     }
 
 
