@@ -45,7 +45,7 @@ def coverage_notes(c: Estimate) -> list[str]:
     lay = c.layout
     if lay.zero == 3 and lay.dp > VALIDATED_ZERO3_DP:
         return [f"ZeRO-3 over {lay.dp} data-parallel ranks is beyond the validated range (the widest held-out FSDP run"
-                f" has {VALIDATED_ZERO3_DP}); DeepSpeed's 2021 ZeRO-3 on 384-2240 GPUs ran 1.5-4.8x slower than this"
+                f" has {VALIDATED_ZERO3_DP}); DeepSpeed's 2021 ZeRO-3 on 384-2240 GPUs ran 1.4-4.0x slower than this"
                 " model's default predicts (docs/planner-validation.md)"]
     return []
 
