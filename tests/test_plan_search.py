@@ -63,14 +63,32 @@ def test_interleaved_inflight_matches_korthikanti_factor():
         assert chunks / (p * v) == pytest.approx(1 + (p - 1) / (p * v))
 
 
-def test_search_1t_on_3072_gpus_under_two_seconds():
-    t0 = time.perf_counter()
+def test_search_1t_on_3072_gpus_in_seconds():
+    """Issue 31 widened the search (any pp with enough layers, the partitions, the checkpointing policies, ZeRO-3
+    without resharding): about 18,600 layouts for 1T on 3,072 GPUs, 2.6x those before. Measured here 1.1-1.3 s of
+    CPU (process time, which the shared machine's load moves less than wall time); the bound catches a blow-up."""
+    t0 = time.process_time()
     r = search(get_model("megatron-1t"), get_gpu("a100-80gb"), 3072, Training(3072))
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 2.0, elapsed
-    assert r.candidates[0].fits and r.evaluated > 1000
+    elapsed = time.process_time() - t0
+    assert elapsed < 6.0, elapsed
+    assert r.candidates[0].fits and 15000 < r.evaluated < 25000
     best = r.candidates[0].layout
     assert best.world == 3072 and best.tp * best.pp >= 64  # 1T cannot live on fewer than ~64 GPUs/replica
+
+
+def test_readme_first_plan_ranks_no_unvalidated_layout_above_validated_ones_within_the_held_out_error():
+    """The README's first command: ZeRO-3 over 256 data-parallel ranks is predicted fastest by 1%, but no published
+    run checks ZeRO-3 that wide (the 2021 DeepSpeed runs ran 1.4-4x slower than predicted): it ranks as if 26% slower,
+    behind the validated layouts it beats by less than that. Before issue 31 it came first at 71% MFU."""
+    from scaletrain.plan.trust import TRUST, coverage_notes, rank_key
+
+    r = search(get_model("gpt3-175b"), get_gpu("a100-80gb"), 1024, Training(1536))
+    fits = [c for c in r.candidates if c.fits]
+    best, fastest = fits[0], min(fits, key=lambda c: c.step_time_s)
+    assert coverage_notes(fastest) and fastest.layout.zero == 3 and fastest.layout.dp == 256
+    assert not coverage_notes(best) and best.step_time_s < fastest.step_time_s * (1 + TRUST)
+    assert [rank_key(c) for c in fits] == sorted(rank_key(c) for c in fits)
+    assert 0.55 < best.mfu < 0.65  # measured 62.9%: MPT-70B on A100 reaches 53% MFU with full recomputation
 
 
 def test_search_ranks_fitting_layouts_by_step_time():

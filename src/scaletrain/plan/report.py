@@ -14,6 +14,7 @@ from scaletrain.plan.analytic.memory import optimizer_bytes
 from scaletrain.plan.analytic.params import active_params, param_counts, total_params
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.trust import TRUST, VALIDATED_ZERO3_DP, coverage_notes, trusted  # noqa: F401 (re-exported)
 
 GiB = float(1 << 30)
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -30,29 +31,6 @@ def gib(x: float) -> str:
 
 
 MEM_LEGEND = "p/g/o/a/b = parameters / gradients / optimizer states / activations / buffers, per GPU"
-TRUST = 0.26
-"""How far a predicted step time can be trusted: the 90th percentile of the planner's |error| on the published runs
-held out from its calibration (tests/test_plan_published.py, docs/planner-validation.md section 1b: 9 in 10 of
-them within it). Differences between layouts smaller than this are not ones the planner can vouch for."""
-
-
-VALIDATED_ZERO3_DP = 128
-"""The widest ZeRO-3 / FSDP data-parallel group among the held-out published runs (MPT on 128 A100 40GB)."""
-
-
-def coverage_notes(c: Estimate) -> list[str]:
-    """Where a candidate goes beyond what the planner was checked against."""
-    lay = c.layout
-    if lay.zero == 3 and lay.dp > VALIDATED_ZERO3_DP:
-        return [f"ZeRO-3 over {lay.dp} data-parallel ranks is beyond the validated range (the widest held-out FSDP run"
-                f" has {VALIDATED_ZERO3_DP}); DeepSpeed's 2021 ZeRO-3 on 384-2240 GPUs ran 1.4-4.0x slower than this"
-                " model's default predicts (docs/planner-validation.md)"]
-    return []
-
-
-def trusted(best: Estimate, other: Estimate) -> bool:
-    """Whether `best` is faster than `other` by more than the planner's held-out error."""
-    return other.step_time_s > best.step_time_s * (1 + TRUST)
 
 
 def verdict(best: Estimate, other: Estimate) -> str:

@@ -38,6 +38,7 @@ from scaletrain.plan.analytic.stages import PARTITIONS
 from scaletrain.plan.analytic.tp_nd import grid
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
+from scaletrain.plan.trust import rank_key
 
 LAYOUT_FIELDS = {f.name: f.type for f in fields(Layout)}
 SEARCHED_RECOMPUTE = ("none", "full", "ops:matmul+attention")
@@ -251,7 +252,7 @@ def _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload) -> SearchResult:
             unfit.append(est)
     if not fit and not unfit:
         raise UserError(errors[0])
-    fit.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
+    fit.sort(key=rank_key)
     unfit.sort(key=lambda e: e.over_by)
     for est in unfit[:keep_unfit]:  # time for the closest misses, so the table can show it
         full = estimate(m, gpu, train, est.layout, a)
