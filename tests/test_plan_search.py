@@ -126,3 +126,17 @@ def test_more_memory_pressure_never_fits_better():
     assert full.memory["activations"] < none.memory["activations"]
     assert full.step_time_s > none.step_time_s
     assert full.hardware_tflops_per_gpu / full.model_tflops_per_gpu == pytest.approx(4 / 3, rel=0.02)
+
+
+def test_docs_state_the_zero_stages_the_search_tries_with_pipelining():
+    """Issue 31: docs/planner.md said the search tries ZeRO 0-1 with pp > 1 while search.py tries 0-3."""
+    from pathlib import Path
+
+    from scaletrain.plan.search import enumerate_layouts
+
+    layouts = enumerate_layouts(get_model("gpt3-6.7b"), get_gpu("a100-80gb"), 64, Training(512), {"tp": 8, "pp": 4})
+    assert sorted({lay.zero for lay in layouts}) == [0, 1, 2, 3]
+    doc = (Path(__file__).parents[1] / "docs" / "planner.md").read_text()
+    start = doc.index("## The search")
+    search_section = doc[start:doc.index("\n## ", start)]
+    assert "ZeRO 0–3 with and without pp" in search_section and "0–1 with pp > 1" not in search_section
