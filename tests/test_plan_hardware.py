@@ -92,6 +92,10 @@ def test_tp_overlap_hides_all_but_one_chunk_of_a_collective_its_gemm_outlasts():
     no_sp = estimate(m, H100, train, dataclasses.replace(lay, sequence_parallel=False), Assumptions(
         tp_comm_overlap=True))
     assert any("all-reduces assumed fully exposed" in n for n in no_sp.notes)
+    grid = estimate(get_model("llama3-8b"), H100, Training(64), Layout(dp=2, tp=4, tp_mode="2d", micro_batch=2),
+                    Assumptions(tp_comm_overlap=True))
+    assert any(n.startswith("2D tensor-parallel collectives assumed fully exposed (--tp-overlap models 1D")
+               for n in grid.notes), grid.notes
 
 
 def test_the_slowest_of_n_gpus_sets_the_step():

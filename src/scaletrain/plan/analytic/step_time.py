@@ -423,8 +423,12 @@ def _expected_max(n: int) -> float:
 
 def tp_notes(lay: Layout, a: Assumptions, lt: LayerTimes) -> tuple[str, ...]:
     """Which tensor-parallel communication the step time assumed exposed."""
-    if lay.tp == 1 or lay.tp_mode != "1d":
+    if lay.tp == 1:
         return ()
+    if lay.tp_mode != "1d":
+        return (f"{lay.tp_mode.upper()} tensor-parallel collectives assumed fully exposed"
+                + (" (--tp-overlap models 1D tensor parallelism with sequence parallelism only)" if a.tp_comm_overlap
+                   else ""),)
     if not lay.sequence_parallel:
         return ("tensor-parallel all-reduces assumed fully exposed (without sequence parallelism they are not"
                 " overlapped)",)
