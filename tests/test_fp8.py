@@ -262,7 +262,7 @@ def test_fp8_tensor_cores_need_dimensions_divisible_by_16():
 
 
 def test_a_run_says_which_layers_ran_in_fp8(tmp_path, capsys):
-    """metrics.jsonl (fp8_layers, fp8_gemms), run_info.json, the report and `plan --config` name the FP8 layers; the
+    """metrics.jsonl (fp8_layers), run_info.json, the report and `plan --config` name the FP8 layers; the
     CLI refuses the FP8 tensor cores on the CPU in one line, exit 2, before writing anything."""
     from scaletrain.cli import main
 
@@ -276,7 +276,7 @@ def test_a_run_says_which_layers_ran_in_fp8(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *argv, "--out", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["fp8_layers"], r["fp8_gemms"]) for r in rows] == [(6, 3 * 6 * 2)] * 2  # 3 GEMMs x 6 layers x 2 micro
+    assert [r["fp8_layers"] for r in rows] == [6, 6]
     info = json.loads((out / "run_info.json").read_text())["sessions"][-1]
     assert info["fp8"] == {"recipe": "tensorwise", "gemm": "emulated", "layers": [
         "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj", "blocks.1.attn.qkv",
@@ -311,3 +311,26 @@ def test_fp8_training_tracks_autocast_bf16():
     assert worst <= 0.01, worst
     assert abs(fp8.val_losses[40] - bf16.val_losses[40]) <= 0.02, (fp8.val_losses, bf16.val_losses)
     assert fp8.losses[1] - fp8.losses[40] > 1.0, fp8.losses
+
+
+def test_compiled_fp8_blocks_equal_eager_in_one_graph(monkeypatch):
+    """train.compile with FP8 layers: the blocks compile to one graph without a break (the casts, scales and the
+    float8 tensor subclass are traced; nothing in the FP8 layers changes between calls) and, captured with aot_eager
+    as tests/test_compile.py does, compute exactly what eager blocks compute. (Inductor's own kernels fuse the bf16
+    casts around the layers differently: measured 1.5e-5 relative on the loss over 3 steps, outside CI.)"""
+    from torch._dynamo.utils import counters
+
+    from scaletrain.parallel.compile import BACKEND_ENV
+    from scaletrain.train.trainer import Trainer
+
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    runs = []
+    torch._dynamo.reset()
+    counters.clear()
+    for compiled in (False, True):
+        t = Trainer(make_config({**TINY, "train.dtype": "fp32", "train.precision": "fp8", "train.steps": 2,
+                                 "train.compile": compiled}))
+        runs.append((t.run().losses, t.full_state()))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])

@@ -107,24 +107,32 @@ class Fp8Gemm:
 
     `split` says which of the layer's dimensions is split over the tensor-parallel `group`: None (a whole layer),
     `out` (column-parallel: output features) or `in` (row-parallel: input features); an operand's amax taken along
-    a split dimension is then MAX-all-reduced over `group` (bytes counted in `stats` as `tp.fp8_amax`). `gemms`
-    counts the float8 GEMMs run (metrics: `fp8_gemms`)."""
+    a split dimension is then MAX-all-reduced over `group` (bytes counted in `stats` as `tp.fp8_amax`). It holds no
+    state that changes during training (no amax history, no counters), so a torch.compile'd block traces it once."""
 
     config: Any
     split: str | None = None
     group: dist.ProcessGroup | None = None
     stats: CommStats | None = None
-    gemms: int = 0
     mm_config: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        tt = torchao_float8().float8_training_tensor
-        c = self.config
+        # torchao's pieces resolved once, here: torch.compile then traces `cast` without the import machinery
+        f8 = torchao_float8()
+        tt, c = f8.float8_training_tensor, self.config
         self.mm_config = tt.LinearMMConfig(*(tt.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
                                              for g in (c.gemm_config_output, c.gemm_config_grad_input,
                                                        c.gemm_config_grad_weight)))
-        self._roles = {INPUT: tt.GemmInputRole.INPUT, WEIGHT: tt.GemmInputRole.WEIGHT,
-                       GRAD_OUTPUT: tt.GemmInputRole.GRAD_OUTPUT}
+        roles = {INPUT: tt.GemmInputRole.INPUT, WEIGHT: tt.GemmInputRole.WEIGHT,
+                 GRAD_OUTPUT: tt.GemmInputRole.GRAD_OUTPUT}
+        self._amax, self._scale = f8.float8_utils.tensor_to_amax, f8.float8_utils.amax_to_scale
+        self._to_float8 = tt.hp_tensor_and_scale_to_float8
+        self._casts = {}  # (operand, gemm) -> None (high precision) or (granularity, axis, float8 dtype, role)
+        for (operand, gemm), (name, along) in CASTS.items():
+            cc = getattr(c, name)
+            axiswise = cc.scaling_granularity is f8.ScalingGranularity.AXISWISE
+            self._casts[(operand, gemm)] = None if cc.scaling_type is f8.ScalingType.DISABLED else (
+                cc.scaling_granularity, along if axiswise else None, cc.target_dtype, roles[operand])
 
     def reduces(self, operand: str, axis: int | None) -> bool:
         """Whether the amax of `operand` (along `axis`; None: the whole tensor) spans a dimension split over tp."""
@@ -134,36 +142,30 @@ class Fp8Gemm:
     def cast(self, t: torch.Tensor, operand: str, gemm: str) -> torch.Tensor:
         """`t` (2-D) scaled and cast to float8 as `gemm` wants its `operand` (unchanged when the recipe keeps it in
         high precision)."""
-        f8 = torchao_float8()
-        name, along = CASTS[(operand, gemm)]
-        cc = getattr(self.config, name)
-        if cc.scaling_type is f8.ScalingType.DISABLED:
+        how = self._casts[(operand, gemm)]
+        if how is None:
             return t
-        axis = along if cc.scaling_granularity is f8.ScalingGranularity.AXISWISE else None
-        amax = f8.float8_utils.tensor_to_amax(t, False, None, cc.scaling_granularity, axis)
+        granularity, axis, dtype, role = how
+        amax = self._amax(t, False, None, granularity, axis)
         if self.reduces(operand, axis):
             amax = amax.float()
             n = group_size(self.group)
             if self.stats is not None:
                 self.stats.add("tp.fp8_amax", 2 * (n - 1) / n * amax.numel() * amax.element_size())
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        scale = f8.float8_utils.amax_to_scale(amax, cc.target_dtype, self.config.round_scales_to_power_of_2)
-        return f8.float8_training_tensor.hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, self.mm_config,
-                                                                       self._roles[operand], axis)
+        scale = self._scale(amax, dtype, self.config.round_scales_to_power_of_2)
+        return self._to_float8(t, scale, dtype, self.mm_config, role, axis)
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """y = x Wᵀ for x (N, K), W (O, K), in x's dtype."""
-        self.gemms += 1
         return torch.mm(self.cast(x, INPUT, OUTPUT), self.cast(weight.t(), WEIGHT, OUTPUT))
 
     def grad_input(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """dx = dy W for dy (N, O), in dy's dtype."""
-        self.gemms += 1
         return torch.mm(self.cast(dy, GRAD_OUTPUT, GRAD_INPUT), self.cast(weight.t(), WEIGHT, GRAD_INPUT).t())
 
     def grad_weight(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """dW = dyᵀ x (O, K), in dy's dtype."""
-        self.gemms += 1
         return torch.mm(self.cast(dy, GRAD_OUTPUT, GRAD_WEIGHT).t(), self.cast(x, INPUT, GRAD_WEIGHT))
 
 

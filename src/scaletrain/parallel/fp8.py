@@ -20,7 +20,7 @@ activation checkpointing and torch.compile too).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -128,20 +128,16 @@ class Fp8RowParallelLinear(RowParallelLinear):
 @dataclass
 class Fp8Run:
     """What the FP8 pass did on this rank: the recipe, whether its GEMMs are emulated, the layers it converted
-    (plain-model names) and their GEMM counters (metrics: `fp8_layers`, `fp8_gemms`)."""
+    (plain-model names, checked against the rule) and how many the whole model has (metrics: `fp8_layers`)."""
 
     recipe: str
     emulated: bool
     layers: list[str]
     model_layers: int  # FP8 layers of the whole model (all pipeline stages)
-    gemms: list[Fp8Gemm] = field(default_factory=list)
-    _seen: int = 0
 
     def step_fields(self) -> dict[str, int]:
-        """`fp8_layers` (of the whole model) and `fp8_gemms`: float8 GEMMs this rank ran since the last call."""
-        total = sum(gm.gemms for gm in self.gemms)
-        ran, self._seen = total - self._seen, total
-        return {"fp8_layers": self.model_layers, "fp8_gemms": ran}
+        """The metrics row's `fp8_layers`: linear layers of the whole model that compute in FP8."""
+        return {"fp8_layers": self.model_layers}
 
     def info(self) -> dict:
         """For run_info.json: what ran in FP8 on this rank."""
@@ -174,7 +170,6 @@ def apply_fp8(engine, model_cfg: ModelConfig, train: TrainConfig, mesh: Mesh, co
                             f"({describe(wanted, model_cfg)})")
         if not emulate:
             _check_shape(name, m, train.micro_batch * model_cfg.seq_len)
-        run.gemms.append(gemm)
     blocks = {n.split(".")[1] for n, _ in engine.module.named_modules() if n.count(".") == 1 and n[:7] == "blocks."}
     expected = [n for n in wanted if n.split(".")[1] in blocks]
     if sorted(expected) != sorted(local):
