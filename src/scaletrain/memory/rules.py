@@ -96,7 +96,7 @@ FP8_REFUSED = (
      "train.dtype=fp32 (autocast-bf16 around the FP8 layers) or bf16"),
     (lambda c: c.train.dtype == "fp64", "train.dtype",
      "the FP8 GEMMs dequantize and accumulate in fp32 (emulated) or on tensor cores, so nothing would be fp64; use "
-     "train.dtype=fp32 or bf16 (the fp64 proofs compare the other precisions)"),
+     "train.dtype=fp32 or bf16 (scaletrain verify: --dtype fp32 with a bf16-sized --rtol)"),
     (lambda c: c.model.moe.experts > 0, "model.moe.experts",
      "the experts' batched GEMMs are not converted to FP8 and their routing is not proven under FP8 rounding"),
     (lambda c: c.parallel.tp_mode != "1d", "parallel.tp_mode",
