@@ -334,3 +334,14 @@ def test_compiled_fp8_blocks_equal_eager_in_one_graph(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+def test_docs_list_the_exclusions_the_code_applies():
+    from pathlib import Path
+
+    from scaletrain.memory.fp8_layers import EXCLUDED
+
+    doc = Path(__file__).parent.parent / "docs" / "precision.md"
+    table = doc.read_text().split("<!-- fp8-excluded:begin -->\n")[1].split("<!-- fp8-excluded:end -->")[0]
+    rows = [line.split(" | ") for line in table.strip().splitlines()[2:]]
+    assert {r[0].lstrip("| "): r[1].rstrip(" |") for r in rows} == EXCLUDED
