@@ -273,6 +273,7 @@ def test_a_run_says_which_layers_ran_in_fp8(tmp_path, capsys):
     assert main(["train", *argv, "--set", "train.fp8_gemm=hardware", "--out", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.fp8_gemm=hardware needs a GPU with FP8 tensor cores" in err, err
+    assert not bad.exists()
     out = tmp_path / "run"
     assert main(["train", *argv, "--out", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -101,6 +101,16 @@ def emulated(setting: str, device: torch.device) -> bool:
                     "bf16, for testing) or use train.precision=autocast-bf16")
 
 
+def check_fp8_device(cfg: Any) -> None:
+    """Before a run starts (the launcher, nothing written yet): the device rank 0 will use refuses
+    `train.precision=fp8` in one line when it has no FP8 tensor cores and emulation was not asked for."""
+    if cfg.train.precision != "fp8":
+        return
+    from scaletrain.distributed.process_group import pick_device
+
+    emulated(cfg.train.fp8_gemm, pick_device(cfg.train.device, 0))
+
+
 @dataclass
 class Fp8Gemm:
     """The three GEMMs of one linear layer in float8 under torchao's `config` (a Float8LinearConfig).
