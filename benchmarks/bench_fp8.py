@@ -13,6 +13,14 @@ script measures that cost, so users know emulation is for testing:
    of x and W for the output, dy and W for dx, dy and x for dW), repeated and alternated; median microseconds.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fp8.py --steps 3 --repeats 5
+
+3. `--track N` (the accuracy claim, not a timing): the demo (configs/demo.yaml: its model, data, learning-rate
+   schedule and seed) trained for N steps under autocast-bf16 and under fp8 with each recipe (emulated), validation
+   loss at step N. The bound, set before measuring: each FP8 run's final validation loss within 0.05 of
+   autocast-bf16's; the script prints the per-step worst relative training-loss difference too and exits 1 when a
+   bound is missed.
+
+    .venv/bin/python benchmarks/bench_fp8.py --track 300
 """
 
 from __future__ import annotations
@@ -69,6 +77,37 @@ def steps(args) -> list[dict]:
             for n, r in rates.items()]
 
 
+TRACK_BOUND = 0.05  # final validation loss, FP8 against autocast-bf16 (issue 33), set before measuring
+
+
+def track(steps: int) -> bool:
+    """The demo for `steps` steps under autocast-bf16 and fp8 (both recipes); prints the comparison, True if within."""
+    from pathlib import Path
+
+    import scaletrain
+
+    demo = Path(scaletrain.__file__).parent / "configs" / "demo.yaml"
+    base = {"train.steps": steps, "train.eval_every": steps, "train.checkpoint_every": 0, "train.report": False}
+    results = {}
+    for name, sets in VARIANTS.items():
+        cfg = validate(load_config(str(demo), [f"{k}={v}" for k, v in {**base, **sets}.items()]))
+        t0 = time.perf_counter()
+        results[name] = Trainer(cfg).run()
+        print(f"{name}: {steps} steps in {time.perf_counter() - t0:.0f} s, first loss {results[name].losses[1]:.4f}, "
+              f"last {results[name].losses[steps]:.4f}, validation {results[name].val_losses[steps]:.5f}", flush=True)
+    ref = results["autocast-bf16"]
+    ok = True
+    print(f"\n| variant | validation loss at step {steps} | vs autocast-bf16 | worst per-step relative loss gap |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        diff = r.val_losses[steps] - ref.val_losses[steps]
+        worst = max(abs(r.losses[s] - ref.losses[s]) / ref.losses[s] for s in ref.losses)
+        ok &= abs(diff) <= TRACK_BOUND
+        print(f"| {name} | {r.val_losses[steps]:.5f} | {diff:+.5f} | {worst:.2e} |")
+    print(f"\nbound |validation difference| <= {TRACK_BOUND}: {'within' if ok else 'MISSED'}")
+    return ok
+
+
 def _median_us(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -121,7 +160,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per timed block")
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per variant")
     ap.add_argument("--layer-repeats", type=int, default=9, help="alternated rounds of the one-layer timing")
+    ap.add_argument("--track", type=int, default=0, metavar="N",
+                    help="instead of timing: train the demo N steps under autocast-bf16 and fp8, compare validation")
     args = ap.parse_args()
+    if args.track:
+        raise SystemExit(0 if track(args.track) else 1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); demo model (6 layers, d_model 192, "
           f"sequence 128, global batch 16 = 2 micro-batches of 8); {args.repeats} blocks of {args.steps} steps")
     print("| variant | tokens/s (median) | vs autocast-bf16 (min-max) |")
