@@ -290,6 +290,8 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     if extra:
         for key, value in extra.get("run_prediction", {}).items():
             con.print(f"{key}: {value:,} bytes")
+        if "fp8" in extra:
+            con.print(extra["fp8"]["line"], soft_wrap=True)
         if "sync_comm" in extra:
             from scaletrain.plan.analytic import async_costs
 
@@ -364,6 +366,14 @@ def _run_config(args) -> int:
 
     pred = predict_run(cfg)
     extra: dict = {"run_prediction": pred}
+    if cfg.train.precision == "fp8":  # which layers the run computes in FP8 (memory/fp8_layers.py)
+        from scaletrain.memory.fp8_layers import describe, fp8_layer_names
+
+        names = fp8_layer_names(cfg.model, cfg.train)
+        extra["fp8"] = {"recipe": cfg.train.fp8_recipe, "gemm": cfg.train.fp8_gemm, "layers": names,
+                        "line": f"FP8 ({cfg.train.fp8_recipe}, train.fp8_gemm={cfg.train.fp8_gemm}): "
+                                f"{describe(names, cfg.model)}; embeddings, output layer, norms and attention in "
+                                "bf16/fp32"}
     if args.calibrate:  # this machine, profiled at the run's sizes (plan/exact/run_time.py)
         from scaletrain.plan.calibrate import machine
         from scaletrain.plan.exact.run_calibrate import calibrate_run
