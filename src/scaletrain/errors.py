@@ -26,3 +26,13 @@ class CheckpointError(UserError):
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The launcher received SIGTERM or SIGHUP (a job scheduler stopping the job): raised in the launcher's main thread
+    by `distributed.launch.stop_signals`, which has forwarded the signal to its ranks and waits for them; the CLI
+    prints one line and exits 128 + the signal number, as a process killed by it would."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

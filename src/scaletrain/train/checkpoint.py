@@ -44,8 +44,11 @@ from scaletrain.train.checkpoint_dirs import (
     COMPLETE,
     DCP_FORMAT,
     RANK_FORMAT,
+    check_root,
+    complete_checkpoints,
     format_of,
     fsync_dir,
+    incomplete_checkpoints,
     latest,
     prune,
     step_dir,
@@ -283,6 +286,28 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+def usable_latest(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint whose markers and meta.json read back, and a note for each newer one that was
+    passed over (incomplete: no COMPLETE; or unreadable: the reason). A CheckpointError when checkpoints exist but
+    none is usable, or when `root` is not a folder: the run stops rather than start again from step 0."""
+    check_root(root)
+    notes, found = [], None
+    for directory in reversed(complete_checkpoints(root)):
+        try:
+            read_meta(directory)
+        except CheckpointError as e:
+            notes.append(str(e))
+            continue
+        found = directory
+        break
+    newer = [d for d in incomplete_checkpoints(root) if found is None or d.name > found.name]
+    notes = [f"{d} is incomplete (no {COMPLETE} marker: an interrupted save?)" for d in newer] + notes
+    if found is None and notes:
+        raise CheckpointError(f"{notes[0]}, and there is no earlier complete checkpoint to resume from; move "
+                              f"{root} away to start over (nothing was changed)")
+    return found, notes
 
 
 def find_checkpoint(path: str | Path, note: bool = True) -> Path:
