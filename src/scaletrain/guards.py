@@ -130,6 +130,19 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
     return p
 
 
+def check_own_dir(path: str | os.PathLike, flag: str, marker: str, what: str, legacy: tuple[str, ...] = ()) -> Path:
+    """A folder a command fills and rewrites (a scaling sweep): new, empty, or already one of its own (`marker`, or
+    every name in `legacy` for folders from before the marker); any other non-empty folder is refused so nothing
+    of the user's is overwritten."""
+    p = check_output_dir(path, flag)
+    if p.is_dir() and any(p.iterdir()):
+        own = (p / marker).is_file() or (legacy and all((p / name).exists() for name in legacy))
+        if not own:
+            raise UserError(f"{flag} {shown(p)} is a non-empty folder that is not a {what} (no {marker}); give a new "
+                            "or empty folder so nothing there is overwritten")
+    return p
+
+
 # --------------------------------------------------------------------------- argparse types
 
 

@@ -11,14 +11,24 @@ from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.errors import UserError
-from scaletrain.guards import MAX_INT, MAX_SAMPLE_TOKENS, bounded_int, check_out_dir, lock_run, mark_run, nonneg_float
+from scaletrain.guards import (
+    MAX_GPUS,
+    MAX_INT,
+    MAX_SAMPLE_TOKENS,
+    bounded_int,
+    check_out_dir,
+    lock_run,
+    mark_run,
+    nonneg_float,
+    shown,
+)
 from scaletrain.multinode import launcher as multinode_launcher
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)")
     _config_args(p)
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=bounded_int(1, MAX_GPUS), default=None,
                    help="processes to start on this machine (default: the layout's size / --nnodes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
     p.add_argument("--reshard", action="store_true",
@@ -231,7 +241,7 @@ def summary(out: Path, n_params: int, result, seconds: float) -> None:
     rows = read_metrics(metrics) if metrics.exists() else []
     if not rows:
         return
-    png = plot_loss(metrics, out / "loss.png", title=f"{out}")
+    png = plot_loss(metrics, out / "loss.png", title=shown(out))  # printable: a name need not be UTF-8
     load_png = plot_expert_load(metrics, out / "expert_load.png")
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     lines = [

@@ -312,7 +312,9 @@ def usable_latest(root: Path) -> tuple[Path | None, list[str]]:
 
 def find_checkpoint(path: str | Path, note: bool = True) -> Path:
     """The checkpoint `path` names: itself, a run's newest, or the newest of a folder of runs (said on stderr)."""
-    p = Path(path)
+    from scaletrain.guards import check_path
+
+    p = check_path(path, "the run")  # long parts, link loops, dangling links: one line
     if not p.is_dir():
         raise UserError(f"{p} is not a scaletrain run, a checkpoint or a folder of runs (not a directory)")
     if (p / COMPLETE).exists() or (p / META).exists() or any(p.glob("rank*.pt")):
