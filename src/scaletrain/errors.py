@@ -36,3 +36,10 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+class DiskFull(UserError):
+    """A write failed because the disk (or the user's quota) is full: one line naming the folder and the free space,
+    exit 1 (the input was fine; the machine ran out of room). What was written before is left intact."""
+
+    exit_code = 1

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import CheckpointError, UserError
+from scaletrain.errors import CheckpointError, DiskFull, UserError
 from scaletrain.train import ckpt_index
 from scaletrain.train.checkpoint_dirs import (
     COMPLETE,
@@ -268,12 +268,38 @@ class Saver:
         self._barrier()
         from scaletrain.train import dcp_io  # torch.distributed.checkpoint: imported when a checkpoint is written
 
-        dcp_io.save_entries(tmp, entries, self.group)  # collective; rank 0 writes index.json before it returns
+        try:
+            dcp_io.save_entries(tmp, entries, self.group)  # collective; rank 0 writes index.json before it returns
+            if self.rank == 0:
+                publish(tmp, final, {**meta, "format": FORMAT, "step": step})
+        except (OSError, RuntimeError) as e:
+            if not disk_full(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial save: give the space back
+            before = latest(self.root)
+            kept = f"; the earlier checkpoint {before} is intact" if before is not None else ""
+            raise DiskFull(f"cannot write checkpoint step {step} into {self.root}: the disk is full "
+                           f"({shutil.disk_usage(self.root).free / 2**20:,.1f} MiB free){kept}") from None
         if self.rank == 0:
-            publish(tmp, final, {**meta, "format": FORMAT, "step": step})
             prune(self.root, self.keep)
         self._barrier()
         return final
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether a failed write ran out of space: ENOSPC/EDQUOT anywhere in the chain, or torch's writer's words for
+    a short write ("unexpected pos", it does not keep the errno)."""
+    import errno
+
+    e: BaseException | None = error
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "unexpected pos" in text or "Disk quota exceeded" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
