@@ -18,7 +18,7 @@ import sys
 
 from scaletrain.config.schema import MLPS, POSITIONS
 from scaletrain.errors import UserError
-from scaletrain.guards import positive_float
+from scaletrain.guards import MAX_GLOBAL_BATCH, MAX_GPUS, SIZE_LIMITS, positive_float, short
 from scaletrain.optim import optimizer_spec
 from scaletrain.plan import catalog, hardware
 from scaletrain.plan.analytic.inputs import DTYPES, OPTIMIZERS, Assumptions, Layout, Training
@@ -182,9 +182,37 @@ def _assumptions(args) -> Assumptions:
     return Assumptions(**zero3)
 
 
+INT_LIMITS = {"layers": SIZE_LIMITS["model.n_layers"], "hidden": SIZE_LIMITS["model.d_model"],
+              "heads": SIZE_LIMITS["model.n_heads"], "vocab": SIZE_LIMITS["model.vocab_size"],
+              "ffn": SIZE_LIMITS["model.d_ff"], "kv_heads": SIZE_LIMITS["model.n_heads"],
+              "experts": SIZE_LIMITS["model.moe.experts"], "top_k": SIZE_LIMITS["model.moe.top_k"],
+              "moe_every": SIZE_LIMITS["model.n_layers"], "seq_len": SIZE_LIMITS["model.seq_len"], "gpus": MAX_GPUS,
+              "global_batch": MAX_GLOBAL_BATCH, "servers": MAX_GPUS, "local_steps": 10**9, "top": 10**6}
+"""Upper bounds of plan's integer flags, checked before any arithmetic (guards.py: a --gpus of 10^20 made the
+search enumerate divisors for minutes)."""
+CONFIG_IGNORES = ("model", "params", "layers", "hidden", "heads", "vocab", "gpus", "global_batch",
+                  *(dest for _, _, dest in MODEL_FLAGS))
+"""Flags that `plan --config` would ignore (the config names the model, batch and layout): refused with it."""
+
+
+def check_flags(args) -> None:
+    """Integer flags within their limits; with --config, no flag it would ignore."""
+    for dest, limit in INT_LIMITS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value > limit:
+            raise UserError(f"--{dest.replace('_', '-')} ({short(value, 30)}) is above the limit of {limit:,}")
+    if args.config:
+        given = [f"--{d.replace('_', '-')}" for d in CONFIG_IGNORES if getattr(args, d, None) is not None]
+        given += ["--layout"] if args.layout else []
+        if given:
+            raise UserError(f"plan --config predicts the run its config describes; {', '.join(given)} would be "
+                            "ignored: set the model, batch and layout in the config (or with --set)")
+
+
 def run(args) -> int:
     from scaletrain.plan.search import dedupe, parse_layout, search
 
+    check_flags(args)
     if args.top < 1:
         raise UserError(f"--top must be >= 1, got {args.top}")
     if args.gpus is not None and args.gpus < 1:

@@ -24,12 +24,12 @@ A cluster can also come from a YAML file (`--cluster FILE`) with the same field 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from scaletrain.errors import UserError
+from scaletrain.guards import MAX_GPUS, load_yaml, non_finite_values, read_input, short, shown
 
 GiB = 1 << 30
 
@@ -202,7 +202,7 @@ _FLOAT_FIELDS = {f.name for f in dataclasses.fields(GPU)} - {"name", "source", "
 def gpu_from_dict(data: dict, where: str) -> GPU:
     """A GPU from a mapping: either `base: a100-80gb` plus overrides, or every required field."""
     if not isinstance(data, dict):
-        raise UserError(f"{where}: 'gpu' must be a mapping, got {data!r}")
+        raise UserError(f"{where}: 'gpu' must be a mapping, got {short(data)}")
     data = dict(data)
     base = data.pop("base", None)
     fields = dataclasses.asdict(get_gpu(str(base))) if base else {}
@@ -213,13 +213,16 @@ def gpu_from_dict(data: dict, where: str) -> GPU:
         if key in _FLOAT_FIELDS:
             try:
                 value = float(value)
-            except (TypeError, ValueError):
-                raise UserError(f"{where}: gpu.{key} must be a number, got {value!r}") from None
+            except (TypeError, ValueError, OverflowError):
+                raise UserError(f"{where}: gpu.{key} must be a number, got {short(value)}") from None
+            if not math.isfinite(value):
+                raise UserError(f"{where}: gpu.{key} must be finite, got {value}")
             if value <= 0:
                 raise UserError(f"{where}: gpu.{key} must be positive, got {value}")
         elif key == "gpus_per_node":
-            if not isinstance(value, int) or value <= 0:
-                raise UserError(f"{where}: gpu.gpus_per_node must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_GPUS:
+                raise UserError(f"{where}: gpu.gpus_per_node must be an integer in [1, {MAX_GPUS:,}], got "
+                                f"{short(value)}")
         fields[key] = value
     fields.setdefault("name", "custom")
     missing = [f.name for f in dataclasses.fields(GPU)
@@ -231,16 +234,14 @@ def gpu_from_dict(data: dict, where: str) -> GPU:
 
 def load_cluster(path: str | Path) -> tuple[GPU, int | None]:
     """Read a cluster YAML file: (gpu, gpus or None)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"cluster file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"cluster file {p} is not valid YAML: {e}") from None
+    p = Path(path)  # guards.py: FIFOs, link loops, non-UTF-8, duplicate keys, alias bombs, NaN and infinity
+    data = load_yaml(read_input(p, "--cluster", "cluster file"), f"cluster file {shown(p)}")
     if not isinstance(data, dict) or "gpu" not in data:
-        raise UserError(f"cluster file {p} must be a mapping with a 'gpu' section")
+        raise UserError(f"cluster file {shown(p)} must be a mapping with a 'gpu' section")
+    bad = non_finite_values(data)
+    if bad:
+        raise UserError(f"cluster file {shown(p)}: {', '.join(bad)}: numbers must be finite, integers within 64 bits")
     gpus = data.get("gpus")
-    if gpus is not None and (not isinstance(gpus, int) or gpus <= 0):
-        raise UserError(f"cluster file {p}: gpus must be a positive integer, got {gpus!r}")
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus <= 0 or gpus > MAX_GPUS):
+        raise UserError(f"cluster file {shown(p)}: gpus must be an integer in [1, {MAX_GPUS:,}], got {short(gpus)}")
     return gpu_from_dict(data["gpu"], str(p)), gpus

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from scaletrain.config.schema import TP_MODES
 from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import UserError
+from scaletrain.guards import MAX_GPUS, short
 from scaletrain.plan.analytic.estimate import Estimate, estimate
 from scaletrain.plan.analytic.inputs import (
     DEFAULT_ASSUMPTIONS,
@@ -66,6 +67,8 @@ def parse_layout(text: str) -> dict:
                "reshard": "reshard_after_forward"}.get(key, key)
         if key not in LAYOUT_FIELDS:
             raise UserError(f"--layout: unknown field {key!r} (known: {', '.join(LAYOUT_FIELDS)})")
+        if key in out:  # tp=8,tp=4 kept the last one silently
+            raise UserError(f"--layout names {key} twice ({key}={out[key]} and {key}={raw}); give it once")
         if key == "tp_mode":
             if raw not in TP_MODES:
                 raise UserError(f"--layout: tp_mode must be one of {', '.join(TP_MODES)}, got {raw!r}")
@@ -97,6 +100,8 @@ def parse_layout(text: str) -> dict:
                 raise UserError(f"--layout: {key} must be an integer, got {raw!r}") from None
             if out[key] < (0 if key == "zero" else 1):
                 raise UserError(f"--layout: {key} must be >= {0 if key == 'zero' else 1}, got {raw}")
+            if out[key] > MAX_GPUS:
+                raise UserError(f"--layout: {key} ({short(out[key], 30)}) is above the limit of {MAX_GPUS:,}")
     return out
 
 
