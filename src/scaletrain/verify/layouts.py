@@ -73,6 +73,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "reversible": (False, True),
     "contiguous": (False, True),
     "reshard_after_forward": (None, False),
+    "precision": ("dtype", "fp8"),
 }
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCH, SEQ_LEN, STEPS = 2, 32, 3
@@ -166,6 +167,7 @@ def config(layout: Layout) -> Config:
     mem.compress = layout["compress"]
     mem.contiguous = layout["contiguous"]
     p.reshard_after_forward = layout["reshard_after_forward"]
+    t.precision = layout["precision"]  # fp8: the tensorwise recipe, emulated on the CPU
     return c
 
 
@@ -238,7 +240,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     model without the 1d memory savers; reversible blocks keep no activations to recompute, offload or compress;
     contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3); the op-level
     recomputation policy keeps its outputs where hooks cannot reach (no offload, compression, arenas, partitioned
-    checkpoints, 2d grid or zero bubble); keeping ZeRO-3 parameters gathered needs ZeRO-3 without nvme offload."""
+    checkpoints, 2d grid or zero bubble); keeping ZeRO-3 parameters gathered needs ZeRO-3 without nvme offload; FP8
+    needs fp32 or bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -263,6 +266,14 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
                 want(dim, value)
             if v["schedule"] == "zb-h1":
                 want("schedule", "1f1b")
+        if v["precision"] == "fp8":  # memory/rules.py: fp32 or bf16 parameters, the dense 1d-parallel model
+            if v["dtype"] in ("fp64", "fp16"):
+                want("dtype", "fp32")
+            for dim, value in (("moe", "dense"), ("ep", 1), ("tp_mode", "1d"), ("reversible", False),
+                               ("contiguous", False)):
+                want(dim, value)
+            if v["offload"] == "nvme":
+                want("offload", "none")
         if v["contiguous"] and v["recompute"] == "none" and not v["offload_activations"] and v["zero"] < 2:
             want("recompute", "attn-core" if v["reversible"] else "full")
         if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
@@ -451,6 +462,8 @@ MEANING = {
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
     "reshard_after_forward": "`parallel.reshard_after_forward` (`None`: unset, true without pp; `False`: ZeRO-3 "
                              "keeps gathered parameters from forward to backward)",
+    "precision": "`train.precision` (`fp8`: the blocks' linear layers in float8, tensorwise recipe, emulated; compared "
+                 "with the bf16 tolerances)",
 }
 
 
