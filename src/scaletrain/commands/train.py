@@ -121,6 +121,9 @@ def cmd_train(args) -> int:
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
     validate(cfg, nproc * args.nnodes)
+    from scaletrain.memory.fp8 import check_fp8_device
+
+    check_fp8_device(cfg)  # no FP8 tensor cores: one line, before data, processes or the run folder
     out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
     if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
         return _launch(args, cfg, out, nproc, resume_args)

@@ -72,6 +72,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "tp_mode": ("1d", "2d"),
     "reversible": (False, True),
     "contiguous": (False, True),
+    "precision": ("dtype", "fp8"),
 }
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCH, SEQ_LEN, STEPS = 2, 32, 3
@@ -164,6 +165,7 @@ def config(layout: Layout) -> Config:
     mem.offload_activations = layout["offload_activations"]
     mem.compress = layout["compress"]
     mem.contiguous = layout["contiguous"]
+    t.precision = layout["precision"]  # fp8: the tensorwise recipe, emulated on the CPU
     return c
 
 
@@ -234,7 +236,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     the latter a block recomputation; parameter and nvme offload need ZeRO-3 (nvme also tp = pp = ep = 1 and
     AdamW) and optimizer offload ZeRO >= 1; 2D tensor parallelism needs a 2 x 2 grid (tp = 4) of a dense AdamW
     model without the 1d memory savers; reversible blocks keep no activations to recompute, offload or compress;
-    contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3)."""
+    contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3); FP8 needs fp32 or
+    bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -259,6 +262,14 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
                 want(dim, value)
             if v["schedule"] == "zb-h1":
                 want("schedule", "1f1b")
+        if v["precision"] == "fp8":  # memory/rules.py: fp32 or bf16 parameters, the dense 1d-parallel model
+            if v["dtype"] in ("fp64", "fp16"):
+                want("dtype", "fp32")
+            for dim, value in (("moe", "dense"), ("ep", 1), ("tp_mode", "1d"), ("reversible", False),
+                               ("contiguous", False)):
+                want(dim, value)
+            if v["offload"] == "nvme":
+                want("offload", "none")
         if v["contiguous"] and v["recompute"] == "none" and not v["offload_activations"] and v["zero"] < 2:
             want("recompute", "selective" if v["reversible"] else "full")
         if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
@@ -435,6 +446,8 @@ MEANING = {
     "tp_mode": "`parallel.tp_mode` (`2d`: SUMMA on a q x q grid, tp = 4)",
     "reversible": "`model.reversible` (RevNet blocks, half-width F and G)",
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
+    "precision": "`train.precision` (`fp8`: the blocks' linear layers in float8, tensorwise recipe, emulated; compared "
+                 "with the bf16 tolerances)",
 }
 
 

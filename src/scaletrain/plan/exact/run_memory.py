@@ -112,6 +112,8 @@ def pipeline_partition(cfg: Config):
         return part.balance(part.param_costs(cfg.model), S)
     if how == "uniform":
         return part.uniform(L, S)
+    if how == "ends":
+        return part.ends(L, S)
     return part.Partition(tuple(int(x) for x in str(how).split(",")))
 
 
@@ -557,11 +559,13 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
 
 
 def predicts_activations(cfg: Config) -> bool:
-    """Whether `activation_bytes` models this run: not with activation compression or torch.compile, not under
-    autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random routing or
-    expert dropout (their extra saved tensors are not counted)."""
+    """Whether `activation_bytes` models this run: not with activation compression, FP8 layers or torch.compile, not
+    under autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random
+    routing or expert dropout (their extra saved tensors are not counted)."""
     if cfg.memory.compress != "none":
         return False
+    if cfg.train.precision == "fp8":
+        return False  # the FP8 layers' saved tensors are not modelled here (the planner's FP8 term: plan/analytic)
     if cfg.train.compile:
         return False  # inductor's fused kernels save other tensors than eager ops
     m, mem = cfg.model, cfg.memory
