@@ -447,7 +447,7 @@ MEANING = {
     "reversible": "`model.reversible` (RevNet blocks, half-width F and G)",
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
     "precision": "`train.precision` (`fp8`: the blocks' linear layers in float8, tensorwise recipe, emulated; compared "
-                 "with the bf16 tolerances)",
+                 "with the fp8 tolerances)",
 }
 
 
