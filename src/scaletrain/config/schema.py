@@ -40,7 +40,7 @@ RecomputeKind = Literal["none", "selective", "full", "every"]
 """The kinds of memory.recompute (`every` is written every:k); config/parse.py reads the string."""
 CompressMode = Literal["none", "relu-mask", "bf16", "int8"]
 """The modes of memory.compress, which takes one or a comma list; config/parse.py reads the string."""
-PartitionKind = Literal["uniform", "params", "time"]
+PartitionKind = Literal["uniform", "params", "time", "ends"]
 """The named ways of parallel.partition, which also takes block counts such as 2,3,3."""
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -181,8 +181,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule)."""
     partition: str = "uniform"
     """How blocks are split into pipeline stages: `uniform`, `params` (balance parameter counts), `time`
-    (balance per-block times from a short profile; PipeDream's DP split, arXiv 1806.03377) or block counts
-    such as `2,3,3`."""
+    (balance per-block times from a short profile; PipeDream's DP split, arXiv 1806.03377), `ends` (the embedding
+    and the head count as one block each, so the first and last stages get one block fewer; Megatron-core's
+    account_for_embedding/loss_in_pipeline_split) or block counts such as `2,3,3`."""
     ep: int = 1
     """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
     timeout_s: float = 300.0

@@ -112,6 +112,8 @@ def pipeline_partition(cfg: Config):
         return part.balance(part.param_costs(cfg.model), S)
     if how == "uniform":
         return part.uniform(L, S)
+    if how == "ends":
+        return part.ends(L, S)
     return part.Partition(tuple(int(x) for x in str(how).split(",")))
 
 
