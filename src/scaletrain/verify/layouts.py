@@ -463,7 +463,7 @@ MEANING = {
     "reshard_after_forward": "`parallel.reshard_after_forward` (`None`: unset, true without pp; `False`: ZeRO-3 "
                              "keeps gathered parameters from forward to backward)",
     "precision": "`train.precision` (`fp8`: the blocks' linear layers in float8, tensorwise recipe, emulated; compared "
-                 "with the bf16 tolerances)",
+                 "with the fp8 tolerances)",
 }
 
 
