@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from scaletrain.errors import CheckpointError, UserError
+from scaletrain.guards import check_not_managed, check_path
 
 
 def add_parser(sub) -> None:
@@ -49,9 +50,10 @@ def find_checkpoint(path, note: bool = True) -> Path:
 
 def _new_output(to: str, what: str) -> Path:
     """An output directory that does not exist or is empty (created); never one with files in it."""
-    out = Path(to)
     if str(to).strip() == "":
         raise UserError(f"--to must name a directory for the {what}")
+    out = check_path(to, "--to")  # guards.py: long parts, link loops, dangling links
+    check_not_managed(out, "--to")  # never inside a run's checkpoints/ or logs/: its clean-up would delete it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--to {out} exists and is not an empty directory; choose a new one (nothing was written)")
     try:

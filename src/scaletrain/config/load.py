@@ -16,7 +16,8 @@ import yaml
 
 from scaletrain.config.presets import apply_preset
 from scaletrain.config.schema import Config
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
+from scaletrain.guards import MAX_INT, load_yaml, read_input, short, shown
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -43,35 +44,40 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
             return value.lower() in ("true", "yes", "1", "on")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {short(value)}")
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                value = int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            if abs(value) > MAX_INT:
+                raise ConfigError(f"{key} ({short(value, 40)}) is beyond 64 bits (at most {MAX_INT:,})")
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {short(value)}")
     if typ is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         if isinstance(value, (int, float)):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{key} ({short(value, 40)}) is beyond the range of a number") from None
         if isinstance(value, str):
             try:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        raise ConfigError(f"{key}: expected a number, got {short(value)}")
     if origin is list:  # a list of sections (data.mix): each item a mapping of that section's keys
         item = typing.get_args(typ)[0]
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {short(value)}")
         if not dataclasses.is_dataclass(item):
             return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
         items = [item() for _ in value]
@@ -80,14 +86,14 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
         return items
     if typ is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {short(value)}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ!r}")
 
 
 def _apply(node: Any, values: dict[str, Any], prefix: str, seen: set[str] | None = None) -> None:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {values!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {short(values)}")
     hints = _field_types(type(node))
     for key, value in values.items():
         dotted = f"{prefix}{key}"
@@ -184,18 +190,10 @@ def _load(path: str | os.PathLike | None, overrides: list[str] | None,
         set_value(cfg, key.strip(), raw.strip())
     if path is not None:
         p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"--config {p} is a folder; give a YAML file")
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {p} is not a text file") from None
+        try:  # guards.py: FIFOs, devices, link loops, non-UTF-8, duplicate keys, alias bombs, deep nesting
+            data = load_yaml(read_input(p, "--config", "config file"), f"config file {shown(p)}")
+        except UserError as e:
+            raise ConfigError(str(e)) from None
         if data is not None:
             _apply(cfg, data, "", explicit)
     for item in overrides or []:
