@@ -94,6 +94,10 @@ def cmd_train(args) -> int:
     from scaletrain.plan.budget import check_before_launch, local_world_size
 
     cfg, explicit = load_config_keys(args.config, args.set, base=folder_tokenizer(args.init_from))  # DIR's tokenizer
+    if cfg.parallel.sync != "bsp":  # what the asynchronous runners cannot do, said before any data or DIR is read
+        from scaletrain.train.runners.common import refuse_reshard
+
+        refuse_reshard(cfg, args.reshard, args.init_from)
     if args.init_from is not None:  # the model is DIR/config.json's; a bad directory fails here, before anything
         from scaletrain.interop.hf_config import apply_hf_model
 
