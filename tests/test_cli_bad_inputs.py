@@ -256,7 +256,7 @@ def _file_case(kind: str, tmp: Path) -> tuple[list[str], list[str]]:
         return ["config", "show", "--config", str(yaml)], ["train.lr (nan)", "must be finite"]
     if kind == "config-inf-steps":
         yaml.write_text("train:\n  steps: 1.0e+30\n")
-        return ["config", "show", "--config", str(yaml)], ["train.steps", "above the limit"]
+        return ["config", "show", "--config", str(yaml)], ["train.steps", "beyond 64 bits"]
     if kind == "out-under-file":
         return ["train", *TINY, "--out", str(f / "sub")], ["is under", "which is a file"]
     if kind == "out-is-file":
