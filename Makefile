@@ -10,9 +10,10 @@ TORCH_PIN ?= torch==2.13.0
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_PIN)"
+	@# torch's version is read from its metadata: importing torch before numpy is installed warns "Failed to initialize NumPy"
+	@$(BIN)/python -c "import importlib.util as u; exit(u.find_spec('torch') is None)" || $(BIN)/pip install -q "$(TORCH_PIN)"
 	@# constrain torch to the installed build so no dependency can pull another release
-	@$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	@$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > $(VENV)/constraints.txt
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 

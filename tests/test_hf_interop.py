@@ -347,3 +347,24 @@ def test_a_model_without_a_hugging_face_twin_is_not_exported(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "GPT-2 has no grouped-query attention" in err, err
     assert not to.exists()
+
+
+def test_exported_weights_get_the_same_file_mode_as_the_config(tmp_path):
+    """safetensors creates model.safetensors 0600; the export gives it the umask's mode (0644 under umask 022)."""
+    import os
+    import stat
+
+    from harness import make_config
+
+    from scaletrain.interop.hf import export_hf
+    from scaletrain.model.gpt import build_gpt
+
+    cfg = make_config(TINY)
+    model = build_gpt(cfg.model, seed=0)
+    old = os.umask(0o022)
+    try:
+        export_hf(cfg.model, {k: v.float() for k, v in model.state_dict().items()}, tmp_path)
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in tmp_path.iterdir()}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644}

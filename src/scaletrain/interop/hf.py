@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -188,6 +189,8 @@ def export_hf(m: ModelConfig, state: dict[str, torch.Tensor], out: Path, extra_f
     tensors = to_hf(m, state)
     st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    # safetensors writes its file 0600; give the weights the mode the umask gives every other file of the export
+    (out / "model.safetensors").chmod(stat.S_IMODE((out / "config.json").stat().st_mode))
     for f in extra_files:
         shutil.copyfile(f, out / Path(f).name)
     return cfg["architectures"][0]
