@@ -306,7 +306,7 @@ def read_input(path: str | os.PathLike, flag: str, what: str = "file") -> str:
 
 MAX_YAML_DEPTH = 64
 """Mappings and lists nested deeper than this in a YAML input are refused (a config is 3 deep)."""
-MAX_YAML_ALIASES = 100
+MAX_YAML_ALIASES = 32
 """More `*alias` references than this in a YAML input are refused (an alias bomb expands to billions of nodes)."""
 
 

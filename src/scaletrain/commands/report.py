@@ -64,6 +64,9 @@ def add_parser(sub) -> None:
 def cmd_run(args) -> int:
     from scaletrain.report.run_page import write_report
 
+    check_path(args.out, "the run")  # long parts, link loops, dangling links: one line
+    if args.to is not None:
+        check_path(args.to, "--to")
     if args.to is not None and not Path(args.to).is_dir():  # a folder: write_report says so itself
         check_output_file(args.to, "--to")
     path = write_report(args.out, args.to, args.peak_flops, args.gpu, args.calibrate)

@@ -17,6 +17,7 @@ from scaletrain.guards import (
     MAX_SAMPLE_TOKENS,
     bounded_int,
     check_out_dir,
+    check_path,
     lock_run,
     mark_run,
     nonneg_float,
@@ -82,6 +83,8 @@ def cmd_config_show(args) -> int:
 
 def cmd_train(args) -> int:
     import os
+
+    check_path(args.out, "--out")  # before torch is imported: a path no file system takes costs no start-up
 
     from scaletrain.data.tokenizer import folder_tokenizer
     from scaletrain.distributed.launch import LOG_DIR_ENV

@@ -36,8 +36,15 @@ DropoutImpl = Literal["global", "torch"]
 LrSchedule = Literal["cosine", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 OnNan = Literal["stop", "skip"]
-RecomputeKind = Literal["none", "selective", "full", "every"]
-"""The kinds of memory.recompute (`every` is written every:k); config/parse.py reads the string."""
+RecomputeKind = Literal["none", "full", "every", "nth", "ops", "attn-core"]
+"""The checkpointing policies of memory.recompute (docs/memory.md): `every` is written every:k, `nth` nth:k and `ops`
+ops:<op kinds joined by +>; config/parse.py reads the string (`RECOMPUTE_ALIASES` gives the old names)."""
+RecomputeOp = Literal["matmul", "attention"]
+"""The op kinds whose outputs memory.recompute=ops:... keeps: `matmul` (aten mm / addmm / bmm / baddbmm: every linear
+layer, the experts' batched matmuls), `attention` (the fused scaled-dot-product-attention kernels: output and
+log-sum-exp)."""
+RECOMPUTE_ALIASES: dict[str, str] = {"selective": "attn-core"}
+"""Old names of memory.recompute policies, still accepted: `selective` is Korthikanti's attention-core policy."""
 CompressMode = Literal["none", "relu-mask", "bf16", "int8"]
 """The modes of memory.compress, which takes one or a comma list; config/parse.py reads the string."""
 PartitionKind = Literal["uniform", "params", "time", "ends"]
@@ -57,6 +64,7 @@ MLPS: tuple[str, ...] = get_args(Mlp)
 POSITIONS: tuple[str, ...] = get_args(Position)
 NORMS: tuple[str, ...] = get_args(Norm)
 RECOMPUTE_KINDS: tuple[str, ...] = get_args(RecomputeKind)
+RECOMPUTE_OPS: tuple[str, ...] = get_args(RecomputeOp)
 COMPRESS_MODES: tuple[str, ...] = get_args(CompressMode)
 PARTITION_KINDS: tuple[str, ...] = get_args(PartitionKind)
 DROPOUT_IMPLS: tuple[str, ...] = get_args(DropoutImpl)
@@ -228,6 +236,18 @@ class ParallelConfig:
     2105.14450); 2d/2.5d/3d also split every activation (docs/tensor_parallel.md)."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 (FSDP's option of that name): `true` releases a unit's gathered parameters after its forward and gathers
+    them again for its backward (the least memory; 1.5x data parallelism's traffic); `false` keeps them gathered from
+    its forward to the end of its backward (one all-gather per unit and micro-batch instead of two; all units
+    gathered at once at the end of the forward). Unset: true, except with parallel.pp > 1, where each stage keeps
+    its parameters gathered for the whole step (false is the only value there). Needs parallel.zero=3
+    (docs/data_parallel.md)."""
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """parallel.reshard_after_forward resolved: the value given, else true without and false with pp > 1."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
 
 ASYNC_KEYS = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
@@ -354,7 +374,13 @@ class OptimConfig:
 @dataclass
 class MemoryConfig:
     recompute: str = "none"
-    """Activation recomputation: none, full (arXiv 1604.06174), selective (arXiv 2205.05198), every:k."""
+    """Activation checkpointing policy (docs/memory.md): `none`; `full` (each block a checkpoint that keeps its input,
+    Chen et al. arXiv 1604.06174); `every:k` (segments of k blocks, one input kept per segment: Chen's sqrt(n)
+    trade-off); `nth:k` (blocks 0, k, 2k, ... by global index are full checkpoints, the others keep everything:
+    torchtitan's selective layer); `ops:matmul`, `ops:attention`, `ops:matmul+attention` (each block a checkpoint that
+    also keeps the outputs of the listed op kinds and recomputes only the rest: torchtitan's selective op, through
+    torch's selective activation checkpointing); `attn-core` (only the attention core softmax(QK^T/sqrt(d))V is
+    recomputed: Korthikanti et al. arXiv 2205.05198; `selective` is its old name, still accepted)."""
     partition_checkpoints: bool = False
     """With tp > 1 keep each saved block input sharded across tp ranks (ZeRO-R, arXiv 1910.02054)."""
     offload_activations: bool = False

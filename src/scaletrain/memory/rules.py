@@ -41,10 +41,49 @@ def checkpoints(cfg: Config, world_size: int | None) -> list[str]:
             parse(value)
         except ConfigError as e:
             errors.append(str(e))
-    if mem.partition_checkpoints and not mem.recompute.lower().startswith(("full", "every:")):
-        errors.append(f"memory.partition_checkpoints needs memory.recompute full or every:k, got {mem.recompute!r}")
+    try:
+        blocks = parse_recompute(mem.recompute).checkpoints_blocks
+    except ConfigError:
+        blocks = True  # reported above
+    if mem.partition_checkpoints and not blocks:
+        errors.append(f"memory.partition_checkpoints needs memory.recompute full, every:k or nth:k (block "
+                      f"checkpoints to partition), got {mem.recompute!r}")
     if mem.partition_checkpoints and p.sequence_parallel:
         errors.append("memory.partition_checkpoints: with parallel.sequence_parallel block inputs are already split")
+    return errors
+
+
+@rule("combinations")
+def op_policy(cfg: Config, world_size: int | None) -> list[str]:
+    """memory.recompute=ops:... keeps its outputs in torch's selective-checkpoint cache (memory/op_policy.py): the
+    savers that work through saved-tensor hooks cannot reach it, and the cache allows one recomputation per forward."""
+    mem, p = cfg.memory, cfg.parallel
+    try:
+        mode = parse_recompute(mem.recompute)
+    except ConfigError:
+        return []
+    if mode.kind != "ops":
+        return []
+    try:
+        compress = bool(parse_modes(mem.compress))
+    except ConfigError:
+        compress = False  # reported by `checkpoints`
+    why = "the outputs it keeps are held by torch's selective-checkpoint cache, which saved-tensor hooks do not see"
+    errors = [f"memory.recompute={mem.recompute} with {key}={value} is not available: {why}"
+              for key, value, on in (("memory.offload_activations", mem.offload_activations, mem.offload_activations),
+                                     ("memory.compress", mem.compress, compress),
+                                     ("memory.contiguous", mem.contiguous, mem.contiguous)) if on]
+    if p.tp > 1 and p.tp_mode != "1d":
+        errors.append(f"memory.recompute={mem.recompute} with parallel.tp_mode={p.tp_mode} is not available: the grid "
+                      "layers' broadcasts write into a tensor the cache holds on the sending rank only, so the ranks "
+                      "would disagree on which collectives the recomputation runs again")
+    if cfg.train.compile:
+        errors.append(f"memory.recompute={mem.recompute} with train.compile=true is not available: the policy counts "
+                      "and tracks the kept outputs as the ops run, which a captured graph does not do")
+    if p.pp > 1 and p.schedule == "zb-h1":
+        errors.append(f"memory.recompute={mem.recompute} with parallel.schedule=zb-h1 is not available: zero bubble's "
+                      "input and weight passes recompute a checkpoint once each, and torch's selective checkpointing "
+                      "replays its saved outputs once (use full, every:k or nth:k)")
     return errors
 
 

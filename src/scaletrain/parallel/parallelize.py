@@ -77,6 +77,10 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
 
         apply_compile(engine)  # each block compiled, after tp / recompute, before dp / ZeRO (torchtitan's order)
     engine.optimizer = _optimizer(engine, cfg, mesh, comm, device)
+    if p.zero == 3 and p.offload != "nvme":
+        from scaletrain.parallel.zero_gather import report_gathered
+
+        report_gathered(engine)  # mem_params_gathered: the most ZeRO-3 parameter bytes gathered at once
     if mem.contiguous or mem.count_allocations:
         from scaletrain.memory.contiguous import apply_contiguous_and_probe
 
