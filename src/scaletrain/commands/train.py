@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
+from scaletrain.config.load import load_config_keys
 from scaletrain.errors import UserError
 from scaletrain.guards import (
     MAX_GPUS,
@@ -29,13 +30,14 @@ from scaletrain.multinode import launcher as multinode_launcher
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)")
     _config_args(p)
-    p.add_argument("--nproc", type=bounded_int(1, MAX_GPUS), default=None,
+    p.add_argument("--nproc", type=int, default=None,
                    help="processes to start on this machine (default: the layout's size / --nnodes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
     p.add_argument("--reshard", action="store_true",
                    help="resume the run in --out under a different layout or number of processes")
     p.add_argument("--init-from", default=None, metavar="HF_DIR",
-                   help="start a new run from a Hugging Face GPT-2 / Llama directory (config.json + safetensors)")
+                   help="start a new run from a Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory (config.json + "
+                        "safetensors); the model keys come from its config.json")
     multinode_launcher.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
@@ -91,7 +93,15 @@ def cmd_train(args) -> int:
     from scaletrain.distributed.process_group import detect_env
     from scaletrain.plan.budget import check_before_launch, local_world_size
 
-    cfg = load_config(args.config, args.set, base=folder_tokenizer(args.init_from))  # --init-from DIR's tokenizer
+    cfg, explicit = load_config_keys(args.config, args.set, base=folder_tokenizer(args.init_from))  # DIR's tokenizer
+    if cfg.parallel.sync != "bsp":  # what the asynchronous runners cannot do, said before any data or DIR is read
+        from scaletrain.train.runners.common import refuse_reshard
+
+        refuse_reshard(cfg, args.reshard, args.init_from)
+    if args.init_from is not None:  # the model is DIR/config.json's; a bad directory fails here, before anything
+        from scaletrain.interop.hf_config import apply_hf_model
+
+        apply_hf_model(cfg, explicit, Path(args.init_from))
     env = detect_env()
     resume_args = {"reshard": args.reshard, "init_from": args.init_from}
     if env is not None:
@@ -118,8 +128,8 @@ def cmd_train(args) -> int:
         raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
                         f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
     nproc = args.nproc if args.nproc is not None else max(1, cfg.world_size // args.nnodes)
-    if nproc < 1:
-        raise UserError(f"--nproc must be >= 1, got {nproc}")
+    if not 1 <= nproc <= MAX_GPUS:
+        raise UserError(f"--nproc must be >= 1 (and at most {MAX_GPUS:,}), got {nproc}")
     validate(cfg, nproc * args.nnodes)
     from scaletrain.memory.fp8 import check_fp8_device
 
@@ -143,10 +153,10 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     from scaletrain.train.runner import check_run
 
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
-    if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
-        from scaletrain.interop.hf import check_hf_config, read_hf_config
+    if args.init_from is not None:  # weights whose shapes disagree with config.json fail here, before any process
+        from scaletrain.interop.hf import check_hf_weights
 
-        check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
+        check_hf_weights(Path(args.init_from), cfg.model)
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
     refuse_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)

@@ -1,5 +1,6 @@
 """Loading a run configuration: defaults, then a YAML file, then `--set key=value` overrides, each converted to the
-field's type with a `ConfigError` naming the key when it does not fit. Does not validate (`config/validate.py`)."""
+field's type with a `ConfigError` naming the key when it does not fit; then `model.preset` fills the model keys
+neither gave (config/presets.py). Does not validate (`config/validate.py`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from scaletrain.config.presets import apply_preset
 from scaletrain.config.schema import Config
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.guards import MAX_INT, load_yaml, read_input, short, shown
@@ -89,7 +91,7 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {typ!r}")
 
 
-def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
+def _apply(node: Any, values: dict[str, Any], prefix: str, seen: set[str] | None = None) -> None:
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {short(values)}")
     hints = _field_types(type(node))
@@ -100,9 +102,11 @@ def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
             raise ConfigError(f"unknown config key '{dotted}' (known here: {known})")
         current = getattr(node, key)
         if dataclasses.is_dataclass(current):
-            _apply(current, value, dotted + ".")
+            _apply(current, value, dotted + ".", seen)
         else:
             setattr(node, key, _convert(value, hints[key], dotted))
+            if seen is not None:
+                seen.add(dotted)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -161,14 +165,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
                 base: list[str] | None = None) -> Config:
     """Defaults, then `base` (`key=value` defaults from outside the config, e.g. what --init-from implies), then the
     YAML file, then `key=value` overrides in order; then again with the defaults those settings imply (`implied`)
-    below all of them. Does not validate."""
-    cfg = _load(path, overrides, base)
+    below all of them; then the model preset under the keys the file or `--set` gave. Does not validate."""
+    return load_config_keys(path, overrides, base)[0]
+
+
+def load_config_keys(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                     base: list[str] | None = None) -> tuple[Config, set[str]]:
+    """`load_config`, and the dotted keys the YAML file or the overrides set (what a preset or a Hugging Face
+    config.json must not change: `train --init-from` refuses one that contradicts it)."""
+    cfg, explicit = _load(path, overrides, base)
     extra = [kv for fn in _IMPLIED for kv in fn(cfg)]
-    return _load(path, overrides, [*extra, *(base or [])]) if extra else cfg
+    if extra:
+        cfg, explicit = _load(path, overrides, [*extra, *(base or [])])
+    apply_preset(cfg.model, explicit)
+    return cfg, explicit
 
 
-def _load(path: str | os.PathLike | None, overrides: list[str] | None, base: list[str] | None) -> Config:
+def _load(path: str | os.PathLike | None, overrides: list[str] | None,
+          base: list[str] | None) -> tuple[Config, set[str]]:
     cfg = Config()
+    explicit: set[str] = set()
     for item in base or []:
         key, raw = item.split("=", 1)
         set_value(cfg, key.strip(), raw.strip())
@@ -179,13 +195,14 @@ def _load(path: str | os.PathLike | None, overrides: list[str] | None, base: lis
         except UserError as e:
             raise ConfigError(str(e)) from None
         if data is not None:
-            _apply(cfg, data, "")
+            _apply(cfg, data, "", explicit)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
         set_value(cfg, key.strip(), raw.strip())
-    return cfg
+        explicit.add(key.strip())
+    return cfg, explicit
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

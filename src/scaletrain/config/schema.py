@@ -32,6 +32,8 @@ Fp8Gemm = Literal["auto", "emulate", "hardware"]
 Mlp = Literal["gelu", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["gelu", "gelu_tanh"]
+RopeScalingType = Literal["none", "llama3"]
 DropoutImpl = Literal["global", "torch"]
 LrSchedule = Literal["cosine", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -63,6 +65,8 @@ FP8_GEMMS: tuple[str, ...] = get_args(Fp8Gemm)
 MLPS: tuple[str, ...] = get_args(Mlp)
 POSITIONS: tuple[str, ...] = get_args(Position)
 NORMS: tuple[str, ...] = get_args(Norm)
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+ROPE_SCALING_TYPES: tuple[str, ...] = get_args(RopeScalingType)
 RECOMPUTE_KINDS: tuple[str, ...] = get_args(RecomputeKind)
 RECOMPUTE_OPS: tuple[str, ...] = get_args(RecomputeOp)
 COMPRESS_MODES: tuple[str, ...] = get_args(CompressMode)
@@ -113,6 +117,23 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    type: RopeScalingType = "none"
+    """`none`, or `llama3`: Llama 3.1's frequency-dependent RoPE scaling (Hugging Face `rope_type: llama3`; Grattafiori
+    et al., arXiv 2407.21783): wavelengths longer than original_max_position_embeddings / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_position_embeddings / high_freq_factor are kept, and the
+    band between is interpolated smoothly. Needs model.position=rope."""
+    factor: float = 8.0
+    """llama3: how much the low frequencies are slowed down (Llama 3.1: 8)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / this are scaled fully (Llama 3.1: 1)."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / this are not scaled (Llama 3.1: 4)."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context length the model was pre-trained with before the scaling (Llama 3.1: 8192)."""
+
+
+@dataclass
 class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks."""
@@ -120,6 +141,10 @@ class ModelConfig:
     """Hidden size (the paper's h)."""
     n_heads: int = 4
     """Attention heads; must divide d_model."""
+    n_kv_heads: int = 0
+    """Key/value heads: fewer than n_heads is grouped-query attention (Ainslie et al., arXiv 2305.13245), each
+    shared by n_heads / n_kv_heads query heads; 1 is multi-query attention (Shazeer, arXiv 1911.02150); 0 means
+    n_heads (multi-head attention). Must divide n_heads."""
     seq_len: int = 128
     """Context length in tokens (the paper's s)."""
     vocab_size: int = 256
@@ -128,8 +153,15 @@ class ModelConfig:
     """MLP hidden size; 0 means 4 * d_model (GELU) or the 8/3 * d_model rounding of LLaMA (SwiGLU)."""
     mlp: Mlp = "gelu"
     """MLP kind: `gelu` (GPT-2) or `swiglu` (Shazeer, arXiv 2002.05202)."""
+    activation: Activation = "gelu"
+    """The GELU MLP's activation (Hendrycks & Gimpel, arXiv 1606.08415): `gelu` (exact, with erf) or `gelu_tanh`
+    (its tanh approximation, used by GPT-2 checkpoints: Hugging Face `gelu_new` / `gelu_pytorch_tanh`)."""
     position: Position = "learned"
     """Position encoding: `learned` (GPT-2) or `rope` (RoFormer, arXiv 2104.09864)."""
+    rope_theta: float = 10000.0
+    """RoPE base: pair i of a head rotates by position x theta^(-2i/head_size) (RoFormer: 10000; Llama 3: 500000)."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE frequency scaling (`model.rope_scaling.type`: none or llama3)."""
     tie_embeddings: bool = True
     """Share the token embedding and the output projection (Press & Wolf, arXiv 1608.05859)."""
     dropout: float = 0.0
@@ -140,6 +172,8 @@ class ModelConfig:
     torch's dropout and SDPA's fused attention dropout (faster, but masks depend on the layout)."""
     bias: bool = True
     """Biases in linear layers and layer norms."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2, arXiv 2407.10671), for a model.bias=false model."""
     norm_eps: float = 1e-5
     """Layer-norm epsilon."""
     norm: Norm = "layernorm"
@@ -152,6 +186,10 @@ class ModelConfig:
     halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
     backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
     architecture, not a free saving (docs/memory.md)."""
+    preset: str = ""
+    """The shape of a model of the planner's catalog (`gpt2`, `llama3-8b`, `mixtral-8x7b`, ...; config/presets.py):
+    its values of the model.* keys, under those set explicitly (YAML or --set), so `plan --model NAME` and
+    `train --set model.preset=NAME` describe the same model; empty: none."""
 
 
 @dataclass

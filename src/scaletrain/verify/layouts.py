@@ -72,6 +72,10 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "tp_mode": ("1d", "2d"),
     "reversible": (False, True),
     "contiguous": (False, True),
+    "kv_heads": (0, 2, 1),
+    "rope_scaling": ("none", "llama3"),
+    "activation": ("gelu", "gelu_tanh"),
+    "qkv_bias": (False, True),
     "reshard_after_forward": (None, False),
     "precision": ("dtype", "fp8"),
 }
@@ -166,6 +170,11 @@ def config(layout: Layout) -> Config:
     mem.offload_activations = layout["offload_activations"]
     mem.compress = layout["compress"]
     mem.contiguous = layout["contiguous"]
+    m.n_kv_heads, m.activation = layout["kv_heads"], layout["activation"]
+    if layout["rope_scaling"] == "llama3":  # Llama 3.1's RoPE; a short original context, so every band is scaled
+        m.rope_theta, m.rope_scaling.type, m.rope_scaling.original_max_position_embeddings = 500000.0, "llama3", 16
+    if layout["qkv_bias"]:  # Qwen2: biases on q, k and v only
+        m.bias, m.qkv_bias = False, True
     p.reshard_after_forward = layout["reshard_after_forward"]
     t.precision = layout["precision"]  # fp8: the tensorwise recipe, emulated on the CPU
     return c
@@ -241,7 +250,9 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3); the op-level
     recomputation policy keeps its outputs where hooks cannot reach (no offload, compression, arenas, partitioned
     checkpoints, 2d grid or zero bubble); keeping ZeRO-3 parameters gathered needs ZeRO-3 without nvme offload; FP8
-    needs fp32 or bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload."""
+    needs fp32 or bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload;
+    grouped-query attention is split by the 1d tensor parallelism only; RoPE scaling needs RoPE and the tanh GELU the
+    GELU MLP."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -253,7 +264,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("tp", 4)
             for dim, value in (("sequence_parallel", False), ("offload", "none"), ("moe", "dense"), ("ep", 1),
                                ("optimizer", "adamw"), ("partition_checkpoints", False), ("compress", "none"),
-                               ("offload_activations", False), ("reversible", False), ("contiguous", False)):
+                               ("offload_activations", False), ("reversible", False), ("contiguous", False),
+                               ("kv_heads", 0)):
                 want(dim, value)
             if v["zero"] >= 2:
                 want("zero", 1)
@@ -280,6 +292,10 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             for dim in ("tp", "pp", "ep"):  # first: a fixed value that needs tp or pp > 1 wins (validate() says why)
                 want(dim, 1)
             want("optimizer", "adamw")
+        if v["rope_scaling"] != "none":  # RoPE's scaling needs RoPE; the tanh GELU the GELU MLP
+            want("position", "rope")
+        if v["activation"] != "gelu":
+            want("mlp", "gelu")
         if v["ep"] > 1:
             if v["moe"] == "dense":
                 want("moe", "topk")
@@ -460,6 +476,11 @@ MEANING = {
     "tp_mode": "`parallel.tp_mode` (`2d`: SUMMA on a q x q grid, tp = 4)",
     "reversible": "`model.reversible` (RevNet blocks, half-width F and G)",
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
+    "kv_heads": "`model.n_kv_heads` of the 4 heads (0: multi-head; 2: grouped-query, copied when tp = 4; 1: "
+                "multi-query)",
+    "rope_scaling": "`model.rope_scaling.type` (`llama3`: with `model.rope_theta=500000`, original context 16)",
+    "activation": "`model.activation` (`gelu_tanh`: GPT-2's tanh GELU)",
+    "qkv_bias": "`model.qkv_bias` with `model.bias=false` (Qwen2's biases on q, k, v only)",
     "reshard_after_forward": "`parallel.reshard_after_forward` (`None`: unset, true without pp; `False`: ZeRO-3 "
                              "keeps gathered parameters from forward to backward)",
     "precision": "`train.precision` (`fp8`: the blocks' linear layers in float8, tensorwise recipe, emulated; compared "

@@ -105,12 +105,9 @@ class PipelineStages(nn.Module):
         return x, boundary
 
     def _rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.cfg.position != "rope":
-            return None
-        from scaletrain.model.gpt import head_size, rope_tables
+        from scaletrain.model.gpt import rope_for
 
-        cos, sin = rope_tables(T, head_size(self.cfg))
-        return cos.to(device), sin.to(device)
+        return rope_for(self.cfg, T, device)
 
 
 # --------------------------------------------------------------------------- the pass

@@ -210,7 +210,7 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, rank
             if lay.offload == "params":
                 params = 0.0
         elif lay.zero == 3:  # two gathered layers (current + prefetch) in 16-bit
-            per_layer = pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep
+            per_layer = pc.layer_per_rank(t, lay.ep)
             buffers += 2 * per_layer * pb
             if lay.offload == "params":
                 params = 0.0
@@ -218,7 +218,7 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, rank
             from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
             params = grads = optim = 0.0
-            layer_shard = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
+            layer_shard = pc.layer_per_rank(t, lay.ep) / lay.dp
             buffers += 3 * layer_shard * (pb + gb) + 3 * min(STEP_CHUNK, layer_shard) * (k + gb)
         if lay.dp > 1 and lay.zero < 3:
             buffers += 2 * a.bucket_bytes

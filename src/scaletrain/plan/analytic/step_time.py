@@ -306,10 +306,11 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
     else:  # ZeRO-3: per-layer all-gathers in forward and backward and reduce-scatters, every microbatch
         pc = param_counts(m)
         lps = m.n_layers / lay.pp
-        layer = pc.layer_tp / t + pc.layer_rep
+        layer = pc.layer_per_rank(t) - pc.layer_expert
+        split = layer - pc.layer_rep  # the blocks' split (tp and kv) weights
         # FP8 training gathers the blocks' linear weights in FP8 (1 byte, torchao's float8 all-gather) and
         # all-reduces their scales once per step
-        gather_pb = (pc.layer_tp / t * 1 + pc.layer_rep * pb) / layer if train.dtype == "fp8" else pb
+        gather_pb = (split * 1 + pc.layer_rep * pb) / layer if train.dtype == "fp8" else pb
         root = max(st.total - lps * (layer + pc.layer_expert / lay.ep), 0.0)
         full = recompute_policy(lay.recompute).kind in ("full", "every", "nth", "ops")  # checkpoints: gathered again
         f_layer = lt.forward
@@ -351,7 +352,7 @@ def optimizer_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
         from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
         pc = param_counts(m)
-        layer = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
+        layer = pc.layer_per_rank(t, lay.ep) / lay.dp
         units = [max(shard - lps * layer, 1.0)] + [layer] * int(round(lps))
         exposed, streamed = offload_costs.step_time(units, pb, pb == 2, gb, mbs, True, a.nvme_read_bw,
                                                     a.nvme_write_bw, pt.pipe, shard / a.cpu_adam_params_per_s,

@@ -57,7 +57,7 @@ def _shard_tp_on_meta(model: nn.Module, cfg: Config, t: int) -> None:
     Parameters are replaced under the same attribute names, so registration order, and hence the ZeRO
     buckets and the optimizer's parameter list, are those of the real pass. All tp ranks get equal shapes
     (the vocabulary is padded to a multiple of t)."""
-    from scaletrain.parallel.tensor_parallel import padded_vocab
+    from scaletrain.parallel.tensor_parallel import copy_layout, padded_vocab
     from scaletrain.parallel.tp_plan import Column, Row, VocabEmbedding, VocabHead, gpt_plan, resolve_plan
 
     converted: dict[int, nn.Parameter] = {}
@@ -73,9 +73,10 @@ def _shard_tp_on_meta(model: nn.Module, cfg: Config, t: int) -> None:
 
     for name, style in resolve_plan(model, gpt_plan(cfg.model)):
         mod = model.get_submodule(name)
-        if isinstance(style, Column):
-            swap(mod, "weight", (mod.out_features // t, mod.in_features))
-            swap(mod, "bias", (mod.out_features // t,))
+        if isinstance(style, Column):  # grouped-query kv: at most n_kv_heads pieces, copied when tp is larger
+            pieces = copy_layout(t, style.shards)[0]
+            swap(mod, "weight", (mod.out_features // pieces, mod.in_features))
+            swap(mod, "bias", (mod.out_features // pieces,))
         elif isinstance(style, Row):
             swap(mod, "weight", (mod.out_features, mod.in_features // t))
         elif isinstance(style, VocabEmbedding):
@@ -269,15 +270,19 @@ def model_state_bytes_per_stage(cfg: Config) -> list[dict[str, int]]:
 
 
 def _sizes(cfg: Config) -> dict:
-    from scaletrain.config.sizes import ffn_size
+    from scaletrain.config.sizes import ffn_size, kv_heads
 
     m, par, dtype = cfg.model, cfg.parallel, cfg.train.dtype
     t = par.tp
     low = dtype in LOW
     e = _TORCH[dtype].itemsize
+    nkv, hd = kv_heads(m), m.d_model // m.n_heads
     return dict(
         n=cfg.train.micro_batch * m.seq_len, T=m.seq_len, c=m.d_model, f=ffn_size(m), nh=m.n_heads,
-        hd=m.d_model // m.n_heads, t=t, sp=par.sequence_parallel and t > 1, e=e, low=low,
+        hd=hd, t=t, sp=par.sequence_parallel and t > 1, e=e, low=low,
+        # grouped-query attention (q and kv projections): the key (and value) width as the division by t sees it,
+        # kv heads x hd x t / min(t, kv heads) (a kv head is copied on t / kv heads ranks when t is larger)
+        gqa=nkv != m.n_heads, kv=nkv * hd * t // min(t, nkv),
         e32=4 if low else e,  # layer-norm inputs and statistics, attention log-sum-exp, loss: fp32 when low
         bias=int(m.bias), V=m.vocab_size, Vt=(t * math.ceil(m.vocab_size / t)) // t,
         autocast=cfg.train.precision == "autocast-bf16",
@@ -293,22 +298,35 @@ def autocast_layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     the projection's input), the MLP's 2f (GELU) or 4f (SwiGLU); the flash kernel's log-sum-exp in fp32 (nh).
     Per block and micro-batch the bf16 copy of every weight that autocast caches for the forward (attention 4c²,
     MLP 2cf or 3cf). RoPE: rotated q and k plus the projection's input copy (3c) and the cos/sin tables, in bf16.
+    Grouped-query attention: q and kv outputs (c + 2kv) for the qkv output, one more cast of the input (q and kv
+    each cast it), the weights' copies 2c² + 2kv·c for 4c², RoPE's extra `_rope_extra`.
     Full / every:k recomputation keeps the fp32 block input only."""
     s = _sizes(cfg)
-    n, c, f, nh = s["n"], s["c"], s["f"], s["nh"]
+    n, c, f, nh, gqa, kv = s["n"], s["c"], s["f"], s["nh"], s["gqa"], s["kv"]
     if recompute in ("full", "every"):
         return n * c * 4
     swiglu = cfg.model.mlp == "swiglu"
-    casts = 3 if swiglu else 2
+    casts = (3 if swiglu else 2) + gqa  # grouped-query attention: q and kv cast the input each
     replicated = n * (2 * c * 4 + 4 * 4 + casts * c * 2)
-    core = 3 * c * 2 + c * 2 + (0 if recompute == "attn-core" else nh * 4)
+    core = (c + 2 * kv if gqa else 3 * c) * 2 + c * 2 + (0 if recompute == "attn-core" else nh * 4)
     split = n * (core + (4 if swiglu else 2) * f * 2)
-    weights = 2 * (4 * c * c + (3 if swiglu else 2) * c * f)
+    weights = 2 * ((2 * c + 2 * kv if gqa else 4 * c) * c + (3 if swiglu else 2) * c * f)
     total = replicated + split + weights
     if cfg.model.position == "rope":
-        extra = 2 if recompute == "attn-core" else 3
-        total += n * extra * c * 2 + 2 * s["T"] * s["hd"] * 2
+        total += n * _rope_extra(s, False, recompute) * 2 + 2 * s["T"] * s["hd"] * 2
     return total
+
+
+def _rope_extra(s: dict, dropout: bool, recompute: str) -> int:
+    """Elements per token (split over tp) that RoPE adds to a block's saved tensors: the rotated q and k and the
+    projection's input, now a copy of the attention output (rotated q is contiguous per head) unless selective
+    recomputation drops the latter; with grouped-query attention the q projection's output is no longer saved (only
+    the rotation reads it), while the kv output still is (v is a view of it). With the math kernel or the explicit
+    attention (dropout) the rotated q and k replace what was saved anyway: nothing."""
+    if dropout and recompute != "attn-core":
+        return 0
+    copy = 0 if recompute == "attn-core" else s["c"]
+    return s["kv"] + copy if s["gqa"] else 2 * s["c"] + copy
 
 
 def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
@@ -319,12 +337,14 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
       replicated: ln1 and ln2 inputs (2c; fp32 copies under bf16/fp16, FP32LayerNorm), their mean and
       rstd (4, fp32 under bf16/fp16), the qkv and MLP inputs (2c; with sp the shards the column layers
       keep, Korthikanti Sec. 4.2.2);
-      split over tp: the qkv output (3c: q, k, v are views of it), the attention output (c, also the
-      projection's input), the log-sum-exp of the flash kernel (nh; fp32 under bf16/fp16), the MLP's
+      split over tp: the qkv output (3c: q, k, v are views of it; grouped-query attention: the q and kv outputs,
+      c + 2 kv, kv = n_kv_heads x hd, a copied kv head counted on each rank holding it), the attention output (c,
+      also the projection's input), the log-sum-exp of the flash kernel (nh; fp32 under bf16/fp16), the MLP's
       2f (GELU: fc output and GELU output) or 4f (SwiGLU: gate, SiLU, up, product).
     Per block and microbatch under bf16/fp16: the fp32 copies of the two norms' weights (and biases).
-    RoPE: rotated q and k plus the projection's input, now a copy (3c per token, split), and the cos/sin
-    tables cast to the activation dtype, (T x hd/2) x 4 (in fp64 the shared float64 tables instead,
+    RoPE: rotated q and k plus the projection's input, now a copy (3c per token, split; `_rope_extra` for
+    grouped-query attention and selective recomputation), and the cos/sin tables cast to the activation dtype,
+    (T x hd/2) x 4 (in fp64 the shared float64 tables instead,
     counted once per stage forward, `rope_table_bytes`). Dropout > 0 switches the CPU attention to the
     math kernel, which saves scaled copies of q, k, v (3c), the probabilities, their mask and the dropped
     probabilities (3 nh T per token; fp32 under bf16/fp16) and no log-sum-exp; the two residual dropouts
@@ -339,6 +359,7 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     if s["autocast"]:
         return autocast_layer_saved_bytes(cfg, recompute)
     n, c, f, nh, t, e, e32 = s["n"], s["c"], s["f"], s["nh"], s["t"], s["e"], s["e32"]
+    qkv = c + 2 * s["kv"] if s["gqa"] else 3 * c  # the projections' outputs q, k, v are views of
     rep = t if s["sp"] else 1
     if recompute in ("full", "every"):
         if cfg.memory.offload_activations:
@@ -362,7 +383,7 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
         # a copy of the output (c)
         core = 3 * c * e32 + 3 * nh * s["T"] * e32 + c * e
     else:
-        core = 3 * c * e + c * e + (0 if recompute == "attn-core" else nh * e32)
+        core = qkv * e + c * e + (0 if recompute == "attn-core" else nh * e32)
     replicated = n * (2 * c * e32 + 4 * e32 + 2 * c * e) // rep
     split = n * (core + mlp * e) // t
     total = replicated + split + (s["T"] ** 2 if explicit else 0)
@@ -370,14 +391,9 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
         total += 2 * (1 + s["bias"]) * c * 4
     if dropout:
         total += n * 2 * c * mask // rep  # the masks of the two residual dropouts
-    if cfg.model.position == "rope":  # rotated q and k; the attention output is then a separate tensor
-        # from the projection's input (a copy: rotated q is contiguous per head), unless selective
-        # recomputation drops the former; with the math kernel (dropout) the rotated q and k are only
-        # scaled into copies, so only the cast tables remain (the products save the constant operand);
-        # the explicit attention's products save the rotated q and k in place of copies of the views (no extra)
-        extra = 0 if dropout and recompute != "attn-core" else 2 if recompute == "attn-core" else 3
-        tables = 0 if e == 8 else 2 * s["T"] * s["hd"] * e
-        total += n * extra * c * e // t + tables
+    if cfg.model.position == "rope":  # rotated q and k, the projection's input a copy (`_rope_extra`); the cos/sin
+        tables = 0 if e == 8 else 2 * s["T"] * s["hd"] * e  # tables cast to the activations' dtype
+        total += n * _rope_extra(s, dropout, recompute) * e // t + tables
     if cfg.memory.offload_activations:
         # recompute none: every saved tensor with autograd history goes to the host; the norms' statistics
         # and the log-sum-exp (outputs without a gradient) and the rope tables stay
@@ -635,7 +651,7 @@ def implementation_activation_bytes(m: ModelSpec, batch: int, elem: int) -> floa
     cfg = Config(model=ModelConfig(
         n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, vocab_size=m.vocab_size,
         d_ff=m.d_ff, mlp=m.mlp, position=m.position, tie_embeddings=m.tie_embeddings, bias=m.bias,
-        dropout=0.1 if m.dropout else 0.0))
+        dropout=0.1 if m.dropout else 0.0, n_kv_heads=m.n_kv_heads, qkv_bias=m.qkv_bias))
     cfg.train.dtype = {4: "fp32", 8: "fp64", 2: "bf16"}[elem]
     cfg.train.micro_batch = cfg.train.global_batch = batch
     loader_batch = 8 * batch * (m.seq_len + 1)  # the trainer's ids are views of it; here ids are targets
