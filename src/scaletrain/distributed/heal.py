@@ -44,6 +44,28 @@ class HealStats:
     seconds: float  # wall time of the transfer on this side
 
 
+class Link:
+    """Point to point over a process group that is not registered with torch.distributed (e.g. a gloo group made
+    for one quorum, distributed/quorum.py): peers are ranks of that group. Pass it as `group`."""
+
+    def __init__(self, pg: dist.ProcessGroup):
+        self.pg = pg
+
+
+def _send(t: torch.Tensor, peer: int, group) -> None:
+    if isinstance(group, Link):
+        group.pg.send([t], peer, 0).wait()
+    else:
+        dist.send(t, peer, group=group)
+
+
+def _recv(t: torch.Tensor, peer: int, group) -> None:
+    if isinstance(group, Link):
+        group.pg.recv([t], peer, 0).wait()
+    else:
+        dist.recv(t, peer, group=group)
+
+
 def _digest(data: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(hashlib.sha256(data.numpy().tobytes()).digest()), dtype=torch.uint8)
 
@@ -58,25 +80,25 @@ def deserialize(payload: torch.Tensor) -> dict:
     return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
-def send_state(state: dict, dst: int, group: dist.ProcessGroup | None = None, chunk_bytes: int = 1 << 22,
+def send_state(state: dict, dst: int, group: dist.ProcessGroup | Link | None = None, chunk_bytes: int = 1 << 22,
                retries: int = 2, tamper: Tamper | None = None) -> HealStats:
     """The live peer's side: send `state` to global rank `dst`. `tamper` (tests and fault drills only) changes
     a chunk after its checksum is taken, as a faulty link would."""
     t0 = time.perf_counter()
     payload = serialize(state)
     n = payload.numel()
-    dist.send(torch.tensor([n], dtype=torch.int64), dst, group=group)
-    dist.send(_digest(payload), dst, group=group)
+    _send(torch.tensor([n], dtype=torch.int64), dst, group)
+    _send(_digest(payload), dst, group)
     chunks, resent = 0, 0
     for index, start in enumerate(range(0, n, chunk_bytes)):
         chunk = payload[start:start + chunk_bytes].clone()
         digest = _digest(chunk)
         for attempt in range(retries + 1):
             wire = tamper(index, attempt, chunk.clone()) if tamper is not None else chunk
-            dist.send(wire, dst, group=group)
-            dist.send(digest, dst, group=group)
+            _send(wire, dst, group)
+            _send(digest, dst, group)
             ack = torch.zeros(1, dtype=torch.int64)
-            dist.recv(ack, dst, group=group)
+            _recv(ack, dst, group)
             if int(ack) == 1:
                 break
             resent += 1
@@ -86,16 +108,16 @@ def send_state(state: dict, dst: int, group: dist.ProcessGroup | None = None, ch
     return HealStats(n, chunks, resent, time.perf_counter() - t0)
 
 
-def recv_state(src: int, group: dist.ProcessGroup | None = None, chunk_bytes: int = 1 << 22,
+def recv_state(src: int, group: dist.ProcessGroup | Link | None = None, chunk_bytes: int = 1 << 22,
                retries: int = 2) -> tuple[dict, HealStats]:
     """The joining rank's side: the verified state from global rank `src` (`chunk_bytes` and `retries` as the
     sender's). Raises `HealError` when a chunk stays corrupt or the whole payload does not match its digest."""
     t0 = time.perf_counter()
     size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
+    _recv(size, src, group)
     n = int(size)
     whole = torch.empty(DIGEST, dtype=torch.uint8)
-    dist.recv(whole, src, group=group)
+    _recv(whole, src, group)
     payload = torch.empty(n, dtype=torch.uint8)
     chunks, resent = 0, 0
     for index, start in enumerate(range(0, n, chunk_bytes)):
@@ -103,10 +125,10 @@ def recv_state(src: int, group: dist.ProcessGroup | None = None, chunk_bytes: in
         got = torch.empty_like(chunk)
         digest = torch.empty(DIGEST, dtype=torch.uint8)
         for _attempt in range(retries + 1):
-            dist.recv(got, src, group=group)
-            dist.recv(digest, src, group=group)
+            _recv(got, src, group)
+            _recv(digest, src, group)
             ok = torch.equal(_digest(got), digest)
-            dist.send(torch.tensor([1 if ok else 0], dtype=torch.int64), src, group=group)
+            _send(torch.tensor([1 if ok else 0], dtype=torch.int64), src, group)
             if ok:
                 chunk.copy_(got)
                 break

@@ -1,0 +1,160 @@
+"""Training one fault-tolerant replica group (parallel.replicas > 1; docs/fault_tolerance.md): HSDP across groups
+with a per-step quorum, as torchft does (github.com/pytorch/torchft), on torch.distributed (distributed/quorum.py).
+
+Each step: join the round's quorum (the lighthouse, multinode/lighthouse.py); if this group is behind (restarted),
+receive parameters, optimizer state and step from a live member, checksummed (distributed/heal.py), and join at
+this step boundary; compute this group's gradient on its own rows of the global batch (group g of R takes rows
+g*B/R .. (g+1)*B/R, as data-parallel rank g of dp = R would), normalised by its own tokens; sum the gradients (and
+losses) over the quorum and divide by the quorum's size; commit through the lighthouse; clip and step.
+
+The missing group's share: skipped. A step with Q of R groups is the mean gradient over the Q groups' rows (the
+batch actually computed) at the step's usual learning rate; the rows of a dead group are not recomputed by the
+others, so a failure costs (R - Q) x B/R sequences of that step and no stop. The membership log records which
+groups computed each step; `scaletrain replay` recomputes exactly that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
+from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient
+from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import TrainResult, Trainer
+
+FAULT_ENV = "SCALETRAIN_FT_FAULT"
+"""Fault drills (tests, benchmarks): `kill:G:S` or `stop:G:S` sends SIGKILL / SIGSTOP to replica group G's
+process when it has joined the quorum of step S, on its first attempt only (a restarted group is not hit again)."""
+
+
+def group_config(cfg: Config) -> Config:
+    """The config one group's trainer runs: its share of the data-parallel dimension, no replicas."""
+    p = cfg.parallel
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=p.dp // p.replicas, replicas=1))
+
+
+class GroupModel:
+    """The model, optimizer and data of one replica group (a one-process `Trainer` without an output folder), and
+    this group's gradient of one step. Shared by the runner and the replay."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.trainer = Trainer(group_config(cfg), None, None)
+        self.opt = self.trainer.engine.optimizer  # plain replicated optimizer: a group is one process (rules)
+        self.tokens = cfg.tokens_per_step // cfg.parallel.replicas  # one group's tokens of a step
+
+    def local_grad(self, step: int, group: int) -> torch.Tensor:
+        """This group's gradient of the mean token loss over its rows, flattened, with that loss appended."""
+        t, r = self.trainer, self.cfg.parallel.replicas
+        micro = t.loader.micro_batches(step, group, r, self.cfg.train.micro_batch, device=t.device)
+        with t.own_rng():
+            loss = t.engine.forward_backward(micro, 1.0 / self.tokens)
+        flat = torch.cat([g.reshape(-1) for g in self.opt.grads] + [loss.reshape(1).to(self.opt.grads[0].dtype)])
+        self.opt.zero_grad()
+        return flat
+
+    def apply(self, step: int, mean: torch.Tensor) -> torch.Tensor:
+        """Set the gradients to `mean` (without its loss entry), clip, update; the step's grad norm."""
+        offset = 0
+        for g in self.opt.grads:
+            g.copy_(mean[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+        norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
+        self.opt.step(lr_at(step, self.cfg.train) * self.trainer.lr_scale)
+        self.opt.zero_grad()
+        return norm
+
+
+class ReplicaRunner:
+    """One replica group's process: the `make_trainer` interface (`step`, `n_params`, `run()`, `full_state()`)."""
+
+    def __init__(self, cfg: Config, out: Path | None):
+        self.cfg, self.out = cfg, out
+        self.group = int(os.environ[REPLICA_ENV])
+        self.model = GroupModel(cfg)
+        self.n_params = self.model.trainer.n_params
+        self.step = 0
+        p = cfg.parallel
+        self.client = QuorumClient(os.environ[LIGHTHOUSE_ENV], self.group, p.heartbeat_s, 4 * p.heartbeat_s)
+        self.fault = _fault(self.group)
+        if out is not None:  # the launcher stops a group still alive after the run (a frozen one) by this pid
+            (out / "replicas").mkdir(parents=True, exist_ok=True)
+            (out / "replicas" / f"group{self.group}.pid").write_text(str(os.getpid()))
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return self.model.trainer.full_state()
+
+    def _heal(self, q: Quorum, pg) -> float | None:
+        """Bring members that are behind to the source's state; this member's receive time (None if not behind)."""
+        link, src = Link(pg), q.members.index(q.source)
+        t = self.model.trainer
+        if self.group == q.source:
+            for g in q.behind:
+                send_state(training_state(t.model, t.engine.optimizer, self.step), q.members.index(g), link)
+            return None
+        if self.group not in q.behind:
+            return None
+        state, stats = recv_state(src, link)
+        self.step = load_training_state(t.model, t.engine.optimizer, state)
+        return stats.seconds
+
+    def run(self) -> TrainResult:
+        result = TrainResult(params=self.n_params)
+        log = open(self.out / "replicas" / f"group{self.group}.jsonl", "a") if self.out is not None else None
+        local: tuple[int, torch.Tensor] | None = None  # (step, this group's gradient) kept across failed rounds
+        try:
+            while True:
+                q = self.client.join(self.step)
+                if q is None:
+                    break
+                if self.fault is not None and self.fault[1] == q.step:
+                    os.kill(os.getpid(), self.fault[0])
+                t0 = time.perf_counter()
+                try:
+                    heal_s = self._heal(q, self.client.process_group(q)) if q.behind else None
+                except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
+                    self.client.commit(q, False)
+                    continue
+                if local is None or local[0] != q.step:
+                    local = (q.step, self.model.local_grad(q.step, self.group))
+                total = self.client.gather_sum(q, local[1])
+                if not self.client.commit(q, total is not None, heal_s):
+                    continue
+                mean = total / len(q.members)
+                norm = self.model.apply(q.step, mean)
+                self.step = q.step
+                row = {"step": q.step, "loss": float(mean[-1]), "grad_norm": float(norm), "members": q.members,
+                       "round": q.round, "step_time_s": time.perf_counter() - t0}
+                if heal_s is not None:
+                    row["heal_s"] = heal_s
+                result.losses[q.step] = row["loss"]
+                if log is not None:
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+        finally:
+            self.client.close()
+            if log is not None:
+                log.close()
+        result.final_step = self.step
+        if self.out is not None and self.step >= self.cfg.train.steps:
+            torch.save({"step": self.step, "params": self.full_state()},
+                       self.out / "replicas" / f"final-group{self.group}.pt")
+        return result
+
+
+def _fault(group: int) -> tuple[int, int] | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+    kind, g, step = spec.split(":")
+    if int(g) != group:
+        return None
+    return (signal.SIGKILL if kind == "kill" else signal.SIGSTOP), int(step)
