@@ -182,7 +182,8 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
         from scaletrain.multinode.replicas import launch_replicas
 
         (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
-        return launch_replicas(cfg.parallel.replicas, argv, out, args.restarts, cfg.train.steps, cfg.parallel.heartbeat_s)
+        p = cfg.parallel
+        return launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s)
     if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
         from scaletrain.train.runners.launch import launch_ps
 

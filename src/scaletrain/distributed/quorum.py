@@ -106,10 +106,19 @@ class QuorumClient:
             return None
         return ordered_sum(parts)
 
-    def commit(self, q: Quorum, ok: bool, heal_s: float | None = None) -> bool:
-        """Report this member's outcome; the lighthouse's decision for the round (True: apply the update)."""
-        if heal_s is not None:
-            self.store.set(f"heal/{q.round}/{self.group}", f"{heal_s:.6f}")
+    def wait(self, key: str, timeout_s: float) -> None:
+        """Until `key` is in the store (RuntimeError after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica group {self.group}: no {key!r} within {timeout_s} s")
+            time.sleep(0.002)
+
+    def commit(self, q: Quorum, ok: bool, heal: dict | None = None) -> bool:
+        """Report this member's outcome (and its heal's stats); the lighthouse's decision for the round (True:
+        apply the update)."""
+        if heal is not None:
+            self.store.set(f"heal/{q.round}/{self.group}", json.dumps(heal))
         self.store.set(f"done/{q.round}/{self.group}", "1" if ok else "0")
         key = f"commit/{q.round}"
         while not self.store.check([key]):

@@ -6,7 +6,8 @@ alive while its heartbeat counter moves; one whose counter has not moved for `he
 by SIGSTOP, or its machine gone). A round closes when each member of the previous quorum has asked to join or is
 dead (the first round: when every group has asked, or `start_s` passed), so a dead group is dropped within the
 heartbeat bound and never stalls the others. The membership log `OUT/membership.jsonl` has one line per round:
-round, step, members, behind (healed), heal seconds, dropped groups, committed. `scaletrain replay --out OUT`
+round, step, members, behind (healed), each heal's seconds, bytes and resent chunks, dropped groups,
+committed. `scaletrain replay --out OUT`
 recomputes the committed rounds in one process (train/replica_replay.py).
 """
 
@@ -91,10 +92,10 @@ class Lighthouse:
                 t0 = time.time()
                 ok = self.decide(r, members)
                 self.store.set(f"commit/{r}", "1" if ok else "0")
-                heal = {g: float(self.store.get(f"heal/{r}/{g}")) for g in behind
+                heal = {g: json.loads(self.store.get(f"heal/{r}/{g}")) for g in behind
                         if self.store.check([f"heal/{r}/{g}"])}
                 dropped = sorted(set(previous or range(self.groups)) - set(members))
-                row = {"round": r, "step": step, "members": members, "behind": behind, "heal_s": heal,
+                row = {"round": r, "step": step, "members": members, "behind": behind, "heal": heal,
                        "dropped": dropped, "committed": ok, "time": t0}
                 log.write(json.dumps(row) + "\n")
                 log.flush()

@@ -88,9 +88,10 @@ def report(out: Path, groups: int, steps: int) -> int:
                   "groups went on", flush=True)
         if not r["committed"]:
             print(f"step {r['step']}: round {r['round']} failed (a member died mid-step); retried", flush=True)
-        for g, s in r["heal_s"].items():
+        for g, h in r["heal"].items():
             if r["committed"]:
-                print(f"step {r['step']}: replica group {g} healed from a live group in {s:.3f} s and rejoined",
+                print(f"step {r['step']}: replica group {g} healed from a live group in {h['seconds']:.3f} s "
+                      f"({h['bytes']:,} bytes, {h['retries']} chunk(s) resent after a bad checksum) and rejoined",
                       flush=True)
     lost = sum(groups - len(r["members"]) for r in committed)
     done = committed[-1]["step"] if committed else 0

@@ -60,8 +60,8 @@ def summarize(cfg: Config, rows: list[dict]) -> dict:
             "drops": [{"step": x["step"], "groups": x["dropped"]} for x in rows if x["dropped"]],
             "tokens_lost": sum((r - len(x["members"])) * group_tokens for x in committed),
             "group_steps_lost": sum(r - len(x["members"]) for x in committed),
-            "heals": [{"step": x["step"], "group": int(g), "seconds": s} for x in rows if x["committed"]
-                      for g, s in x["heal_s"].items()]}
+            "heals": [{"step": x["step"], "group": int(g), **h} for x in rows if x["committed"]
+                      for g, h in x["heal"].items()]}
 
 
 def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:

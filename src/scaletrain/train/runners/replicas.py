@@ -28,11 +28,15 @@ from scaletrain.config import Config
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient
 from scaletrain.train.schedule import lr_at
-from scaletrain.train.trainer import TrainResult, Trainer
+from scaletrain.train.trainer import Trainer, TrainResult
 
 FAULT_ENV = "SCALETRAIN_FT_FAULT"
 """Fault drills (tests, benchmarks): `kill:G:S` or `stop:G:S` sends SIGKILL / SIGSTOP to replica group G's
-process when it has joined the quorum of step S, on its first attempt only (a restarted group is not hit again)."""
+process when it has joined the quorum of step S, on its first attempt only (a restarted group is not hit again);
+`corrupt:G:0` makes group G, when it sends a heal, corrupt the first chunk once (the receiver must detect it)."""
+PACE_ENV = "SCALETRAIN_FT_PACE_S"
+"""Fault drills: each committed step with fewer than all groups takes at least this many seconds (so the restart of
+a tiny model's group finds the run still going)."""
 
 
 def group_config(cfg: Config) -> Config:
@@ -83,8 +87,9 @@ class ReplicaRunner:
         self.n_params = self.model.trainer.n_params
         self.step = 0
         p = cfg.parallel
-        self.client = QuorumClient(os.environ[LIGHTHOUSE_ENV], self.group, p.heartbeat_s, 4 * p.heartbeat_s)
+        self.client = QuorumClient(os.environ[LIGHTHOUSE_ENV], self.group, p.heartbeat_s, 2 * p.heartbeat_s)
         self.fault = _fault(self.group)
+        self.pace = float(os.environ.get(PACE_ENV, "0"))
         if out is not None:  # the launcher stops a group still alive after the run (a frozen one) by this pid
             (out / "replicas").mkdir(parents=True, exist_ok=True)
             (out / "replicas" / f"group{self.group}.pid").write_text(str(os.getpid()))
@@ -92,19 +97,25 @@ class ReplicaRunner:
     def full_state(self) -> dict[str, torch.Tensor]:
         return self.model.trainer.full_state()
 
-    def _heal(self, q: Quorum, pg) -> float | None:
-        """Bring members that are behind to the source's state; this member's receive time (None if not behind)."""
+    def _heal(self, q: Quorum, pg) -> dict | None:
+        """Bring members that are behind to the source's state (the others wait until it is done, so the step's
+        collective does not time out on a long transfer); this member's receive stats (None if not behind)."""
         link, src = Link(pg), q.members.index(q.source)
         t = self.model.trainer
+        got = None
         if self.group == q.source:
+            tamper = _flip_first_chunk if self.fault is not None and self.fault[0] == "corrupt" else None
             for g in q.behind:
-                send_state(training_state(t.model, t.engine.optimizer, self.step), q.members.index(g), link)
-            return None
-        if self.group not in q.behind:
-            return None
-        state, stats = recv_state(src, link)
-        self.step = load_training_state(t.model, t.engine.optimizer, state)
-        return stats.seconds
+                send_state(training_state(t.model, t.engine.optimizer, self.step), q.members.index(g), link,
+                           tamper=tamper)
+            self.client.store.set(f"healed/{q.round}", "1")
+        elif self.group in q.behind:
+            state, stats = recv_state(src, link)
+            self.step = load_training_state(t.model, t.engine.optimizer, state)
+            got = {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
+        else:
+            self.client.wait(f"healed/{q.round}", self.cfg.parallel.timeout_s)
+        return got
 
     def run(self) -> TrainResult:
         result = TrainResult(params=self.n_params)
@@ -115,26 +126,28 @@ class ReplicaRunner:
                 q = self.client.join(self.step)
                 if q is None:
                     break
-                if self.fault is not None and self.fault[1] == q.step:
-                    os.kill(os.getpid(), self.fault[0])
+                if self.fault is not None and self.fault[1] == q.step and self.fault[0] != "corrupt":
+                    os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
                 t0 = time.perf_counter()
                 try:
-                    heal_s = self._heal(q, self.client.process_group(q)) if q.behind else None
+                    heal = self._heal(q, self.client.process_group(q)) if q.behind else None
                 except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
                     self.client.commit(q, False)
                     continue
                 if local is None or local[0] != q.step:
                     local = (q.step, self.model.local_grad(q.step, self.group))
                 total = self.client.gather_sum(q, local[1])
-                if not self.client.commit(q, total is not None, heal_s):
+                if not self.client.commit(q, total is not None, heal):
                     continue
                 mean = total / len(q.members)
                 norm = self.model.apply(q.step, mean)
+                if len(q.members) < self.cfg.parallel.replicas:
+                    time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
                 self.step = q.step
                 row = {"step": q.step, "loss": float(mean[-1]), "grad_norm": float(norm), "members": q.members,
                        "round": q.round, "step_time_s": time.perf_counter() - t0}
-                if heal_s is not None:
-                    row["heal_s"] = heal_s
+                if heal is not None:
+                    row["heal"] = heal
                 result.losses[q.step] = row["loss"]
                 if log is not None:
                     log.write(json.dumps(row) + "\n")
@@ -150,11 +163,20 @@ class ReplicaRunner:
         return result
 
 
-def _fault(group: int) -> tuple[int, int] | None:
+def _fault(group: int) -> tuple[str, int] | None:
+    """This group's drill from FAULT_ENV (a comma list of `kill:G:S`, `stop:G:S`, or `corrupt:G:0`: as the heal
+    source, group G corrupts the first chunk it sends once), on the first attempt only."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
-    kind, g, step = spec.split(":")
-    if int(g) != group:
-        return None
-    return (signal.SIGKILL if kind == "kill" else signal.SIGSTOP), int(step)
+    for item in spec.split(","):
+        kind, g, step = item.split(":")
+        if int(g) == group:
+            return kind, int(step)
+    return None
+
+
+def _flip_first_chunk(index: int, attempt: int, chunk: torch.Tensor) -> torch.Tensor:
+    if index == 0 and attempt == 0:
+        chunk[0] ^= 0xFF
+    return chunk
