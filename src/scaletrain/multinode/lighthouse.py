@@ -74,7 +74,8 @@ class Lighthouse:
             time.sleep(POLL_S)
 
     def run(self) -> None:
-        previous: list[int] | None = None
+        previous: list[int] | None = None  # who the next round waits for
+        last: list[int] = list(range(self.groups))  # the members of the last committed step
         pg_id, members_of_pg = -1, None
         completed = 0
         r = 0
@@ -94,14 +95,14 @@ class Lighthouse:
                 self.store.set(f"commit/{r}", "1" if ok else "0")
                 heal = {g: json.loads(self.store.get(f"heal/{r}/{g}")) for g in behind
                         if self.store.check([f"heal/{r}/{g}"])}
-                dropped = sorted(set(previous or range(self.groups)) - set(members))
+                dropped = sorted(set(last) - set(members)) if ok else []
                 row = {"round": r, "step": step, "members": members, "behind": behind, "heal": heal,
                        "dropped": dropped, "committed": ok, "time": t0}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if ok:
                     completed = step
-                    previous = members
+                    previous = last = members
                 else:
                     pg_id, members_of_pg = -1, None
                     previous = [g for g in members if self.alive(g)]
