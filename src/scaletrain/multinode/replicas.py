@@ -51,8 +51,9 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
         while lighthouse.poll() is None and any(a.poll() is None for a in agents):
             time.sleep(0.1)
         deadline = time.monotonic() + GRACE_S
-        while lighthouse.returncode is not None and any(a.poll() is None for a in agents):
-            if time.monotonic() > deadline:
+        final = _final_members(out)  # the groups of the last step: they save their parameters, the others stop
+        while lighthouse.returncode is not None and any(agents[g].poll() is None for g in final):
+            if time.monotonic() > deadline or all((rep / f"final-group{g}.pt").exists() for g in final):
                 break
             time.sleep(0.1)
     finally:
@@ -64,6 +65,13 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
         stop_workers(rep)
         lh_log.close()
     return report(out, groups, steps)
+
+
+def _final_members(out: Path) -> list[int]:
+    path = out / "membership.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    committed = [r for r in rows if r["committed"]]
+    return committed[-1]["members"] if committed else []
 
 
 def stop_workers(rep: Path) -> None:
