@@ -463,7 +463,7 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
     Exact for dropout 0 without router noise or random routing (`predicts_activations`); expert
     parallelism moves the same slots (the all-to-all saves nothing), tp replicates the layer, and under sequence
     parallelism each tp rank runs it on the n / t tokens of its shard."""
-    from scaletrain.config.sizes import capacity
+    from scaletrain.config.sizes import capacity, experts_per_token
 
     s, m = _sizes(cfg), cfg.model
     moe = m.moe
@@ -474,7 +474,7 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
     r = max(e, 4)
     E, S = moe.experts, moe.group_tokens
     G = n // S
-    k = 1 if moe.router == "switch" else moe.top_k
+    k = experts_per_token(moe)
     K = capacity(S, E, k, moe.capacity_factor)
     hidden = 4 if m.mlp == "swiglu" else 2
     total = r * (2 * n * E + n)
@@ -505,7 +505,7 @@ def op_kept_bytes(cfg: Config, moe: bool = False) -> int:
     output (E, G K, C). `attention` (dropout 0): the fused kernel's output (c) and log-sum-exp (nh; fp32 under
     bf16/fp16), split over t."""
     from scaletrain.config.parse import parse_recompute
-    from scaletrain.config.sizes import capacity
+    from scaletrain.config.sizes import capacity, experts_per_token
 
     ops = parse_recompute(cfg.memory.recompute).ops
     s, m = _sizes(cfg), cfg.model
@@ -521,7 +521,7 @@ def op_kept_bytes(cfg: Config, moe: bool = False) -> int:
         if moe:
             E, S = m.moe.experts, m.moe.group_tokens
             tokens = n // t if s["sp"] else n
-            G, k = tokens // S, 1 if m.moe.router == "switch" else m.moe.top_k
+            G, k = tokens // S, experts_per_token(m.moe)
             K = capacity(S, E, k, m.moe.capacity_factor)
             total += tokens * E * max(e, 4) + E * G * K * (mlp + c) * e
         else:
