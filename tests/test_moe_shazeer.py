@@ -164,6 +164,7 @@ def test_importance_loss_reaches_router_and_noise_weights():
     (["model.moe.experts=4", "model.moe.groups=2", "model.moe.top_k=2", "model.moe.aux_loss=importance",
       "model.moe.router_noise=1"], "each gate needs more than top_k (2) choices, got 2 and 2"),
     (["model.moe.experts=8", "model.moe.groups=2", "model.moe.random_routing=true"], "random_routing with"),
+    (["model.moe.groups=2"], "groups=2 set in a dense model: they need model.moe.experts > 0"),
 ])
 def test_validate_names_the_shazeer_values(sets, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -180,6 +181,17 @@ def test_planner_counts_the_hierarchical_routers_and_k_squared_experts():
     spec = from_model_config(cfg.model)
     assert total_params(spec) == sum(p.numel() for p in model.parameters())
     assert spec.top_k == 4 and model.blocks[0].mlp.capacity() == math.ceil(1.25 * 4 * 64 / 8)
+
+
+def test_logged_loss_adds_the_weighted_importance_losses_once():
+    """loss = cross-entropy + loss_aux (importance's weights already inside) + z_loss_weight x loss_z."""
+    from scaletrain.train.trainer import Trainer
+
+    cfg = make_config({**TINY, **MOE, "model.moe.aux_loss": "importance", "model.moe.importance_loss_weight": 0.5})
+    row = Trainer(cfg, None, None).train_step(1)
+    assert row["loss_aux"] > 0
+    want = row["loss_ce"] + row["loss_aux"] + 0.01 * row["loss_z"]
+    assert abs(row["loss"] - want) <= 1e-12 * want
 
 
 # --------------------------------------------------------------------------- against one process

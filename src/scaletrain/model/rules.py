@@ -37,6 +37,9 @@ def dense_router(cfg: Config, world_size: int | None) -> list[str]:
         errors.append(f"model.moe.router must be one of {', '.join(ROUTERS)}, got {e.router!r}")
     if e.aux_loss not in AUX_LOSSES:
         errors.append(f"model.moe.aux_loss must be {or_list(AUX_LOSSES)}, got {e.aux_loss!r}")
+    elif e.experts == 0 and (e.aux_loss != "switch" or e.groups != 1):
+        errors.append(f"model.moe.aux_loss={e.aux_loss} / groups={e.groups} set in a dense model: they need "
+                      "model.moe.experts > 0")
     return errors
 
 
