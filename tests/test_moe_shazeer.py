@@ -181,6 +181,9 @@ def test_planner_counts_the_hierarchical_routers_and_k_squared_experts():
     spec = from_model_config(cfg.model)
     assert total_params(spec) == sum(p.numel() for p in model.parameters())
     assert spec.top_k == 4 and model.blocks[0].mlp.capacity() == math.ceil(1.25 * 4 * 64 / 8)
+    from scaletrain.plan.exact.run_memory import predicts_activations
+
+    assert not predicts_activations(cfg)  # the two-level gate's saved tensors are not modelled: no wrong number
 
 
 def test_logged_loss_adds_the_weighted_importance_losses_once():

@@ -626,7 +626,8 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
 def predicts_activations(cfg: Config) -> bool:
     """Whether `activation_bytes` models this run: not with activation compression, FP8 layers or torch.compile, not
     under autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random
-    routing or expert dropout (their extra saved tensors are not counted)."""
+    routing, expert dropout, the hierarchical gate or the importance loss (their extra saved tensors are not
+    counted)."""
     if cfg.memory.compress != "none":
         return False
     if cfg.train.precision == "fp8":
@@ -637,6 +638,8 @@ def predicts_activations(cfg: Config) -> bool:
     if cfg.train.precision == "autocast-bf16" and (cfg.parallel.tp > 1 or m.dropout > 0 or mem.offload_activations):
         return False  # autocast modelled without tensor parallelism, dropout and activation offload (docs/gpu.md)
     moe = cfg.model.moe
+    if _experts(cfg) and (moe.groups > 1 or moe.aux_loss != "switch"):
+        return False  # the hierarchical gate's and the importance loss's saved tensors are not modelled
     return not _experts(cfg) or (moe.router_noise == 0 and not moe.random_routing and moe.expert_dropout == 0)
 
 
