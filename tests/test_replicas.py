@@ -119,3 +119,12 @@ def test_replicas_refused_where_they_cannot_work(tmp_path, capsys, sets, message
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_replay_of_a_replica_run_without_its_membership_log_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text(load_config(None, [f"{k}={v}" for k, v in RUN.items()]).to_yaml())
+    assert main(["replay", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no membership log" in err and len(err.strip().splitlines()) == 1
