@@ -52,6 +52,9 @@ class Routing:
     load: torch.Tensor  # (E,) assignments each expert was chosen for, before capacity
     dropped: torch.Tensor  # scalar: assignments beyond capacity (token choice) / tokens no expert took (EC)
     assignments: torch.Tensor  # scalar: what `dropped` is a fraction of
+    decision: tuple[torch.Tensor, ...] = ()
+    """The discrete choices, which teacher-forced routing replays (`model/routing_tape.py`): token choice
+    (expert (G, S, k), keep (G, S, k)); expert choice (slot_token,)."""
 
 
 def z_loss_sum(logits: torch.Tensor) -> torch.Tensor:
@@ -90,37 +93,50 @@ def place_in_slots(expert: torch.Tensor, gate: torch.Tensor, keep: torch.Tensor,
 
 
 def route_topk(logits: torch.Tensor, k: int, K: int, noise: torch.Tensor | None = None,
-               uniform: torch.Tensor | None = None) -> Routing:
+               uniform: torch.Tensor | None = None, forced: tuple[torch.Tensor, ...] | None = None) -> Routing:
     """Noisy top-k gating (Shazeer): H = logits + noise; G = softmax over the top-k of H. `uniform` (G, S)
-    turns on GShard random routing of the second expert (k = 2): kept iff uniform < 2 · g2."""
+    turns on GShard random routing of the second expert (k = 2): kept iff uniform < 2 · g2. `forced`
+    (expert, keep) replaces the choices (teacher forcing); the gates are still this run's H at them."""
     G, S, E = logits.shape
     h = logits if noise is None else logits + noise
-    top, expert = h.topk(k, dim=-1)  # (G, S, k), best first
+    if forced is None:
+        top, expert = h.topk(k, dim=-1)  # (G, S, k), best first
+    else:
+        expert = forced[0]
+        top = h.gather(-1, expert)
     gate = top.softmax(-1)  # = softmax(KeepTopK(H, k)) restricted to the kept entries
     keep = torch.ones_like(expert, dtype=torch.bool)
-    if uniform is not None:
+    if forced is not None:
+        keep = forced[1]
+    elif uniform is not None:
         keep[..., 1] = uniform < 2 * gate[..., 1].detach()
     slot_token, slot_weight, kept = place_in_slots(expert, gate, keep, E, K)
     probs = h.softmax(-1)
     load = torch.bincount(expert[keep].flatten(), minlength=E)
     return Routing(slot_token, slot_weight, balance_loss_sum(probs, expert[..., 0]), z_loss_sum(logits),
-                   load, (keep & ~kept).sum(), keep.sum())
+                   load, (keep & ~kept).sum(), keep.sum(), (expert, keep))
 
 
-def route_switch(logits: torch.Tensor, K: int) -> Routing:
-    """Switch top-1: expert argmax p_i(x), combine weight p_i(x) itself (not renormalised)."""
+def route_switch(logits: torch.Tensor, K: int, forced: tuple[torch.Tensor, ...] | None = None) -> Routing:
+    """Switch top-1: expert argmax p_i(x), combine weight p_i(x) itself (not renormalised); `forced` (expert,
+    keep) replaces the choice."""
     G, S, E = logits.shape
     probs = logits.softmax(-1)
-    gate, expert = probs.max(-1, keepdim=True)  # (G, S, 1)
+    if forced is None:
+        gate, expert = probs.max(-1, keepdim=True)  # (G, S, 1)
+    else:
+        expert = forced[0]
+        gate = probs.gather(-1, expert)
     keep = torch.ones_like(expert, dtype=torch.bool)
     slot_token, slot_weight, kept = place_in_slots(expert, gate, keep, E, K)
     load = torch.bincount(expert.flatten(), minlength=E)
     return Routing(slot_token, slot_weight, balance_loss_sum(probs, expert[..., 0]), z_loss_sum(logits),
-                   load, (~kept).sum(), keep.sum())
+                   load, (~kept).sum(), keep.sum(), (expert, keep))
 
 
-def route_expert_choice(logits: torch.Tensor, K: int) -> Routing:
-    """Expert choice: S = softmax over experts; each expert takes its top-K tokens of the group by score."""
+def route_expert_choice(logits: torch.Tensor, K: int, forced: tuple[torch.Tensor, ...] | None = None) -> Routing:
+    """Expert choice: S = softmax over experts; each expert takes its top-K tokens of the group by score;
+    `forced` (token (G, E, K),) replaces the choice."""
     G, S, E = logits.shape
     scores = logits.softmax(-1)  # (G, S, E)
     # Each expert's K best tokens of the group. Tokens that are mathematically equal (a run of one token at the
@@ -130,14 +146,15 @@ def route_expert_choice(logits: torch.Tensor, K: int) -> Routing:
     # the row): every layout then picks the same tokens. The weights stay exact.
     # The key is detached: only the indices are used, and sorting a tensor that needs grad saves all of them.
     key = (scores.float() if scores.dtype == torch.float64 else scores).detach()
-    token = key.transpose(1, 2).sort(dim=-1, descending=True, stable=True).indices[..., :K].contiguous()  # (G,E,K)
+    token = key.transpose(1, 2).sort(dim=-1, descending=True, stable=True).indices[..., :K].contiguous() \
+        if forced is None else forced[0]  # (G, E, K)
     weight = scores.transpose(1, 2).gather(-1, token)
     taken = torch.zeros(G, S + 1, dtype=torch.long, device=logits.device).scatter_add_(
         1, token.reshape(G, -1), torch.ones_like(token.reshape(G, -1)))[:, :S]
     load = torch.full((E,), G * K, dtype=torch.long, device=logits.device)
     zero = logits.new_zeros(())
     return Routing(token, weight, zero, z_loss_sum(logits), load, (taken == 0).sum(),
-                   torch.tensor(G * S, device=logits.device))
+                   torch.tensor(G * S, device=logits.device), (token,))
 
 
 # --------------------------------------------------------------------------- modules
@@ -234,6 +251,9 @@ class MoE(nn.Module):
         # parallelism sets it); a row's random stream is drawn whole and sliced, so draws follow the token
         self.seq_shard = (0, 1)
         self.stats = MoEStats()
+        # teacher-forced routing (`model/routing_tape.py`, verify's low-precision rows): records this layer's
+        # decisions by token, or replays another run's; None routes by this run's own scores
+        self.tape = None
 
     @property
     def top_k(self) -> int:
@@ -271,17 +291,22 @@ class MoE(nn.Module):
             x = x * (1 - c.router_noise + 2 * c.router_noise * u.to(x))
         logits = F.linear(x, self.router.weight.to(rdtype))  # (G, S, E)
         K = self.capacity()
-        if c.router == "switch":
-            return route_switch(logits, K)
-        if c.router == "expert_choice":
-            return route_expert_choice(logits, K)
         noise = uniform = None
-        if noisy:
+        if noisy and c.router == "topk":
             eps = self._rows_random("noise", rows, (S * G // rows, self.n_experts), False).view(G, S, -1)
             noise = eps.to(x) * F.softplus(F.linear(x, self.noise.weight.to(rdtype))) * c.router_noise
-        if self.training and c.random_routing:
+        if self.training and c.random_routing and c.router == "topk":
             uniform = self._rows_random("second", rows, (S * G // rows,), True).view(G, S).to(x)
-        return route_topk(logits, c.top_k, K, noise, uniform)
+
+        def decide(forced=None) -> Routing:
+            if c.router == "switch":
+                return route_switch(logits, K, forced)
+            if c.router == "expert_choice":
+                return route_expert_choice(logits, K, forced)
+            return route_topk(logits, c.top_k, K, noise, uniform, forced)
+
+        r = decide()
+        return r if self.tape is None or not self.training else self.tape.route(self, r, decide, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
