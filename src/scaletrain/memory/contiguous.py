@@ -33,8 +33,8 @@ c10 CPU allocator reports, on the training thread and autograd's); on CUDA the d
 peak allocated and reserved bytes of the step beside it (reserved - allocated is the fragmentation the paper is
 about; CPU has no caching allocator and no reserved bytes).
 
-On CPU the same events also give the allocator's view of the planner's activations (docs/memory.md, "What the
-allocator sees"): `mem_alloc_backward_start`, the bytes allocated in the measured forward/backward and still held when
+On CPU the same events also give the allocator's view of the planner's activations (docs/memory.md, "What "to the
+byte" compares"): `mem_alloc_backward_start`, the bytes allocated in the measured forward/backward and still held when
 its first backward operation starts (what the forward left for the backward), and `mem_alloc_peak`, the most it held
 at once above what it held before; tests/test_memory_allocator.py compares them with `plan_mem_activations`.
 """

@@ -182,7 +182,7 @@ def compare(layout: Layout, ref: Stepwise, dtype: str | None = None) -> Outcome:
     from scaletrain.verify.runs import Outcome
 
     dtype = dtype or layout["dtype"]
-    bound = stepwise_bound(dtype)
+    bound = stepwise_bound(dtype, layout["compress"])
     s = ref.steps.values()
     loss = max(d.loss for d in s)
     norm = max(d.grad_norm for d in s)

@@ -4,8 +4,11 @@ means in each dtype (docs/verify.md).
 - fp64: whole runs, element-wise within verify's defaults (the layouts differ from one process only in summation
   order, ~1e-15).
 - fp32, bf16, fp16: step by step from the same state on the same routes (`verify/stepwise.py`), within bounds
-  derived from the dtype's unit roundoff u (2^-24, 2^-8, 2^-11: half the distance between 1 and the next number),
-  set before they were measured:
+  derived from the unit roundoff u of the coarsest rounding the run applies: the dtype's (2^-24, 2^-8, 2^-11: half
+  the distance between 1 and the next number), or lossy activation compression's when coarser (memory.compress bf16:
+  2^-8; int8: half a quantisation step of a block's largest value, 1/254 < 2^-8 of it). Set before they were
+  measured (the compression term after the first measurement: fp32 layouts with int8-compressed activations
+  differed by 1e-6 to 1e-5 in the loss, which fp32's u does not bound and bf16's does):
   - the loss of a step within `LOSS_UNITS` u (relative): one forward pass rounded in another order; the loss is a
     mean over the tokens, whose per-token errors mostly cancel;
   - the gradient norm within `GRAD_NORM_UNITS` u (relative): one backward pass; the norm averages the relative
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 RTOL_FP64, ATOL_FP64 = 1e-9, 1e-11
 
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
+COMPRESS_ROUNDOFF = {"bf16": 2.0**-8, "int8": 2.0**-8}
+"""memory.compress modes that round saved activations, and their unit roundoff (relu-mask is lossless)."""
 LOSS_UNITS, GRAD_NORM_UNITS, FLIP_UNITS = 8, 16, 16
 
 ROUTING_DISAGREEMENT = 0.25
@@ -45,9 +50,15 @@ class Tolerance:
     """||W - W_ref|| / (||W_ref - W_before|| + 2u ||W_ref||) over all parameters, the largest over the steps."""
 
 
-def stepwise_bound(dtype: str) -> Tolerance:
+def unit_roundoff(dtype: str, compress: str = "none") -> float:
+    """u of the coarsest rounding of a run in `dtype` with `memory.compress` (a mode or a comma list)."""
+    modes = [m.strip().lower() for m in str(compress).split(",")]
+    return max([UNIT_ROUNDOFF[dtype], *(COMPRESS_ROUNDOFF[m] for m in modes if m in COMPRESS_ROUNDOFF)])
+
+
+def stepwise_bound(dtype: str, compress: str = "none") -> Tolerance:
     """The bounds of one low-precision step (module docstring)."""
-    u = UNIT_ROUNDOFF[dtype]
+    u = unit_roundoff(dtype, compress)
     return Tolerance(loss=LOSS_UNITS * u, grad_norm=GRAD_NORM_UNITS * u, params=2 * math.sqrt(FLIP_UNITS * u))
 
 
@@ -65,4 +76,8 @@ def tolerance_table() -> str:
         rows.append(f"| {dtype} (u = 2^{round(math.log2(u))}) | each step from the layout's state | "
                     f"{LOSS_UNITS} u = {t.loss:.2g} | {GRAD_NORM_UNITS} u = {t.grad_norm:.2g} | "
                     f"2 sqrt({FLIP_UNITS} u) = {t.params:.2g} of the step |")
+    t = stepwise_bound("fp32", "int8")
+    rows.append(f"| fp32 or fp16 with memory.compress bf16 or int8 (u = 2^-8) | each step from the layout's state | "
+                f"{LOSS_UNITS} u = {t.loss:.2g} | {GRAD_NORM_UNITS} u = {t.grad_norm:.2g} | "
+                f"2 sqrt({FLIP_UNITS} u) = {t.params:.2g} of the step |")
     return "\n".join(rows) + "\n"
