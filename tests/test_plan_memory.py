@@ -119,8 +119,8 @@ def test_korthikanti_activation_formulas():
     assert f(m, s * b, 1, False, "none", "standard", 2) == pytest.approx(sbh * (34 + 5 * a * s / h))
     assert f(m, s * b, t, False, "none", "standard", 2) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert f(m, s * b, t, True, "none", "standard", 2) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
-    # selective keeps 34 sbh/t plus a 4-byte log-sum-exp per head and token (< 0.1% here)
-    assert f(m, s * b, t, True, "selective", "standard", 2) == pytest.approx(34 * sbh / t, rel=1e-3)
+    # attn-core (selective) keeps 34 sbh/t plus a 4-byte log-sum-exp per head and token (< 0.1% here)
+    assert f(m, s * b, t, True, "attn-core", "standard", 2) == pytest.approx(34 * sbh / t, rel=1e-3)
     assert f(m, s * b, t, True, "full", "standard", 2) == pytest.approx(2 * sbh / t)
     assert f(m, s * b, 1, False, "full", "standard", 2) == pytest.approx(2 * sbh)
 

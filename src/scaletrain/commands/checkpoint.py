@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from scaletrain.errors import CheckpointError, UserError
+from scaletrain.guards import check_not_managed, check_path
 
 
 def add_parser(sub) -> None:
@@ -49,9 +50,10 @@ def find_checkpoint(path, note: bool = True) -> Path:
 
 def _new_output(to: str, what: str) -> Path:
     """An output directory that does not exist or is empty (created); never one with files in it."""
-    out = Path(to)
     if str(to).strip() == "":
         raise UserError(f"--to must name a directory for the {what}")
+    out = check_path(to, "--to")  # guards.py: long parts, link loops, dangling links
+    check_not_managed(out, "--to")  # never inside a run's checkpoints/ or logs/: its clean-up would delete it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--to {out} exists and is not an empty directory; choose a new one (nothing was written)")
     try:
@@ -69,11 +71,11 @@ def _new_output(to: str, what: str) -> Path:
 
 def cmd_inspect(args) -> int:
     from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train import dcp_io
+    from scaletrain.train import ckpt_index
 
     directory = find_checkpoint(args.dir)
     meta = ckpt.read_meta(directory)
-    index = dcp_io.read_index(directory)
+    index = ckpt_index.read_index(directory)
     report = ckpt.verify(directory, index)
     kinds: dict[str, int] = {}
     params = 0
@@ -233,5 +235,9 @@ def cmd_export(args) -> int:
     out = _new_output(args.to, "export")
     state = ckpt.read_tensors(directory, "model/")
     arch = export_hf(cfg.model, state, out)
-    print(f"{directory} (step {meta['step']}) -> {out}: {arch}, config.json + model.safetensors (fp32)")
+    from scaletrain.data.tokenizer import run_tokenizer
+
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.data.eot_token, directory).save(out)  # AutoTokenizer reads it
+    files = "".join(f" + {p.name}" for p in tokenizer)
+    print(f"{directory} (step {meta['step']}) -> {out}: {arch}, config.json + model.safetensors (fp32){files}")
     return 0

@@ -7,13 +7,15 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from scaletrain.config.schema import Config
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
+from scaletrain.guards import MAX_INT, load_yaml, read_input, short, shown
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -40,41 +42,56 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
             return value.lower() in ("true", "yes", "1", "on")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {short(value)}")
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                value = int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            if abs(value) > MAX_INT:
+                raise ConfigError(f"{key} ({short(value, 40)}) is beyond 64 bits (at most {MAX_INT:,})")
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {short(value)}")
     if typ is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         if isinstance(value, (int, float)):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{key} ({short(value, 40)}) is beyond the range of a number") from None
         if isinstance(value, str):
             try:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        raise ConfigError(f"{key}: expected a number, got {short(value)}")
+    if origin is list:  # a list of sections (data.mix): each item a mapping of that section's keys
+        item = typing.get_args(typ)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {short(value)}")
+        if not dataclasses.is_dataclass(item):
+            return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [item() for _ in value]
+        for i, (node, v) in enumerate(zip(items, value)):
+            _apply(node, v, f"{key}[{i}].")
+        return items
     if typ is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {short(value)}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ!r}")
 
 
 def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {values!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {short(values)}")
     hints = _field_types(type(node))
     for key, value in values.items():
         dotted = f"{prefix}{key}"
@@ -124,23 +141,43 @@ def set_value(cfg: Config, dotted: str, raw: str) -> None:
                 raise ConfigError(f"unknown config key '{dotted}' ('{part}' is not a section)")
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides in order. Does not validate."""
+Implied = Callable[[Config], list[str]]
+_IMPLIED: list[Implied] = []
+
+
+def implied(fn: Implied) -> Implied:
+    """Register `fn(cfg) -> ["key=value", ...]`: defaults that other settings imply (model.vocab_size from
+    data.tokenizer, data/rules.py). load_config applies them below the YAML file and `--set`, so a value the user
+    gave wins. Registered by the features' torch-free rules modules, like validate()'s rules."""
+    same = [i for i, f in enumerate(_IMPLIED) if (f.__module__, f.__qualname__) == (fn.__module__, fn.__qualname__)]
+    if same:
+        _IMPLIED[same[0]] = fn
+    else:
+        _IMPLIED.append(fn)
+    return fn
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                base: list[str] | None = None) -> Config:
+    """Defaults, then `base` (`key=value` defaults from outside the config, e.g. what --init-from implies), then the
+    YAML file, then `key=value` overrides in order; then again with the defaults those settings imply (`implied`)
+    below all of them. Does not validate."""
+    cfg = _load(path, overrides, base)
+    extra = [kv for fn in _IMPLIED for kv in fn(cfg)]
+    return _load(path, overrides, [*extra, *(base or [])]) if extra else cfg
+
+
+def _load(path: str | os.PathLike | None, overrides: list[str] | None, base: list[str] | None) -> Config:
     cfg = Config()
+    for item in base or []:
+        key, raw = item.split("=", 1)
+        set_value(cfg, key.strip(), raw.strip())
     if path is not None:
         p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"--config {p} is a folder; give a YAML file")
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {p} is not a text file") from None
+        try:  # guards.py: FIFOs, devices, link loops, non-UTF-8, duplicate keys, alias bombs, deep nesting
+            data = load_yaml(read_input(p, "--config", "config file"), f"config file {shown(p)}")
+        except UserError as e:
+            raise ConfigError(str(e)) from None
         if data is not None:
             _apply(cfg, data, "")
     for item in overrides or []:

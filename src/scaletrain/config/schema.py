@@ -24,7 +24,11 @@ Router = Literal["topk", "switch", "expert_choice"]
 OptimizerName = Literal["adamw", "adafactor", "sm3", "sgd"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "optimizer", "params", "nvme"]
-Precision = Literal["dtype", "autocast-bf16"]
+Precision = Literal["dtype", "autocast-bf16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+"""How train.precision=fp8 scales tensors to float8 before each GEMM (memory/fp8.py)."""
+Fp8Gemm = Literal["auto", "emulate", "hardware"]
+"""Where train.precision=fp8's scaled GEMMs run: FP8 tensor cores, or emulated in fp32 (memory/fp8.py)."""
 Mlp = Literal["gelu", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -32,11 +36,18 @@ DropoutImpl = Literal["global", "torch"]
 LrSchedule = Literal["cosine", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 OnNan = Literal["stop", "skip"]
-RecomputeKind = Literal["none", "selective", "full", "every"]
-"""The kinds of memory.recompute (`every` is written every:k); config/parse.py reads the string."""
+RecomputeKind = Literal["none", "full", "every", "nth", "ops", "attn-core"]
+"""The checkpointing policies of memory.recompute (docs/memory.md): `every` is written every:k, `nth` nth:k and `ops`
+ops:<op kinds joined by +>; config/parse.py reads the string (`RECOMPUTE_ALIASES` gives the old names)."""
+RecomputeOp = Literal["matmul", "attention"]
+"""The op kinds whose outputs memory.recompute=ops:... keeps: `matmul` (aten mm / addmm / bmm / baddbmm: every linear
+layer, the experts' batched matmuls), `attention` (the fused scaled-dot-product-attention kernels: output and
+log-sum-exp)."""
+RECOMPUTE_ALIASES: dict[str, str] = {"selective": "attn-core"}
+"""Old names of memory.recompute policies, still accepted: `selective` is Korthikanti's attention-core policy."""
 CompressMode = Literal["none", "relu-mask", "bf16", "int8"]
 """The modes of memory.compress, which takes one or a comma list; config/parse.py reads the string."""
-PartitionKind = Literal["uniform", "params", "time"]
+PartitionKind = Literal["uniform", "params", "time", "ends"]
 """The named ways of parallel.partition, which also takes block counts such as 2,3,3."""
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -47,10 +58,13 @@ ROUTERS: tuple[str, ...] = get_args(Router)
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+FP8_RECIPES: tuple[str, ...] = get_args(Fp8Recipe)
+FP8_GEMMS: tuple[str, ...] = get_args(Fp8Gemm)
 MLPS: tuple[str, ...] = get_args(Mlp)
 POSITIONS: tuple[str, ...] = get_args(Position)
 NORMS: tuple[str, ...] = get_args(Norm)
 RECOMPUTE_KINDS: tuple[str, ...] = get_args(RecomputeKind)
+RECOMPUTE_OPS: tuple[str, ...] = get_args(RecomputeOp)
 COMPRESS_MODES: tuple[str, ...] = get_args(CompressMode)
 PARTITION_KINDS: tuple[str, ...] = get_args(PartitionKind)
 DROPOUT_IMPLS: tuple[str, ...] = get_args(DropoutImpl)
@@ -109,7 +123,7 @@ class ModelConfig:
     seq_len: int = 128
     """Context length in tokens (the paper's s)."""
     vocab_size: int = 256
-    """Vocabulary size; 256 for the byte tokenizer."""
+    """Vocabulary size; when not set, data.tokenizer's size (256 for the byte tokenizer)."""
     d_ff: int = 0
     """MLP hidden size; 0 means 4 * d_model (GELU) or the 8/3 * d_model rounding of LLaMA (SwiGLU)."""
     mlp: Mlp = "gelu"
@@ -175,8 +189,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule)."""
     partition: str = "uniform"
     """How blocks are split into pipeline stages: `uniform`, `params` (balance parameter counts), `time`
-    (balance per-block times from a short profile; PipeDream's DP split, arXiv 1806.03377) or block counts
-    such as `2,3,3`."""
+    (balance per-block times from a short profile; PipeDream's DP split, arXiv 1806.03377), `ends` (the embedding
+    and the head count as one block each, so the first and last stages get one block fewer; Megatron-core's
+    account_for_embedding/loss_in_pipeline_split) or block counts such as `2,3,3`."""
     ep: int = 1
     """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
     timeout_s: float = 300.0
@@ -221,6 +236,18 @@ class ParallelConfig:
     2105.14450); 2d/2.5d/3d also split every activation (docs/tensor_parallel.md)."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 (FSDP's option of that name): `true` releases a unit's gathered parameters after its forward and gathers
+    them again for its backward (the least memory; 1.5x data parallelism's traffic); `false` keeps them gathered from
+    its forward to the end of its backward (one all-gather per unit and micro-batch instead of two; all units
+    gathered at once at the end of the forward). Unset: true, except with parallel.pp > 1, where each stage keeps
+    its parameters gathered for the whole step (false is the only value there). Needs parallel.zero=3
+    (docs/data_parallel.md)."""
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """parallel.reshard_after_forward resolved: the value given, else true without and false with pp > 1."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
 
 ASYNC_KEYS = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
@@ -255,7 +282,22 @@ class TrainConfig:
     precision: Precision = "dtype"
     """`dtype`: parameters, activations and matmuls in train.dtype (bf16/fp16 keep fp32 masters, docs/precision.md);
     `autocast-bf16`: fp32 parameters, gradients and optimizer state, matmuls and attention in bf16 under
-    torch.autocast (needs train.dtype=fp32; the fast setting on GPUs, docs/gpu.md)."""
+    torch.autocast (needs train.dtype=fp32; the fast setting on GPUs, docs/gpu.md); `fp8`: the transformer blocks'
+    linear layers compute their three GEMMs in float8 with dynamic scaling (torchao; train.fp8_recipe), the rest
+    as autocast-bf16 does (train.dtype=fp32) or in bf16 (train.dtype=bf16) (docs/precision.md)."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """train.precision=fp8: how a tensor is scaled to float8 before a GEMM, from its current absolute maximum:
+    `tensorwise` (one scale per tensor; e4m3 for inputs and weights, e5m2 for output gradients; Micikevicius et al.,
+    arXiv 2209.05433) or `rowwise` (one scale per row along the GEMM's reduction dimension, rounded down to a power
+    of 2; e4m3 throughout)."""
+    fp8_layers: str = "blocks.*"
+    """train.precision=fp8: which linear layers of the transformer blocks run in FP8, as a comma list of name patterns
+    (`*` matches anything) over the plain model's names such as `blocks.3.mlp.fc`; `!pattern` excludes (e.g.
+    `blocks.*,!blocks.0.*`). The embedding, output layer, norms and attention stay bf16/fp32 (docs/precision.md)."""
+    fp8_gemm: Fp8Gemm = "auto"
+    """train.precision=fp8: `hardware` runs the scaled GEMMs on FP8 tensor cores (CUDA compute capability 8.9+:
+    Ada, Hopper, Blackwell), `emulate` dequantizes and multiplies in fp32 (same numerics, slower; every CPU, older
+    GPUs), `auto` is hardware on a GPU with FP8 and emulate on the CPU (a GPU without FP8 is refused at start)."""
     compile: bool = False
     """torch.compile each transformer block (after the tensor-parallel and recomputation passes, before data
     parallelism / ZeRO, as torchtitan orders them); docs/gpu.md lists what it combines with."""
@@ -332,7 +374,13 @@ class OptimConfig:
 @dataclass
 class MemoryConfig:
     recompute: str = "none"
-    """Activation recomputation: none, full (arXiv 1604.06174), selective (arXiv 2205.05198), every:k."""
+    """Activation checkpointing policy (docs/memory.md): `none`; `full` (each block a checkpoint that keeps its input,
+    Chen et al. arXiv 1604.06174); `every:k` (segments of k blocks, one input kept per segment: Chen's sqrt(n)
+    trade-off); `nth:k` (blocks 0, k, 2k, ... by global index are full checkpoints, the others keep everything:
+    torchtitan's selective layer); `ops:matmul`, `ops:attention`, `ops:matmul+attention` (each block a checkpoint that
+    also keeps the outputs of the listed op kinds and recomputes only the rest: torchtitan's selective op, through
+    torch's selective activation checkpointing); `attn-core` (only the attention core softmax(QK^T/sqrt(d))V is
+    recomputed: Korthikanti et al. arXiv 2205.05198; `selective` is its old name, still accepted)."""
     partition_checkpoints: bool = False
     """With tp > 1 keep each saved block input sharded across tp ranks (ZeRO-R, arXiv 1910.02054)."""
     offload_activations: bool = False
@@ -354,12 +402,35 @@ class MemoryConfig:
 
 
 @dataclass
+class MixSource:
+    source: str = ""
+    """A corpus, as data.source takes it."""
+    weight: float = 1.0
+    """Its share of the sequences (weights are normalised over the mixture; positive)."""
+    text_field: str = ""
+    """The text column of this source's JSONL / Parquet / datasets rows; empty means data.text_field."""
+
+
+@dataclass
 class DataConfig:
     source: str = "builtin"
-    """`builtin` (the Python standard library sources of this interpreter), a text file or folder,
-    or a `.bin` file of uint16 tokens (nanoGPT layout)."""
+    """`builtin` (the Python standard library sources of this interpreter), a text file or folder, `.jsonl` /
+    `.jsonl.gz` files or folders, `.parquet` files or folders, a `datasets.Dataset.save_to_disk` folder, or a `.bin`
+    token file (uint16 as nanoGPT writes it; uint32 with a `.bin.json` sidecar, docs/data.md)."""
+    tokenizer: str = "byte"
+    """`byte` (token = UTF-8 byte, vocabulary 256) or a Hugging Face `tokenizer.json`, or a folder holding one
+    (a model folder, or what `scaletrain data tokenizer` writes); documents end with its end-of-text token."""
+    text_field: str = "text"
+    """The text column of JSONL / Parquet / datasets rows."""
+    eot_token: str = ""
+    """The token that ends each document; empty means the folder's tokenizer_config.json `eos_token`, else the first
+    of <|endoftext|>, <|end_of_text|>, </s>, <eos> the tokenizer has (NUL for `byte`)."""
+    mix: list[MixSource] = field(default_factory=list)
+    """Several sources with weights, e.g. [{source: a.jsonl, weight: 0.7}, {source: b/, weight: 0.3,
+    text_field: body}]: each sequence of a batch comes from source i with probability weight_i / sum (instead of
+    data.source)."""
     val_fraction: float = 0.05
-    """Fraction of the token stream, at its end, held out for validation."""
+    """Fraction of each token stream, at its end, held out for validation."""
     cache_dir: str = ""
     """Where tokenized corpora are cached; empty means $SCALETRAIN_CACHE or ~/.cache/scaletrain."""
 

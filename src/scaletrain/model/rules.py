@@ -115,9 +115,9 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
         kind = parse_recompute(mem.recompute).kind
     except ConfigError:  # memory/rules.py reports the syntax error itself
         kind = "none"
-    if kind in ("full", "every"):
+    if kind in ("full", "every", "nth", "ops"):
         errors.append(f"memory.recompute={mem.recompute} with model.reversible: reversible blocks keep no "
-                      "activations for a checkpoint to drop (use none, or selective to bound the reverse pass)")
+                      "activations for a checkpoint to drop (use none, or attn-core to bound the reverse pass)")
     if mem.offload_activations:
         errors.append("memory.offload_activations with model.reversible: reversible blocks keep no activations to "
                       "offload")

@@ -65,6 +65,13 @@ class ModelSpec:
     run again in backward."""
     source: str = ""
 
+    def __hash__(self) -> int:  # the cost model caches per model: hash the fields once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def width(self) -> int:
         """Width of the blocks' attention and MLP: d_model, or d_model / 2 with reversible blocks."""

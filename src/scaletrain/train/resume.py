@@ -29,7 +29,7 @@ from scaletrain.config import Config, flatten
 from scaletrain.config.run import HISTORY
 from scaletrain.errors import CheckpointError
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train import dcp_io
+from scaletrain.train import ckpt_index
 from scaletrain.train import state as st
 
 IDENTITY = ("model.", "optim.", "train.seed", "train.global_batch", "train.dtype", "data.source",
@@ -99,7 +99,7 @@ def save_entries(engine, streams: dict[str, dict[str, Any]]) -> dict[str, st.Ent
 def load_engine(engine, directory: Path, streams: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Read a checkpoint into a freshly built engine of any layout (and the random streams of `streams` that the
     checkpoint has); returns the streams it did not have. No collectives: each rank reads what it holds."""
-    index = dcp_io.read_index(directory)
+    index = ckpt_index.read_index(directory)
     available = set(index["tensors"])
     st.prepare_load(engine)
     entries = {**st.engine_entries(engine, stale=False, load=True), **st.stale_entries_for_load(engine, available)}
@@ -109,6 +109,8 @@ def load_engine(engine, directory: Path, streams: dict[str, dict[str, Any]] | No
         if not got:
             missing.append(name)
         entries.update(got)
+    from scaletrain.train import dcp_io  # torch.distributed.checkpoint: imported when a checkpoint is read
+
     try:
         dcp_io.load_entries(directory, entries, index)
     except (ValueError, RuntimeError) as e:  # DCP's planner on chunks that do not fit
@@ -144,7 +146,7 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
     """Resume `trainer` from the newest complete checkpoint in its output directory (if any) and record the
     resume; a fresh start writes the run's config.yaml, and with `init_from` (a Hugging Face directory) starts
     from its weights. Returns the checkpoint resumed from."""
-    found = ckpt.latest(trainer.ckpt_root)
+    found, _ = ckpt.usable_latest(trainer.ckpt_root)  # the launcher named what it passes over (runner.check_run)
     cfg, world = trainer.cfg, trainer.mesh.world_size
     diffs: dict[str, tuple[Any, Any]] = {}
     meta: dict[str, Any] = {}

@@ -58,7 +58,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "offload": ("none", "optimizer", "params", "nvme"),
     "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw"),
     "sequence_parallel": (False, True),
-    "recompute": ("none", "full", "selective", "every:2"),
+    "recompute": ("none", "full", "attn-core", "every:2", "nth:2", "ops:matmul"),
     "partition_checkpoints": (False, True),
     "offload_activations": (False, True),
     "compress": ("none", "bf16", "int8"),
@@ -74,6 +74,8 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "tp_mode": ("1d", "2d"),
     "reversible": (False, True),
     "contiguous": (False, True),
+    "reshard_after_forward": (None, False),
+    "precision": ("dtype", "fp8"),
 }
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCH, SEQ_LEN, STEPS = 2, 32, 3
@@ -159,6 +161,8 @@ def config(layout: Layout) -> Config:
     mem.offload_activations = layout["offload_activations"]
     mem.compress = layout["compress"]
     mem.contiguous = layout["contiguous"]
+    p.reshard_after_forward = layout["reshard_after_forward"]
+    t.precision = layout["precision"]  # fp8: the tensorwise recipe, emulated on the CPU
     return c
 
 
@@ -168,7 +172,7 @@ def reference_config(layout: Layout) -> Config:
     c = config(layout)
     p, default = c.parallel, Config().parallel
     for name in ("dp", "tp", "pp", "ep", "zero", "offload", "schedule", "virtual_stages", "sequence_parallel",
-                 "partition", "tp_mode"):
+                 "partition", "tp_mode", "reshard_after_forward"):
         setattr(p, name, getattr(default, name))
     c.memory.partition_checkpoints = False
     c.memory.contiguous = False  # bit-identical either way; with zero < 2 and no recompute it has nothing to hold
@@ -226,7 +230,10 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     the latter a block recomputation; parameter and nvme offload need ZeRO-3 (nvme also tp = pp = ep = 1 and
     AdamW) and optimizer offload ZeRO >= 1; 2D tensor parallelism needs a 2 x 2 grid (tp = 4) of a dense AdamW
     model without the 1d memory savers; reversible blocks keep no activations to recompute, offload or compress;
-    contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3)."""
+    contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3); the op-level
+    recomputation policy keeps its outputs where hooks cannot reach (no offload, compression, arenas, partitioned
+    checkpoints, 2d grid or zero bubble); keeping ZeRO-3 parameters gathered needs ZeRO-3 without nvme offload; FP8
+    needs fp32 or bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -245,14 +252,22 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             if v["schedule"] in ("zb-h1", "2bw"):
                 want("schedule", "1f1b")
         if v["reversible"]:  # model/reversible.py: nothing saved for a checkpoint, an offload or a codec
-            if v["recompute"] in ("full", "every:2"):
-                want("recompute", "selective")
+            if v["recompute"] in ("full", "every:2", "nth:2", "ops:matmul"):
+                want("recompute", "attn-core")
             for dim, value in (("offload_activations", False), ("compress", "none")):
                 want(dim, value)
             if v["schedule"] == "zb-h1":
                 want("schedule", "1f1b")
+        if v["precision"] == "fp8":  # memory/rules.py: fp32 or bf16 parameters, the dense 1d-parallel model
+            if v["dtype"] in ("fp64", "fp16"):
+                want("dtype", "fp32")
+            for dim, value in (("moe", "dense"), ("ep", 1), ("tp_mode", "1d"), ("reversible", False),
+                               ("contiguous", False)):
+                want(dim, value)
+            if v["offload"] == "nvme":
+                want("offload", "none")
         if v["contiguous"] and v["recompute"] == "none" and not v["offload_activations"] and v["zero"] < 2:
-            want("recompute", "selective" if v["reversible"] else "full")
+            want("recompute", "attn-core" if v["reversible"] else "full")
         if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
             for dim in ("tp", "pp", "ep"):  # first: a fixed value that needs tp or pp > 1 wins (validate() says why)
                 want(dim, 1)
@@ -266,8 +281,18 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("pp", 2)
         if (v["sequence_parallel"] or v["partition_checkpoints"]) and v["tp"] == 1:
             want("tp", 2)
-        if v["partition_checkpoints"] and v["recompute"] not in ("full", "every:2"):
+        if v["partition_checkpoints"] and v["recompute"] not in ("full", "every:2", "nth:2"):
             want("recompute", "full")
+        if v["recompute"] == "ops:matmul":  # memory/rules.py: torch's selective-checkpoint cache is out of their reach
+            for dim, value in (("offload_activations", False), ("compress", "none"), ("contiguous", False),
+                               ("tp_mode", "1d"), ("partition_checkpoints", False)):
+                want(dim, value)
+            if v["schedule"] == "zb-h1":
+                want("schedule", "1f1b")
+        if v["reshard_after_forward"] is False:  # a ZeRO-3 choice; ZeRO-Infinity streams its units
+            want("zero", 3)
+            if v["offload"] == "nvme":
+                want("offload", "none")
         if v["offload"] in ("params", "nvme") and v["zero"] != 3:
             want("zero", 3)
         if v["offload"] == "optimizer" and v["zero"] == 0:
@@ -426,6 +451,10 @@ MEANING = {
     "tp_mode": "`parallel.tp_mode` (`2d`: SUMMA on a q x q grid, tp = 4)",
     "reversible": "`model.reversible` (RevNet blocks, half-width F and G)",
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
+    "reshard_after_forward": "`parallel.reshard_after_forward` (`None`: unset, true without pp; `False`: ZeRO-3 "
+                             "keeps gathered parameters from forward to backward)",
+    "precision": "`train.precision` (`fp8`: the blocks' linear layers in float8, tensorwise recipe, emulated; compared "
+                 "with the fp8 tolerances)",
 }
 
 

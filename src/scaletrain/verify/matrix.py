@@ -30,7 +30,7 @@ from dataclasses import asdict
 from typing import Any
 
 from scaletrain.verify.layouts import STEPS, Layout, reference_config
-from scaletrain.verify.runs import Outcome, Run, StaleWeights, layout_config, train
+from scaletrain.verify.runs import Outcome, Run, StaleWeights, fp8_keeps_dtype, layout_config, train
 from scaletrain.verify.tolerances import ATOL_FP64, RTOL_FP64, TOLERANCE
 
 __all__ = ["Outcome", "Run", "StaleWeights", "check", "compare", "layout_config", "run_layout", "run_reference",
@@ -43,7 +43,13 @@ __all__ = ["Outcome", "Run", "StaleWeights", "check", "compare", "layout_config"
 def stepwise(layout: Layout, dtype: str | None = None) -> bool:
     """Whether the layout is compared step by step from the same state (fp32, bf16, fp16: `verify/stepwise.py`)
     rather than over the whole run (fp64)."""
-    return (dtype or layout["dtype"]) != "fp64"
+    return (dtype or layout["dtype"]) != "fp64" and layout["precision"] != "fp8"
+
+
+def tolerance_key(layout: Layout, dtype: str) -> str:
+    """FP8 layouts are compared over the whole run with the measured `fp8` tolerance (tensor parallelism's bf16
+    differences move float8 scales and roundings, docs/verify.md); they are not yet compared step by step."""
+    return "fp8" if layout["precision"] == "fp8" else dtype
 
 
 def run_layout(layout: Layout, env=None, dtype: str | None = None, prepare: Callable | None = None,
@@ -66,7 +72,7 @@ def run_reference(layout: Layout, dtype: str | None = None) -> Run:
     from scaletrain.config import validate
 
     cfg = reference_config(layout)
-    if dtype:
+    if dtype and fp8_keeps_dtype(layout, dtype) is None:
         cfg.train.dtype = dtype
     return train(validate(cfg, 1), stale=layout["schedule"] == "2bw")
 
@@ -99,7 +105,7 @@ def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Out
     parameter element-wise (an overflow-skipped step counts when both runs skipped it)."""
     import torch
 
-    dtype = dtype or layout["dtype"]
+    dtype = fp8_keeps_dtype(layout, dtype) or dtype or layout["dtype"]
     rl, rn, rs = ref.losses, ref.grad_norms, ref.state
     gl, gn, gs = got.losses, got.grad_norms, got.state
     if rl.keys() != gl.keys() or rs.keys() != gs.keys():
@@ -122,7 +128,14 @@ def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Out
             all(abs(gn[s] - rn[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rn[s]) for s in rn if s not in skipped) and \
             all(torch.allclose(gs[k], rs[k], rtol=RTOL_FP64, atol=ATOL_FP64) for k in rs)
         return Outcome(layout.name, layout.world, dtype, ok, loss, norm, max(worst, 0.0), worst_name)
-    raise ValueError(f"a {dtype} layout is compared step by step (verify/stepwise.py), not over the whole run")
+    if layout["precision"] != "fp8":
+        raise ValueError(f"a {dtype} layout is compared step by step (verify/stepwise.py), not over the whole run")
+    tol = TOLERANCE[tolerance_key(layout, dtype)]
+    num = sum(float((gs[k] - rs[k]).square().sum()) for k in rs)
+    den = sum(float(rs[k].square().sum()) for k in rs)
+    rel = math.sqrt(num / den)
+    ok = finite and loss <= tol.loss and norm <= tol.grad_norm and rel <= tol.params
+    return Outcome(layout.name, layout.world, dtype, ok, loss, norm, rel, worst_name)
 
 
 def table(outcomes: list[Outcome], width: int = 72) -> str:

@@ -112,6 +112,12 @@ def layout_config(layout: Layout, dtype: str | None = None):
     from scaletrain.config import validate
 
     cfg = config(layout)
-    if dtype:
+    if dtype and fp8_keeps_dtype(layout, dtype) is None:
         cfg.train.dtype = dtype
     return validate(cfg, layout.world)
+
+
+def fp8_keeps_dtype(layout: Layout, dtype: str | None) -> str | None:
+    """An FP8 layout keeps its own dtype when the matrix is run in fp64 or fp16 (FP8 computes with fp32 or bf16
+    parameters): that dtype, else None."""
+    return layout["dtype"] if layout["precision"] == "fp8" and dtype in ("fp64", "fp16") else None

@@ -63,6 +63,11 @@ def stepwise_bound(dtype: str, compress: str = "none") -> Tolerance:
 
 
 TOLERANCE = {dtype: stepwise_bound(dtype) for dtype in UNIT_ROUNDOFF}
+# train.precision=fp8 layouts (the `precision` dimension), whatever their dtype, compared over the whole run: 3x the
+# largest over 22 FP8 layouts of 4 processes (the 11 of the 4-process covering set and 11 variants of its widest one;
+# docs/verify.md). Layouts without tp were exact to fp32 rounding; with tp a bf16 difference moves a tensorwise scale
+# and every float8 rounding after it, which SM3's sign-like first steps amplify (the gradient-norm value comes from SM3)
+TOLERANCE["fp8"] = Tolerance(loss=7.5e-3, grad_norm=1.3, params=0.18)
 
 
 def tolerance_table() -> str:
@@ -80,4 +85,7 @@ def tolerance_table() -> str:
     rows.append(f"| fp32 or fp16 with memory.compress bf16 or int8 (u = 2^-8) | each step from the layout's state | "
                 f"{LOSS_UNITS} u = {t.loss:.2g} | {GRAD_NORM_UNITS} u = {t.grad_norm:.2g} | "
                 f"2 sqrt({FLIP_UNITS} u) = {t.params:.2g} of the step |")
+    t = TOLERANCE["fp8"]
+    rows.append(f"| precision=fp8, any dtype (measured, 3x the largest) | the whole run | {t.loss:.2g} | "
+                f"{t.grad_norm:.2g} | relative L2 {t.params:.2g} |")
     return "\n".join(rows) + "\n"

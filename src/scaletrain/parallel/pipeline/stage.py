@@ -118,7 +118,7 @@ class PipelineStages(nn.Module):
 
 def resolve_partition(model_cfg: ModelConfig, par: ParallelConfig, micro_batch: int, model: nn.Module,
                       how: str | part.Partition | None = None) -> part.Partition:
-    """The partition to use: `uniform` (default), `params`, `time`, explicit "2,3,3", or a Partition
+    """The partition to use: `uniform` (default), `params`, `time`, `ends`, explicit "2,3,3", or a Partition
     (`how`, else `par.partition`).
 
     `time` profiles `model` on micro-batches of `micro_batch` sequences on global rank 0 and broadcasts, so every
@@ -133,6 +133,8 @@ def resolve_partition(model_cfg: ModelConfig, par: ParallelConfig, micro_batch: 
         result = part.uniform(L, S, part.param_costs(model_cfg))
     elif how == "params":
         result = part.balance(part.param_costs(model_cfg), S)
+    elif how == "ends":
+        result = part.ends(L, S, part.param_costs(model_cfg))
     elif how == "time":
         costs = [part.profile_costs(model, micro_batch)] if _rank() == 0 else [None]
         if dist.is_initialized():
@@ -142,7 +144,7 @@ def resolve_partition(model_cfg: ModelConfig, par: ParallelConfig, micro_batch: 
         try:
             blocks = tuple(int(x) for x in str(how).split(","))
         except ValueError:
-            raise ConfigError(f"pipeline partition must be uniform, params, time or block counts like 2,3,3;"
+            raise ConfigError(f"pipeline partition must be uniform, params, time, ends or block counts like 2,3,3;"
                               f" got {how!r}") from None
         result = part.Partition(blocks)
     if len(result.blocks) != S or sum(result.blocks) != L or min(result.blocks) < 1:

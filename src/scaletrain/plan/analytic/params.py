@@ -10,7 +10,7 @@ Also the factored statistics Adafactor (arXiv 1804.04235) and SM3 (arXiv 1901.11
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scaletrain.plan.analytic.inputs import Layout
 from scaletrain.plan.catalog import ModelSpec
@@ -122,3 +122,17 @@ def factored_statistics(m: ModelSpec) -> float:
     position = m.seq_len + d if m.position == "learned" else 0
     rows_cols = m.n_layers * layer + (m.vocab_size + d) * (1 + (not m.tie_embeddings)) + position
     return rows_cols / total_params(m)
+
+
+@functools.lru_cache(maxsize=256)
+def block_kinds(m: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
+    """The model with only dense blocks and with only MoE blocks: the per-block numbers of each kind."""
+    if not m.n_experts:
+        return m, m
+    return replace(m, n_experts=0), replace(m, moe_every=1)
+
+
+def layer_kind_counts(m: ModelSpec, moe: bool) -> tuple[float, float, float]:
+    """(split over tp, replicated over tp, experts) parameters of one dense block, or of one MoE block."""
+    c = param_counts(block_kinds(m)[moe])
+    return c.layer_tp, c.layer_rep, c.layer_expert

@@ -42,6 +42,7 @@ from scaletrain.config import Config, ModelConfig
 from scaletrain.plan.analytic import offload_costs
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.exact import tp_nd_memory
+from scaletrain.plan.exact.gathered import gathered_param_bytes
 
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW = ("bf16", "fp16")
@@ -112,6 +113,8 @@ def pipeline_partition(cfg: Config):
         return part.balance(part.param_costs(cfg.model), S)
     if how == "uniform":
         return part.uniform(L, S)
+    if how == "ends":
+        return part.ends(L, S)
     return part.Partition(tuple(int(x) for x in str(how).split(",")))
 
 
@@ -298,12 +301,12 @@ def autocast_layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     swiglu = cfg.model.mlp == "swiglu"
     casts = 3 if swiglu else 2
     replicated = n * (2 * c * 4 + 4 * 4 + casts * c * 2)
-    core = 3 * c * 2 + c * 2 + (0 if recompute == "selective" else nh * 4)
+    core = 3 * c * 2 + c * 2 + (0 if recompute == "attn-core" else nh * 4)
     split = n * (core + (4 if swiglu else 2) * f * 2)
     weights = 2 * (4 * c * c + (3 if swiglu else 2) * c * f)
     total = replicated + split + weights
     if cfg.model.position == "rope":
-        extra = 2 if recompute == "selective" else 3
+        extra = 2 if recompute == "attn-core" else 3
         total += n * extra * c * 2 + 2 * s["T"] * s["hd"] * 2
     return total
 
@@ -348,18 +351,18 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     dropout = cfg.model.dropout > 0
     glob = cfg.model.dropout_impl == "global"  # layout-independent masks: bool, explicit attention
     mask = 1 if glob else e  # bytes per element of a saved dropout mask (torch's CPU dropout keeps x's dtype)
-    explicit = dropout and glob and recompute != "selective"
+    explicit = dropout and glob and recompute != "attn-core"
     if explicit:
         # explicit attention: q, k, v (views of the qkv output, 3c), the probabilities, their bool mask and the
         # dropped probabilities (nh T each); the causal mask (T x T bool, per block, below); projection input (c)
         core = 3 * c * e + nh * s["T"] * (2 * e + 1) + c * e
-    elif dropout and recompute != "selective":
+    elif dropout and recompute != "attn-core":
         # math kernel (fp32 under bf16/fp16): scaled q, k and v copies (3c), the probabilities, their
         # dropout mask and the dropped probabilities (3 nh T); no log-sum-exp; the projection's input is
         # a copy of the output (c)
         core = 3 * c * e32 + 3 * nh * s["T"] * e32 + c * e
     else:
-        core = 3 * c * e + c * e + (0 if recompute == "selective" else nh * e32)
+        core = 3 * c * e + c * e + (0 if recompute == "attn-core" else nh * e32)
     replicated = n * (2 * c * e32 + 4 * e32 + 2 * c * e) // rep
     split = n * (core + mlp * e) // t
     total = replicated + split + (s["T"] ** 2 if explicit else 0)
@@ -372,13 +375,13 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
         # recomputation drops the former; with the math kernel (dropout) the rotated q and k are only
         # scaled into copies, so only the cast tables remain (the products save the constant operand);
         # the explicit attention's products save the rotated q and k in place of copies of the views (no extra)
-        extra = 0 if dropout and recompute != "selective" else 2 if recompute == "selective" else 3
+        extra = 0 if dropout and recompute != "attn-core" else 2 if recompute == "attn-core" else 3
         tables = 0 if e == 8 else 2 * s["T"] * s["hd"] * e
         total += n * extra * c * e // t + tables
     if cfg.memory.offload_activations:
         # recompute none: every saved tensor with autograd history goes to the host; the norms' statistics
         # and the log-sum-exp (outputs without a gradient) and the rope tables stay
-        lse = 0 if dropout or recompute == "selective" else nh * e32
+        lse = 0 if dropout or recompute == "attn-core" else nh * e32
         return n * 4 * e32 // rep + n * lse // t + (tables if cfg.model.position == "rope" else 0)
     return total
 
@@ -472,18 +475,64 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
     return total - dense_mlp
 
 
-def _block_bytes(cfg: Config, lo: int, hi: int) -> int:
-    """Saved bytes of blocks lo..hi-1 for one microbatch (MoE blocks counted as such)."""
+def op_kept_bytes(cfg: Config, moe: bool = False) -> int:
+    """What recompute=ops:<kinds> keeps in torch's selective-checkpoint cache for one block and microbatch beyond
+    the block input (memory/op_policy.py): the outputs of its matmuls and / or fused attention kernels.
+
+    `matmul`, per token (n per microbatch; t = tp): the column-parallel outputs (qkv 3c, the MLP's f or SwiGLU's 2f)
+    split over t; the two row-parallel outputs, c each and whole (the partial sums, all-reduced in place or
+    reduce-scattered into another tensor; under sp still the full sequence); with dropout in training the unfused
+    attention's q kᵀ (nh T) and its product with v (c), split over t: in the activation dtype with the
+    layout-independent masks, in fp32 or wider with torch's math kernel. Autocast-bf16: every matmul output in bf16.
+    An MoE block replaces the MLP's (its f or 2f, and c) by the router's logits (n x E, fp32 or wider; n / t tokens
+    per rank under sp) and the experts' batched matmuls: hidden (E, G K, F) once (GELU) or twice (SwiGLU) and the
+    output (E, G K, C). `attention` (dropout 0): the fused kernel's output (c) and log-sum-exp (nh; fp32 under
+    bf16/fp16), split over t."""
     from scaletrain.config.parse import parse_recompute
+    from scaletrain.config.sizes import capacity
+
+    ops = parse_recompute(cfg.memory.recompute).ops
+    s, m = _sizes(cfg), cfg.model
+    n, c, f, nh, t, e32 = s["n"], s["c"], s["f"], s["nh"], s["t"], s["e32"]
+    e = 2 if s["autocast"] else s["e"]
+    mlp = 2 * f if m.mlp == "swiglu" else f
+    dropout = m.dropout > 0
+    total = 0
+    if "matmul" in ops:
+        total += n * (3 * c // t + c) * e  # qkv, the attention's projection
+        if dropout:  # unfused attention: scores and their product with v
+            total += n * (nh * s["T"] + c) // t * (e if m.dropout_impl == "global" else e32)
+        if moe:
+            E, S = m.moe.experts, m.moe.group_tokens
+            tokens = n // t if s["sp"] else n
+            G, k = tokens // S, 1 if m.moe.router == "switch" else m.moe.top_k
+            K = capacity(S, E, k, m.moe.capacity_factor)
+            total += tokens * E * max(e, 4) + E * G * K * (mlp + c) * e
+        else:
+            total += n * (mlp // t + c) * e  # the MLP's column and row layers
+    if "attention" in ops and not dropout:
+        total += n * (c * e + nh * e32) // t
+    return total
+
+
+def _block_bytes(cfg: Config, lo: int, hi: int) -> int:
+    """Saved bytes of blocks lo..hi-1 (global indices) for one microbatch (MoE blocks counted as such)."""
+    from scaletrain.config.parse import parse_recompute
+    from scaletrain.config.sizes import is_moe_layer
 
     mode = parse_recompute(cfg.memory.recompute)
     if mode.kind == "every":
         return math.ceil((hi - lo) / mode.k) * layer_saved_bytes(cfg, "every")
+    moe = [_experts(cfg) > 0 and is_moe_layer(cfg.model, i) for i in range(lo, hi)]
+    if mode.kind == "ops":
+        return (hi - lo) * layer_saved_bytes(cfg, "full") + sum(op_kept_bytes(cfg, x) for x in moe)
+    if mode.kind == "nth":  # blocks 0, k, 2k, ... are full checkpoints, the others keep everything
+        kept = [i % mode.k != 0 for i in range(lo, hi)]
+        return sum(layer_saved_bytes(cfg, "none") + (moe_layer_extra_bytes(cfg) if x else 0) if keep
+                   else layer_saved_bytes(cfg, "full") for keep, x in zip(kept, moe))
     total = (hi - lo) * layer_saved_bytes(cfg, mode.kind)
-    if mode.kind != "full" and _experts(cfg):
-        from scaletrain.config.sizes import is_moe_layer
-
-        total += sum(is_moe_layer(cfg.model, i) for i in range(lo, hi)) * moe_layer_extra_bytes(cfg)
+    if mode.kind != "full" and any(moe):
+        total += sum(moe) * moe_layer_extra_bytes(cfg)
     return total
 
 
@@ -496,7 +545,7 @@ def chunk_saved_bytes(cfg: Config, stage: int, lo: int, hi: int) -> int:
     if cfg.model.reversible:
         return reversible_chunk_bytes(cfg, last) + outside_saved_bytes(cfg, first, last, tied_copy)
     return _block_bytes(cfg, lo, hi) + outside_saved_bytes(cfg, first, last, tied_copy) + \
-        rope_table_bytes(cfg)
+        rope_table_bytes(cfg, lo, hi)
 
 
 def reversible_chunk_bytes(cfg: Config, last: bool) -> int:
@@ -511,14 +560,16 @@ def reversible_chunk_bytes(cfg: Config, last: bool) -> int:
     return s["n"] * s["c"] * s["e"] // (s["t"] if s["sp"] else 1)
 
 
-def rope_table_bytes(cfg: Config) -> int:
+def rope_table_bytes(cfg: Config, lo: int = 0, hi: int = 1) -> int:
     """RoPE's float64 cos/sin tables (T x hd/2 each), computed once per forward of a stage and saved
-    as such in fp64 (no cast), shared by every block; block checkpoints (full / every:k) do not keep them."""
+    as such in fp64 (no cast), shared by every block of blocks lo..hi-1 that is not a checkpoint; block checkpoints
+    (full, every:k, ops:..., nth:k's blocks 0, k, 2k, ...) do not keep them."""
     from scaletrain.config.parse import parse_recompute
 
-    if cfg.model.position != "rope":
+    if cfg.model.position != "rope" or _sizes(cfg)["e"] != 8:
         return 0
-    if _sizes(cfg)["e"] == 8 and parse_recompute(cfg.memory.recompute).kind in ("none", "selective"):
+    mode = parse_recompute(cfg.memory.recompute)
+    if mode.kind in ("none", "attn-core") or (mode.kind == "nth" and any(i % mode.k for i in range(lo, hi))):
         return 8 * cfg.model.seq_len * (cfg.model.d_model // cfg.model.n_heads)
     return 0
 
@@ -557,11 +608,13 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
 
 
 def predicts_activations(cfg: Config) -> bool:
-    """Whether `activation_bytes` models this run: not with activation compression or torch.compile, not under
-    autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random routing or
-    expert dropout (their extra saved tensors are not counted)."""
+    """Whether `activation_bytes` models this run: not with activation compression, FP8 layers or torch.compile, not
+    under autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random
+    routing or expert dropout (their extra saved tensors are not counted)."""
     if cfg.memory.compress != "none":
         return False
+    if cfg.train.precision == "fp8":
+        return False  # the FP8 layers' saved tensors are not modelled here (the planner's FP8 term: plan/analytic)
     if cfg.train.compile:
         return False  # inductor's fused kernels save other tensors than eager ops
     m, mem = cfg.model, cfg.memory
@@ -600,6 +653,10 @@ def predict_run(cfg: Config) -> dict:
     """
     states = model_state_bytes(cfg)
     out = {f"plan_mem_{k}": int(v) for k, v in states.items()}
+    gathered = gathered_param_bytes(cfg, [engine_module_on_meta(cfg, r) for r in range(cfg.parallel.pp)]) \
+        if cfg.parallel.zero == 3 else None
+    if gathered is not None:
+        out["plan_mem_params_gathered"] = gathered
     if predicts_activations(cfg):
         out["plan_mem_activations"] = int(activation_bytes(cfg))
     return out
