@@ -26,8 +26,8 @@ def pipeline_time(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w
 
 
 def test_closed_forms_agree_with_schedule_simulator():
-    from scaletrain.parallel.pipeline.simulate import simulate
     from scaletrain.parallel.pipeline.schedules import build_schedule
+    from scaletrain.parallel.pipeline.simulate import simulate
 
     checked = 0
     for name, p, m, v in CASES:
