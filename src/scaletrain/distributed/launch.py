@@ -216,11 +216,39 @@ PARENT_POLL_S = 0.05
 """How often a rank checks that the torchrun that started it is alive."""
 
 _PARENT_GRACE_S = [0.0]
+_WATCHED_PARENT: list[int | None] = [None]
+
+
+def hold_if_orphaned() -> None:
+    """Called before a rank writes into OUT (a step, a checkpoint's commit, a metrics row): when the torchrun that
+    started it has died, never return - the process ends by the heartbeat's verdict or `exit_with_parent`'s
+    SIGKILL - so an orphaned rank writes nothing the next run would resume from."""
+    parent = _WATCHED_PARENT[0]
+    if parent is not None and os.getppid() != parent:
+        while True:
+            time.sleep(1.0)
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Linux's prctl(PR_SET_PDEATHSIG): the kernel sends `signum` (0: none) to this process the moment the thread
+    that started it exits (torchrun starts its workers from its main thread). False where it is not available."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(1, signum, 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
 
 
 def defer_parent_exit(grace_s: float) -> None:
-    """Another watcher of the parent (the multi-node heartbeat) names the lost launcher and ends the process: the
-    SIGKILL of `exit_with_parent` comes only `grace_s` after the parent is seen gone, as a backstop."""
+    """Another watcher of the parent (the multi-node heartbeat) names the lost launcher and ends the process: no
+    kernel death signal, and the SIGKILL of `exit_with_parent` only `grace_s` after the parent is seen gone, as
+    a backstop."""
+    _parent_death_signal(0)
     _PARENT_GRACE_S[0] = grace_s
 
 
@@ -228,10 +256,15 @@ def exit_with_parent() -> None:
     """Stop this rank at once (SIGKILL, as if its machine died) when the torchrun that started it goes away.
     torchrun starts each rank in a session of its own, so a SIGKILL of the launcher's process group (a lost
     machine, an OOM kill, `kill -9` of the job) takes torchrun but not the ranks: orphaned, they would train on
-    and write checkpoints into OUT while the next run resumes from it. A daemon thread watches the parent pid."""
+    and write checkpoints into OUT while the next run resumes from it. The kernel's parent-death signal stops the
+    rank at once (a polling thread alone can be starved for seconds on a loaded machine and write one more
+    checkpoint); a daemon thread watching the parent pid is the portable backstop."""
     import signal
 
-    parent = os.getppid()
+    parent = _WATCHED_PARENT[0] = os.getppid()
+    _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scaletrain.distributed.launch import hold_if_orphaned
 from scaletrain.errors import CheckpointError, DiskFull, UserError
 from scaletrain.train import ckpt_index
 from scaletrain.train.checkpoint_dirs import (
@@ -303,6 +304,7 @@ def disk_full(error: BaseException) -> bool:
 
 def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Write meta.json and COMPLETE into `tmp` and rename it to `final` (replacing an older one of that step)."""
+    hold_if_orphaned()
     ckpt_index.write_json(tmp / META, meta)
     digests = {name: _sha256_file(tmp / name) for name in (META, ckpt_index.INDEX)}
     ckpt_index.write_json(tmp / COMPLETE, {"sha256": digests})

@@ -28,6 +28,7 @@ from scaletrain.device.attention import probe_run
 from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
 from scaletrain.device.timing import StepTimer
 from scaletrain.distributed.comm import CommStats, all_reduce, all_reduce_max_list
+from scaletrain.distributed.launch import hold_if_orphaned
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.distributed.process_group import DistEnv, pick_device
 from scaletrain.errors import TrainingDiverged
@@ -331,6 +332,7 @@ class Trainer:
         try:
             every = t.checkpoint_every
             while self.step < last:
+                hold_if_orphaned()
                 self.step += 1
                 # 2bw: drain the pipeline before a checkpoint and at the end (nothing of step + 1 in flight)
                 saving = self.out is not None and ((every and self.step % every == 0) or self.step == t.steps)
@@ -354,6 +356,7 @@ class Trainer:
                 if evaluating:
                     row["val_loss"] = result.val_losses[self.step] = self.evaluate()
                 if metrics is not None and logged:
+                    hold_if_orphaned()
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
                     self.observers.log(row)
