@@ -355,6 +355,10 @@ class TrainConfig:
     """train.precision=fp8: `hardware` runs the scaled GEMMs on FP8 tensor cores (CUDA compute capability 8.9+:
     Ada, Hopper, Blackwell), `emulate` dequantizes and multiplies in fp32 (same numerics, slower; every CPU, older
     GPUs), `auto` is hardware on a GPU with FP8 and emulate on the CPU (a GPU without FP8 is refused at start)."""
+    fp8_all_gather: bool = False
+    """train.precision=fp8 with parallel.zero=3 and the tensorwise recipe: ZeRO-3 all-gathers the FP8 layers'
+    weights as float8 bytes, cast with the whole weight's scale (torchtitan's enable_fsdp_float8_all_gather;
+    parallel/zero_fp8.py): about half the all-gather bytes of bf16 weights."""
     compile: bool = False
     """torch.compile each transformer block (after the tensor-parallel and recomputation passes, before data
     parallelism / ZeRO, as torchtitan orders them); docs/gpu.md lists what it combines with."""

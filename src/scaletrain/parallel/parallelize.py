@@ -81,6 +81,10 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         from scaletrain.parallel.zero_gather import report_gathered
 
         report_gathered(engine)  # mem_params_gathered: the most ZeRO-3 parameter bytes gathered at once
+        if t.fp8_all_gather:
+            from scaletrain.parallel.zero_fp8 import gather_fp8
+
+            gather_fp8(engine.optimizer, engine.module)  # the FP8 layers' weights all-gathered as float8 bytes
     if mem.contiguous or mem.count_allocations:
         from scaletrain.memory.contiguous import apply_contiguous_and_probe
 
