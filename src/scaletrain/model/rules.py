@@ -198,3 +198,30 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
         errors.append("parallel.schedule=zb-h1 with model.reversible: the reverse pass rebuilds a block's input and "
                       "its weight gradients together, so zero bubble cannot defer the weight part")
     return errors
+
+
+@rule("combinations")
+def share_blocks(cfg: Config, world_size: int | None) -> list[str]:
+    """What model.share_blocks=true (model/gpt.py's share_block_weights) is refused with: it is made to work and
+    tested on one process and plain data parallelism (tests/test_share_blocks.py); every other layout is refused."""
+    m, p = cfg.model, cfg.parallel
+    if not m.share_blocks:
+        return []
+    errors = []
+    if m.reversible:
+        errors.append("model.share_blocks with model.reversible: reversible blocks have their own half-width "
+                      "structure, sharing is built for plain pre-norm blocks")
+    if m.dropout > 0:
+        errors.append(f"model.share_blocks with model.dropout={m.dropout}: a shared block's dropout site would draw "
+                      "the same mask in every layer")
+    if m.moe.experts > 0 and m.moe.every != 1:
+        errors.append(f"model.share_blocks with model.moe.every={m.moe.every}: block 0's MLP is shared by every "
+                      "layer, so every must be 1 (WideNet)")
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
+                       ("parallel.zero", p.zero)):
+        if value not in (0, 1) or (key == "parallel.zero" and value):
+            errors.append(f"model.share_blocks with {key}={value}: shared blocks are made to work on one process "
+                          "and plain parallel.dp only")
+    if p.sync != "bsp":
+        errors.append(f"model.share_blocks with parallel.sync={p.sync}: only synchronous (bsp) training")
+    return errors
