@@ -77,3 +77,30 @@ def test_plain_model_is_unchanged_by_the_key():
     a, b = _model({}), _model({"model.share_blocks": "false"})
     assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
     assert a.blocks[1].attn is not a.blocks[0].attn and a.blocks[1].mlp is not a.blocks[0].mlp
+
+
+def _sets(overrides: dict) -> list[str]:
+    return [x for k, v in overrides.items() for x in ("--set", f"{k}={v}")]
+
+
+def test_widenet_resumes_exactly_and_is_not_exported_to_hugging_face(tmp_path, capsys):
+    """A run stopped at step 2 and resumed to 4 ends with the parameters of a straight 4-step run; the
+    checkpoint holds the shared weights once; `export --format hf` refuses in one line and writes nothing."""
+    from scaletrain.cli import main
+    from scaletrain.train import checkpoint as ckpt
+
+    base = {**TINY, **WIDENET, "train.checkpoint_every": 2}
+    straight, resumed, to = tmp_path / "straight", tmp_path / "resumed", tmp_path / "hf"
+    assert main(["train", "--out", str(straight), *_sets({**base, "train.steps": 4})]) == 0
+    assert main(["train", "--out", str(resumed), *_sets({**base, "train.steps": 2})]) == 0
+    assert main(["train", "--out", str(resumed), *_sets({**base, "train.steps": 4})]) == 0
+    capsys.readouterr()
+    a = ckpt.read_tensors(ckpt.latest(straight / "checkpoints"), "model/")
+    b = ckpt.read_tensors(ckpt.latest(resumed / "checkpoints"), "model/")
+    assert a.keys() == b.keys() and not any(k.startswith("blocks.1.attn") for k in a), sorted(a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    assert main(["export", str(resumed), "--format", "hf", "--to", str(to)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.share_blocks=true" in err, err
+    assert not to.exists()
