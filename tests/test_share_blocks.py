@@ -104,3 +104,14 @@ def test_widenet_resumes_exactly_and_is_not_exported_to_hugging_face(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.share_blocks=true" in err, err
     assert not to.exists()
+
+
+@pytest.mark.parametrize("moe", [0, 4])
+def test_planner_counts_the_shared_weights_once(moe):
+    from scaletrain.plan.analytic.params import total_params
+    from scaletrain.plan.catalog import from_model_config
+
+    over = {**WIDENET, "model.moe.experts": moe}
+    cfg = make_config({**TINY, **over})
+    built = sum(p.numel() for p in _model(over).parameters())
+    assert total_params(from_model_config(cfg.model)) == built
