@@ -66,6 +66,7 @@ def test_widenet_dp2_equals_one_process(widenet_reference):
     ("model.reversible", "true", "reversible"), ("parallel.tp", 2, "parallel.tp=2"),
     ("parallel.pp", 2, "parallel.pp=2"), ("parallel.zero", 1, "parallel.zero=1"),
     ("model.dropout", 0.1, "dropout"), ("model.moe.every", 2, "every=2"),
+    ("model.moe.router_noise", 1.0, "router_noise"), ("parallel.ep", 2, "parallel.ep=2"),
 ])
 def test_share_blocks_refuses_layouts_not_made_to_work(key, value, word):
     sets = [f"{k}={v}" for k, v in {**TINY, **WIDENET, key: value}.items()]
