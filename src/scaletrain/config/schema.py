@@ -201,6 +201,10 @@ class ModelConfig:
     halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
     backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
     architecture, not a free saving (docs/memory.md)."""
+    share_blocks: bool = False
+    """Every block uses block 0's attention and MLP (or mixture-of-experts) weights and keeps its own two norms
+    (ALBERT arXiv 1909.11942; with model.moe.experts > 0 and every = 1 this is WideNet, arXiv 2107.11817): a
+    shared weight is one parameter, its gradient the sum over the layers. Single process and plain dp only."""
     preset: str = ""
     """The shape of a model of the planner's catalog (`gpt2`, `llama3-8b`, `mixtral-8x7b`, ...; config/presets.py):
     its values of the model.* keys, under those set explicitly (YAML or --set), so `plan --model NAME` and

@@ -56,6 +56,14 @@ def rope_for(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.Tens
     return cos.to(device), sin.to(device)
 
 
+def share_block_weights(blocks: nn.ModuleList) -> None:
+    """WideNet / ALBERT sharing (arXiv 2107.11817, 1909.11942): every block's attention and MLP become block 0's
+    modules (one parameter each, its gradient summed over the layers by autograd); each block keeps its norms."""
+    for block in list(blocks)[1:]:
+        block.attn = blocks[0].attn
+        block.mlp = blocks[0].mlp
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -65,6 +73,8 @@ class GPT(nn.Module):
         context = DropoutContext()  # shared by all dropout sites: the engine sets (step, row) per micro-batch
         self.drop = make_dropout(cfg, context, ("seq", "feature"))
         self.blocks = nn.ModuleList(make_block(cfg, i, context) for i in range(cfg.n_layers))
+        if cfg.share_blocks:
+            share_block_weights(self.blocks)
         self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -209,6 +209,36 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
     return errors
 
 
+@rule("combinations")
+def share_blocks(cfg: Config, world_size: int | None) -> list[str]:
+    """What model.share_blocks=true (model/gpt.py's share_block_weights) is refused with: it is made to work and
+    tested on one process and plain data parallelism (tests/test_share_blocks.py); every other layout is refused."""
+    m, p = cfg.model, cfg.parallel
+    if not m.share_blocks:
+        return []
+    errors = []
+    if m.reversible:
+        errors.append("model.share_blocks with model.reversible: reversible blocks have their own half-width "
+                      "structure, sharing is built for plain pre-norm blocks")
+    if m.dropout > 0:
+        errors.append(f"model.share_blocks with model.dropout={m.dropout}: a shared block's dropout site would draw "
+                      "the same mask in every layer")
+    if m.moe.experts > 0 and m.moe.every != 1:
+        errors.append(f"model.share_blocks with model.moe.every={m.moe.every}: block 0's MLP is shared by every "
+                      "layer, so every must be 1 (WideNet)")
+    if m.moe.experts > 0 and (m.moe.router_noise > 0 or m.moe.random_routing):
+        errors.append("model.share_blocks with model.moe.router_noise > 0 or model.moe.random_routing: the shared "
+                      "layer's random streams are keyed by its layer, so every layer would draw the same draws")
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
+                       ("parallel.zero", p.zero)):
+        if value not in (0, 1) or (key == "parallel.zero" and value):
+            errors.append(f"model.share_blocks with {key}={value}: shared blocks are made to work on one process "
+                          "and plain parallel.dp only")
+    if p.sync != "bsp":
+        errors.append(f"model.share_blocks with parallel.sync={p.sync}: only synchronous (bsp) training")
+    return errors
+
+
 def shazeer_gating(cfg: Config) -> list[str]:
     """model.moe.aux_loss=importance and model.moe.groups (arXiv 1701.06538; model/moe_gating.py), with experts."""
     e = cfg.model.moe

@@ -65,6 +65,9 @@ class ModelSpec:
     """Reversible blocks (RevNet arXiv 1707.04585, Reformer arXiv 2001.04451; our `model.reversible`): attention
     and MLP of width d_model / 2 on the two halves of the stream, nothing stored per layer, each layer's forward
     run again in backward."""
+    share_blocks: bool = False
+    """Every block uses block 0's attention and MLP weights, each keeps its norms (WideNet arXiv 2107.11817; our
+    `model.share_blocks`): total_params counts the shared weights once; compute is per layer as without."""
     source: str = ""
 
     def __hash__(self) -> int:  # the cost model caches per model: hash the fields once
@@ -178,7 +181,7 @@ def from_model_config(mc, name: str = "config") -> ModelSpec:
         **(dict(moe_every=mc.moe.every, capacity_factor=mc.moe.capacity_factor, group_tokens=mc.moe.group_tokens)
            if mc.moe.experts else {}),
         reversible=getattr(mc, "reversible", False), n_kv_heads=getattr(mc, "n_kv_heads", 0),
-        qkv_bias=getattr(mc, "qkv_bias", False),
+        qkv_bias=getattr(mc, "qkv_bias", False), share_blocks=getattr(mc, "share_blocks", False),
     ))
 
 

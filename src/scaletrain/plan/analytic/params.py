@@ -86,7 +86,10 @@ def router_outputs(m: ModelSpec) -> int:
 
 def total_params(m: ModelSpec) -> int:
     c = param_counts(m)
-    return int(round(c.embedding + c.position + m.n_layers * c.per_layer + c.final_norm + c.head))
+    layers = m.n_layers * c.per_layer
+    if m.share_blocks:  # one copy of the (uniform: moe.every = 1 or dense) layer; every other layer adds its two norms
+        layers = c.per_layer + (m.n_layers - 1) * 2 * m.width * (1 + int(m.bias))
+    return int(round(c.embedding + c.position + layers + c.final_norm + c.head))
 
 
 def expert_params(m: ModelSpec) -> int:
