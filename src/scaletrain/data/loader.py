@@ -5,6 +5,9 @@ generator seeded with (seed, k) (nanoGPT's random windows, made stateless). A da
 its contiguous slice of the global batch and splits it into micro-batches, so every layout sees the same
 sequences in the same step. Because a batch is a pure function of the step, the loader's position in a
 checkpoint is just the step. Validation windows come from the held-out tail with their own stream.
+
+Under context parallelism (parallel/context/) a rank holds only some positions of every sequence: `positions`
+(their global indices, in the rank's order) selects those columns of its inputs and targets.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class Split:
 
 class BatchLoader:
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 val_fraction: float = 0.05, vocab_size: int | None = None):
+                 val_fraction: float = 0.05, vocab_size: int | None = None, positions: torch.Tensor | None = None):
         n = len(tokens)
         n_val = max(int(n * val_fraction), seq_len + 2)
         if n - n_val < seq_len + 2:
@@ -38,6 +41,7 @@ class BatchLoader:
         self.train = Split(tokens[: n - n_val], _TRAIN)
         self.val = Split(tokens[n - n_val:], _VAL)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.positions = positions  # context parallelism: this rank's positions of each sequence (None: all)
         if vocab_size is not None:
             top = int(np.max(tokens)) if n <= 50_000_000 else None
             if top is not None and top >= vocab_size:
@@ -57,10 +61,13 @@ class BatchLoader:
 
     def micro_batches(self, index: int, dp_rank: int, dp: int, micro_batch: int, split: Split | None = None,
                       device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This dp rank's slice of the global batch of step `index`, split into micro-batches."""
+        """This dp rank's slice of the global batch of step `index` (its `positions` of each sequence), split into
+        micro-batches."""
         x, y = self.global_batch_at(index, split)
         per_rank = self.global_batch // dp
         x, y = x[dp_rank * per_rank: (dp_rank + 1) * per_rank], y[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        if self.positions is not None:
+            x, y = x[:, self.positions], y[:, self.positions]
         x, y = staged(x, y, torch.device(device))
         return [(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
                 for xm, ym in zip(x.split(micro_batch), y.split(micro_batch))]

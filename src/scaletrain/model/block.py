@@ -27,10 +27,13 @@ def make_dropout(cfg: ModelConfig, context: DropoutContext, roles: tuple[str, ..
     return GlobalDropout(p, context, roles) if cfg.dropout_impl == "global" else nn.Dropout(p)
 
 
-def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles t * base^(-2i/hs), each (T, hs/2), in float64."""
+def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles t * base^(-2i/hs), each (T, hs/2), in float64, for t = 0..T-1 or the
+    given global `positions` (context parallelism: a rank's tokens are some positions of the sequence)."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    t = torch.arange(seq_len, dtype=torch.float64) if positions is None else positions.cpu().to(torch.float64)
+    angles = torch.outer(t, inv_freq)
     return angles.cos(), angles.sin()
 
 

@@ -57,11 +57,18 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         name_sites(self)  # each dropout's site is its name in this plain model, whatever a pass does later
+        # The global position of each input column (None: 0..T-1). Context parallelism gives a rank some positions
+        # of every sequence and sets them here, so learned positions and RoPE see global indices.
+        self.positions: torch.Tensor | None = None
+
+    def token_positions(self, T: int, device: torch.device) -> torch.Tensor:
+        """Positions of the T input columns: `positions`, or 0..T-1."""
+        return torch.arange(T, device=device) if self.positions is None else self.positions.to(device)
 
     def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.position != "rope":
             return None
-        cos, sin = rope_tables(T, head_size(self.cfg))
+        cos, sin = rope_tables(T, head_size(self.cfg), positions=self.positions)
         return cos.to(device), sin.to(device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -69,7 +76,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(self.token_positions(T, idx.device))
         x = self.drop(x)
         rope = self.rope(T, idx.device)
         for block in self.blocks:
