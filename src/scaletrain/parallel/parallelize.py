@@ -2,9 +2,9 @@
 
 Order (DESIGN.md): build on meta -> materialise and init by (seed, name) -> apply_tp -> apply_ep -> apply_cp ->
 split_pp -> apply_recompute -> ... -> the optimizer (replicated, ZeRO, ZeRO-Infinity or expert parallelism's pair).
-Each pass lives in the module of its parallel dimension or memory technique and receives only the sub-configs and groups it
-needs; `build_engine` is the one place that reads the whole Config. The Engine and the optimizer interface are in
-`engine.py`.
+Each pass lives in the module of its parallel dimension or memory technique and receives only the sub-configs and
+groups it needs; `build_engine` is the one place that reads the whole Config. The Engine and the optimizer interface
+are in `engine.py`.
 """
 
 from __future__ import annotations
