@@ -42,6 +42,14 @@ from scaletrain.config import Config, ModelConfig
 from scaletrain.plan.analytic import offload_costs
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.exact import tp_nd_memory
+from scaletrain.plan.exact.cp_memory import (
+    cp_core_extra,
+    cp_rope_extra,
+    dp_cp_ranks,
+    expert_rank,
+    loader_ids_bytes,
+    loader_targets_bytes,
+)
 
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW = ("bf16", "fp16")
@@ -189,13 +197,14 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
     kw = dict(optimizer=o.name, beta1=o.use_beta1, momentum=o.momentum > 0)
     experts = [p for p in params if getattr(p, "_st_expert", False)]
     if not experts:
-        dp = par.dp * (par.tp_depth if par.tp_mode == "2.5d" else 1)  # 2.5d: ZeRO over dp x depth (tp2p5d.py)
+        dp = dp_cp_ranks(par) * (par.tp_depth if par.tp_mode == "2.5d" else 1)  # 2.5d: dp x depth (tp2p5d.py)
         ranks = predict_bytes_per_rank(module, par.zero, dp, par.bucket_mb, par.offload, **kw)
         return {k: max(r[k] for r in ranks) for k in ranks[0]}
     dense = [p for p in params if not getattr(p, "_st_expert", False)]
-    d = predict_bytes_per_rank(module, par.zero, par.dp, par.bucket_mb, par.offload, params=dense, **kw)
-    e = predict_bytes_per_rank(module, par.zero, par.dp // par.ep, par.bucket_mb, par.offload, params=experts, **kw)
-    return {k: max(d[r][k] + e[r // par.ep][k] for r in range(par.dp)) for k in d[0]}
+    n = dp_cp_ranks(par)  # dense parameters over dp x cp, experts over edp x cp (parallel/experts.py)
+    d = predict_bytes_per_rank(module, par.zero, n, par.bucket_mb, par.offload, params=dense, **kw)
+    e = predict_bytes_per_rank(module, par.zero, n // par.ep, par.bucket_mb, par.offload, params=experts, **kw)
+    return {k: max(d[r][k] + e[expert_rank(par, r)][k] for r in range(n)) for k in d[0]}
 
 
 def nvme_shards(cfg: Config, module: nn.Module | None = None) -> tuple[list[int], int, bool, int]:
@@ -205,7 +214,7 @@ def nvme_shards(cfg: Config, module: nn.Module | None = None) -> tuple[list[int]
 
     if module is None:
         module = engine_module_on_meta(cfg, 0)
-    n = cfg.parallel.dp
+    n = dp_cp_ranks(cfg.parallel)
     shards = [max(1, math.ceil(sum(p.numel() for p in g) / n)) for g in group_params(module, 3, cfg.parallel.bucket_mb)]
     low = cfg.train.dtype in LOW
     e = _TORCH[cfg.train.dtype].itemsize
@@ -272,8 +281,11 @@ def _sizes(cfg: Config) -> dict:
     t = par.tp
     low = dtype in LOW
     e = _TORCH[dtype].itemsize
+    cp = par.cp if par.cp > 1 else 1  # context parallelism: a rank holds T / cp positions of every sequence
     return dict(
-        n=cfg.train.micro_batch * m.seq_len, T=m.seq_len, c=m.d_model, f=ffn_size(m), nh=m.n_heads,
+        n=cfg.train.micro_batch * m.seq_len // cp, T=m.seq_len, Tl=m.seq_len // cp, cp=cp,
+        ring=cp > 1 and par.cp_mode == "ring", ulysses=cp > 1 and par.cp_mode == "ulysses",
+        c=m.d_model, f=ffn_size(m), nh=m.n_heads,
         hd=m.d_model // m.n_heads, t=t, sp=par.sequence_parallel and t > 1, e=e, low=low,
         e32=4 if low else e,  # layer-norm inputs and statistics, attention log-sum-exp, loss: fp32 when low
         bias=int(m.bias), V=m.vocab_size, Vt=(t * math.ceil(m.vocab_size / t)) // t,
@@ -348,18 +360,20 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     dropout = cfg.model.dropout > 0
     glob = cfg.model.dropout_impl == "global"  # layout-independent masks: bool, explicit attention
     mask = 1 if glob else e  # bytes per element of a saved dropout mask (torch's CPU dropout keeps x's dtype)
-    explicit = dropout and glob and recompute != "selective"
+    # ring attention applies its dropout masks inside its blocks and keeps what a flash kernel keeps (cp_memory.py)
+    explicit = dropout and glob and recompute != "selective" and not s["ring"]
     if explicit:
         # explicit attention: q, k, v (views of the qkv output, 3c), the probabilities, their bool mask and the
         # dropped probabilities (nh T each); the causal mask (T x T bool, per block, below); projection input (c)
         core = 3 * c * e + nh * s["T"] * (2 * e + 1) + c * e
-    elif dropout and recompute != "selective":
+    elif dropout and recompute != "selective" and not s["ring"]:
         # math kernel (fp32 under bf16/fp16): scaled q, k and v copies (3c), the probabilities, their
         # dropout mask and the dropped probabilities (3 nh T); no log-sum-exp; the projection's input is
         # a copy of the output (c)
         core = 3 * c * e32 + 3 * nh * s["T"] * e32 + c * e
     else:
         core = 3 * c * e + c * e + (0 if recompute == "selective" else nh * e32)
+    core += cp_core_extra(s, explicit, recompute)
     replicated = n * (2 * c * e32 + 4 * e32 + 2 * c * e) // rep
     split = n * (core + mlp * e) // t
     total = replicated + split + (s["T"] ** 2 if explicit else 0)
@@ -372,8 +386,9 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
         # recomputation drops the former; with the math kernel (dropout) the rotated q and k are only
         # scaled into copies, so only the cast tables remain (the products save the constant operand);
         # the explicit attention's products save the rotated q and k in place of copies of the views (no extra)
-        extra = 0 if dropout and recompute != "selective" else 2 if recompute == "selective" else 3
-        tables = 0 if e == 8 else 2 * s["T"] * s["hd"] * e
+        extra = 0 if dropout and recompute != "selective" and not s["ring"] else \
+            2 if recompute == "selective" else cp_rope_extra(s, 3)
+        tables = 0 if e == 8 else 2 * s["Tl"] * s["hd"] * e
         total += n * extra * c * e // t + tables
     if cfg.memory.offload_activations:
         # recompute none: every saved tensor with autograd history goes to the host; the norms' statistics
@@ -405,9 +420,9 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
         if t > 1:
             total += 9 * n
         else:
-            total += 8 * cfg.train.global_batch * (cfg.model.seq_len + 1)
+            total += loader_ids_bytes(cfg, s)
         if cfg.model.position == "learned":
-            total += 8 * s["T"]
+            total += 8 * s["Tl"]
         if cfg.model.dropout > 0:  # the embedding dropout's mask (bool with the global implementation)
             total += n * c * (1 if cfg.model.dropout_impl == "global" else e) // rep
     if last and s["autocast"]:  # fp32 ln_f; the head's bf16 input and weight copies; the loss on fp32 logits
@@ -419,7 +434,7 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
         if t > 1:
             total += n * s["Vt"] * e32 + 9 * n
         else:
-            total += n * s["V"] * e32 + 8 * n + e32
+            total += n * s["V"] * e32 + loader_targets_bytes(cfg, s) + e32
         if tied_copy:
             total += s["Vt"] * c * e
     return total
@@ -518,8 +533,9 @@ def rope_table_bytes(cfg: Config) -> int:
 
     if cfg.model.position != "rope":
         return 0
-    if _sizes(cfg)["e"] == 8 and parse_recompute(cfg.memory.recompute).kind in ("none", "selective"):
-        return 8 * cfg.model.seq_len * (cfg.model.d_model // cfg.model.n_heads)
+    s = _sizes(cfg)
+    if s["e"] == 8 and parse_recompute(cfg.memory.recompute).kind in ("none", "selective"):
+        return 8 * s["Tl"] * (cfg.model.d_model // cfg.model.n_heads)
     return 0
 
 
