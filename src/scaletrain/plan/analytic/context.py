@@ -21,10 +21,11 @@ attention, Liu et al. arXiv 2310.01889; DeepSpeed-Ulysses, Jacobs et al. arXiv 2
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scaletrain.config.schema import CP_MODES, Config
 from scaletrain.errors import UserError
+from scaletrain.plan.analytic.comm import gather_time, group_link
 
 
 def check_cp(seq_len: int, heads: int, kv_heads: int, tp: int, cp: int, mode: str) -> None:
@@ -129,3 +130,38 @@ def step_bytes(cfg: Config, layers: int | None = None) -> CpStepBytes:
 def exposed_ring_time(transfer: float, block: float, cp: int) -> float:
     """Seconds of one ring pass not hidden by compute: cp - 1 transfers, each overlapped with one block."""
     return (cp - 1) * max(0.0, transfer - block) if cp > 1 else 0.0
+
+
+def attention_kind(lay, attention: str) -> str:
+    """The attention kernel whose activations a layout keeps: ring attention is blockwise (a flash kernel's
+    log-sum-exp only), whatever `attention` the run's single-device kernel is."""
+    return "flash" if lay.cp > 1 and lay.cp_mode == "ring" else attention
+
+
+def as_reduction_layout(lay):
+    """The layout as gradient reduction and ZeRO see it: dp x cp data-parallel ranks (cp's ranks hold the same
+    weights), for the data-parallel and optimizer terms of the step time."""
+    return replace(lay, dp=lay.dp * lay.cp, cp=1) if lay.cp > 1 else lay
+
+
+def layer_comm(m, gpu, lay, a, tokens: float, elem: int, t_attn: float) -> tuple[float, float, tuple[float, float]]:
+    """(exposed forward seconds, exposed backward seconds, (forward, backward) bytes) of one layer's attention call
+    on one rank for `tokens` local tokens, whose attention core takes `t_attn` seconds forward. The ring's transfers
+    overlap its blocks (the last accumulator hop home does not); Ulysses' all-to-alls are exposed."""
+    cp, t = lay.cp, lay.tp
+    if cp <= 1:
+        return 0.0, 0.0, (0.0, 0.0)
+    bw, lat = group_link(gpu, cp, t, a)  # cp ranks sit next to tp: a ring of ranks t apart
+    q_width = m.width / t
+    kv_width = m.kv_heads * m.head_dim / t
+    if lay.cp_mode == "ring":
+        acc = 8 if elem == 8 else 4
+        chunk = 2 * tokens * kv_width * elem
+        grads = 2 * tokens * kv_width * acc
+        fwd = exposed_ring_time(lat + chunk / bw, t_attn / cp, cp)
+        bwd = exposed_ring_time(lat + (chunk + grads) / bw, 2 * t_attn / cp, cp) + lat + grads / bw
+        return fwd, bwd, ((cp - 1) * chunk, (cp - 1) * chunk + cp * grads)
+    ins, out = tokens * (q_width + 2 * kv_width) * elem, tokens * q_width * elem
+    each = gather_time(ins, cp, (bw, lat), "all_to_all") + gather_time(out, cp, (bw, lat), "all_to_all")
+    sent = (cp - 1) / cp * (ins + out)
+    return each, each, (sent, sent)

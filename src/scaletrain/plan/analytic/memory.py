@@ -17,6 +17,7 @@ loaded rank.
 from __future__ import annotations
 
 from scaletrain.optim.registry import optimizer_spec
+from scaletrain.plan.analytic import context
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_kind
 from scaletrain.plan.analytic.params import StageParams, factored_statistics, param_counts
 from scaletrain.plan.analytic.pipeline import inflight_chunks
@@ -100,16 +101,17 @@ def stage_activation_bytes(m: ModelSpec, train: Training, lay: Layout, mbs: int)
     final norm and head inputs plus fp32 logits for the loss, 4sbv/t (Korthikanti Sec. 4.3)."""
     _, _, eb, _ = DTYPES[train.dtype]
     t, p, v, s, h = lay.tp, lay.pp, lay.virtual_stages, m.seq_len, m.d_model
-    tokens = lay.micro_batch * s
+    tokens = lay.micro_batch * s / lay.cp  # context parallelism: a rank holds T / cp tokens (context.py)
     # (the grid modes split every activation over the t ranks: Korthikanti's fully partitioned form, as with sp)
     sp = lay.sequence_parallel or lay.tp_mode != "1d"
     kind, seg = recompute_kind(lay.recompute)
-    layer_act = layer_activation_bytes(m, tokens, t, sp, kind, train.attention, eb)
+    attention = context.attention_kind(lay, train.attention)
+    layer_act = layer_activation_bytes(m, tokens, t, sp, kind, attention, eb)
     layers_per_chunk = m.n_layers / (p * v)
     chunks = inflight_chunks(lay.schedule, p, mbs, v)
     acts = layer_act * layers_per_chunk * chunks / seg  # every:k keeps one input per segment of k blocks
     if kind == "full":  # one segment's full activations live while it is recomputed
-        acts += seg * layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
+        acts += seg * layer_activation_bytes(m, tokens, t, sp, "none", attention, eb)
     sp_div = t if sp else 1
     if m.reversible:  # a chunk keeps its output stream; one layer's activations live while it is rebuilt
         acts = chunks * tokens * eb * h / sp_div + layer_act
@@ -126,8 +128,9 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, firs
     gb, pb = train.grad_bytes or gb, train.param_bytes or pb
     k, k_whole = optimizer_bytes(m, train)
     t, p, h = lay.tp, lay.pp, m.d_model
-    edp = lay.dp // lay.ep
-    tokens = lay.micro_batch * m.seq_len
+    dp = lay.dp * lay.cp  # gradients and ZeRO shards over dp x cp (context parallelism)
+    edp = dp // lay.ep
+    tokens = lay.micro_batch * m.seq_len / lay.cp
     sp_div = t if lay.sequence_parallel or lay.tp_mode != "1d" else 1
     acts, first_extra, last_extra = stage_activation_bytes(m, train, lay, mbs)
     pc = param_counts(m)
@@ -135,7 +138,7 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, firs
     stages = ((first, acts + first_extra + last_extra),) if p == 1 else \
         ((first, acts + first_extra), (last, acts + last_extra))
     for st, stage_acts in stages:
-        params, grads, optim = memory_model_states(st.dense, lay.dp, lay.zero, pb, gb, k, st.expert, edp)
+        params, grads, optim = memory_model_states(st.dense, dp, lay.zero, pb, gb, k, st.expert, edp)
         optim += (st.dense + st.expert) * k_whole
         if lay.offload != "none":
             optim = 0.0
@@ -153,9 +156,9 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, firs
             from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
             params = grads = optim = 0.0
-            layer_shard = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / lay.dp
+            layer_shard = (pc.layer_tp / t + pc.layer_rep + pc.layer_expert / lay.ep) / dp
             buffers += 3 * layer_shard * (pb + gb) + 3 * min(STEP_CHUNK, layer_shard) * (k + gb)
-        if lay.dp > 1 and lay.zero < 3:
+        if dp > 1 and lay.zero < 3:
             buffers += 2 * a.bucket_bytes
         if p > 1:  # send/recv buffers of one activation each way
             buffers += 2 * tokens * h * eb / sp_div

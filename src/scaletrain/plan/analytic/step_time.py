@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.plan.analytic import offload_costs, tp_nd
+from scaletrain.plan.analytic import context, offload_costs, tp_nd
 from scaletrain.plan.analytic.comm import allreduce_time, gather_time, group_link
 from scaletrain.plan.analytic.flops import forward_flops_per_token, layer_matmul_flops, step_flops
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_kind
@@ -52,6 +52,12 @@ class LayerTimes:
     """GEMM efficiency at this rank's width."""
     hbm: float
     """Reached HBM bandwidth, bytes/s."""
+    cp_f: float = 0.0
+    """Context parallelism's exposed communication of the forward (ring steps not hidden, Ulysses' all-to-alls)."""
+    cp_b: float = 0.0
+    """... of the backward."""
+    cp_bytes: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) bytes one rank sends per attention call."""
 
     @property
     def forward(self) -> float:
@@ -101,8 +107,9 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     """Compute, memory traffic, tp and ep communication and recomputation of one layer and microbatch."""
     _, _, eb = _elem_bytes(train)
     t, b = lay.tp, lay.micro_batch
-    tokens = b * m.seq_len
+    tokens = b * m.seq_len / lay.cp  # context parallelism: this rank's tokens (its attention reads all T keys)
     peak = gpu.peak_flops
+    attention = context.attention_kind(lay, train.attention)
     nd = lay.tp_mode != "1d"  # 2d / 3d (tp_nd.py): a rank's GEMMs are h/q wide, every activation is split
     d = m.width / t if not nd else m.width / tp_nd.grid(lay.tp_mode, t).q
     eff = gpu.gemm_efficiency * d / (d + a.gemm_half_dim)
@@ -110,10 +117,10 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     mats_split, mats_rep = layer_matmul_flops(m)
     _, attn, _ = forward_flops_per_token(m)
     t_gemm = tokens * (mats_split / t + mats_rep) / m.n_layers / (peak * eff)
-    attn_eff = eff * (a.attn_efficiency if train.attention == "standard" else 1.0)
+    attn_eff = eff * (a.attn_efficiency if attention == "standard" else 1.0)
     t_attn = tokens * attn / m.n_layers / t / (peak * attn_eff)
     sp = lay.sequence_parallel or nd
-    stored = layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
+    stored = layer_activation_bytes(m, tokens, t, sp, "none", attention, eb)
     t_mem = a.mem_traffic * stored / hbm
     tp_link = group_link(gpu, t, 1, a)
     msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
@@ -123,16 +130,18 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     # expert all-to-alls: dispatch + combine of capacity_factor x k slots per token, on the ep group (ranks
     # t apart: intra- or inter-node by `group_link`), per MoE layer; n_moe = the MoE share of the layers
     n_moe = m.n_moe_layers / m.n_layers
-    ep_link = group_link(gpu, lay.ep, t, a)
+    ep_link = group_link(gpu, lay.ep, t * lay.cp, a)
     a2a_bytes = msg * m.expert_slots_per_token
     t_ep = n_moe * 2 * gather_time(a2a_bytes, lay.ep, ep_link)
     f_layer = t_gemm + t_attn + t_mem
-    recompute = {"none": 0.0, "full": f_layer + t_tp + t_ep,
-                 "selective": t_attn + (a.mem_traffic * (stored - layer_activation_bytes(
-                     m, tokens, t, sp, "selective", train.attention, eb)) / hbm)}
+    cp_f, cp_b, cp_bytes = context.layer_comm(m, gpu, lay, a, tokens, eb, t_attn)
+    recompute = {"none": 0.0, "full": f_layer + t_tp + t_ep + cp_f,
+                 "selective": t_attn + cp_f + (a.mem_traffic * (stored - layer_activation_bytes(
+                     m, tokens, t, sp, "selective", attention, eb)) / hbm)}
     r_layer = recompute[recompute_kind(lay.recompute)[0]] + recompute["full"] * m.reversible
     t_tp_b = (t_tp_nd_b if nd else t_tp) * (1 - a.tp_overlap)
-    return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm)
+    return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm,
+                      cp_f, cp_b, cp_bytes)
 
 
 def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, mbs: int,
@@ -141,18 +150,18 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     step time and bubble from the schedule's closed form."""
     _, _, eb = _elem_bytes(train)
     t, p, v = lay.tp, lay.pp, lay.virtual_stages
-    tokens = lay.micro_batch * m.seq_len
+    tokens = lay.micro_batch * m.seq_len / lay.cp
     lps = m.n_layers / p
     _, _, logits = forward_flops_per_token(m)
     f_layer = lt.forward
     t_logits = tokens * logits / t / (gpu.peak_flops * lt.eff) + a.mem_traffic * tokens * 4 * m.vocab_size / t / lt.hbm
-    fwd = lps * (f_layer + lt.tp_f + lt.ep)
-    bwd = lps * (2 * f_layer + lt.tp_b + lt.ep + lt.recompute)
+    fwd = lps * (f_layer + lt.tp_f + lt.ep + lt.cp_f)
+    bwd = lps * (2 * f_layer + lt.tp_b + lt.ep + lt.recompute + lt.cp_b)
     w_part = lps * lt.gemm  # weight-gradient GEMMs (the zero-bubble W pass)
     fwd_last, bwd_last = fwd + t_logits, bwd + 2 * t_logits
     t_f, t_b = max(fwd, fwd_last), max(bwd, bwd_last)
     pp_bytes = tokens * m.d_model * eb / t  # Megatron's scatter/gather of the p2p message over tp ranks
-    pp_link = group_link(gpu, p, t * lay.dp, a)
+    pp_link = group_link(gpu, p, t * lay.dp * lay.cp, a)
     t_pp = 0.0
     if p > 1:
         t_pp = v * (pp_bytes / pp_link[0] + pp_link[1])
@@ -256,8 +265,9 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     lt = layer_times(m, gpu, train, lay, a)
     pt = pipeline_times(m, gpu, train, lay, a, mbs, lt)
     st = max(first, last, key=lambda x: x.total)
-    t_dp, dp_bytes = dp_time(m, gpu, train, lay, a, st, mbs, lt, pt)
-    t_opt, t_off, shard = optimizer_time(m, gpu, train, lay, a, st, mbs, k, pt)
+    reduce_lay = context.as_reduction_layout(lay)  # gradients reduced and ZeRO-sharded over dp x cp
+    t_dp, dp_bytes = dp_time(m, gpu, train, reduce_lay, a, st, mbs, lt, pt)
+    t_opt, t_off, shard = optimizer_time(m, gpu, train, reduce_lay, a, st, mbs, k, pt)
 
     step = pt.pipe + t_dp + t_opt + t_off
     kind = recompute_kind(lay.recompute)[0]
@@ -266,10 +276,12 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     recomp = lps * lt.recompute
     tp_c = lps * (lt.tp_f + lt.tp_b)
     ep_c = lps * 2 * lt.ep
-    share = pt.busy / max(mbs * (comp + recomp + tp_c + ep_c + 2 * pt.pp), 1e-30)
+    cp_c = lps * (lt.cp_f + lt.cp_b)
+    share = pt.busy / max(mbs * (comp + recomp + tp_c + ep_c + cp_c + 2 * pt.pp), 1e-30)
     breakdown = {
         "compute": mbs * comp * share, "recompute": mbs * recomp * share, "tp_comm": mbs * tp_c * share,
-        "ep_comm": mbs * ep_c * share, "pp_comm": mbs * 2 * pt.pp * share, "bubble": pt.bubble,
+        "ep_comm": mbs * ep_c * share, "cp_comm": mbs * cp_c * share, "pp_comm": mbs * 2 * pt.pp * share,
+        "bubble": pt.bubble,
         "dp_comm": t_dp, "optimizer": t_opt, "offload": t_off,
     }
     tp_bytes = 0.0
@@ -281,7 +293,10 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
         tp_bytes = mbs * lps * n_coll * 2 * (t - 1) / t * lt.msg
     ep_bytes = mbs * lps * lt.n_moe * 4 * (lay.ep - 1) / lay.ep * lt.a2a_bytes if lay.ep > 1 else 0.0
     pp_total = mbs * 2 * v * pt.pp_bytes if p > 1 else 0.0
+    cp_f_bytes, cp_b_bytes = lt.cp_bytes
+    cp_fwds = 1 + (kind != "none") + m.reversible  # recomputed forwards send again (context.py)
     comm = {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_total, "ep": ep_bytes,
+            "cp": mbs * lps * (cp_fwds * cp_f_bytes + cp_b_bytes),
             "offload": (shard * (gb + pb) if lay.offload != "none" else 0.0)}
     return StepCost(step, train.global_batch * s / step, model_f / step / n_gpus / 1e12,
                     hw_f / step / n_gpus / 1e12, model_f / step / n_gpus / gpu.peak_flops,
