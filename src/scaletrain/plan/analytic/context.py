@@ -100,8 +100,9 @@ def recomputed_forwards(cfg: Config) -> tuple[int, int]:
 
 def step_bytes(cfg: Config, layers: int | None = None) -> CpStepBytes:
     """What our engine sends for context parallelism in one step on a rank holding `layers` attention layers (all
-    of them, or a pipeline stage's): per micro-batch and layer the ring's or Ulysses' bytes, forward counted
-    again for each recomputation (`recomputed_forwards`). Exact for every layout the engine runs (tested against `comm_cp.*_bytes`)."""
+    of them, or a pipeline stage's): per micro-batch and layer the ring's or Ulysses' bytes, the forward's sent
+    again for each recomputation (`recomputed_forwards`). Exact for every layout the engine runs (tested against
+    the trainer's `comm_cp.*_bytes`)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp <= 1:
         return CpStepBytes()
