@@ -1,9 +1,10 @@
 """Multi-process test harness: run a function on N ranks (spawned processes, gloo on a FileStore).
 
-`run_ranks(fn, world_size, *args)` starts `world_size` processes, initialises a gloo process group with a
-timeout in each, calls `fn(rank, world_size, *args)` and returns the list of results (passed back through
-`torch.save`, so tensors are fine). If a rank raises, the others are killed and the failing rank's
-traceback is raised in the test; if the ranks do not finish within `timeout` seconds, all are killed.
+`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` on `world_size` spawned processes, each
+with a gloo process group with a timeout, and returns the list of results (passed back through `torch.save`, so
+tensors are fine). The processes are kept for the next call of the same world size (see `run_ranks`). If a rank
+raises, the others are killed and the failing rank's traceback is raised in the test; if the ranks do not finish
+within `timeout` seconds, all are killed.
 
 `train_reference(overrides)` and `train_parallel(overrides, world)` run the real Trainer on the same config
 single-process and on N ranks; `assert_same_run` compares their per-step losses and final parameters.
@@ -25,28 +26,196 @@ import torch
 import torch.distributed as dist
 
 
-def _child(fn, rank, world, store_path, timeout, threads, args, q):
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+def _run_one(fn, rank, world, store_path, timeout, threads, args) -> tuple[str, bytes | str]:
+    """One rank's part: a gloo group on the FileStore, fn, the group destroyed; ("ok", result bytes) or
+    ("error", traceback)."""
     torch.set_num_threads(threads)
     try:
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
+    except RuntimeError:
+        return "init", traceback.format_exc()
+    try:
         out = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(out, buf)
-        q.put((rank, "ok", buf.getvalue()))
+        return "ok", buf.getvalue()
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, "error", traceback.format_exc()))
+        return "error", traceback.format_exc()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, threads: int | None = None) -> list:
+def _child(fn, rank, world, store_path, timeout, threads, args, q):
+    """A fresh process for one run (tests that kill or hold ranks use it directly)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    status, payload = _run_one(fn, rank, world, store_path, timeout, threads, args)
+    q.put((rank, status, payload))
+
+
+def _pool_worker(rank, world, tasks, q):
+    """A rank that stays alive between runs: each task brings the parent's environment and working directory
+    (a test may have changed them since the pool started), runs like `_child` and restores torch's defaults
+    that a run may change, so the next run starts as a fresh process would (docstring of `run_ranks`)."""
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        job, fn, store_path, timeout, threads, args, env, cwd = task
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        status, payload = _run_one(fn, rank, world, store_path, timeout, threads, args)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        q.put((job, rank, status, payload))
+
+
+class _Pool:
+    """`world` spawned ranks reused by consecutive `run_ranks` calls of that world size."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world, self.jobs = world, 0
+        self.q = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world, self.tasks[r], self.q), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        for p, t in zip(self.procs, self.tasks):
+            if p.is_alive() and not kill:
+                t.put(None)
+        for p in self.procs:
+            p.join(timeout=0.1 if kill else 5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+_POOLS: dict[int, _Pool] = {}
+_KEEP_POOLS = 2  # world sizes whose ranks stay alive (each rank holds torch: ~0.3 GB)
+
+
+def _pool(world: int) -> _Pool:
+    pool = _POOLS.pop(world, None)
+    if pool is not None and not pool.alive():
+        pool.close(kill=True)
+        pool = None
+    if pool is None:
+        pool = _Pool(world)
+    _POOLS[world] = pool  # most recently used last
+    while len(_POOLS) > _KEEP_POOLS:
+        _POOLS.pop(next(iter(_POOLS))).close()
+    return pool
+
+
+def close_pools() -> None:
+    for world in list(_POOLS):
+        _POOLS.pop(world).close()
+
+
+def _fresh_processes() -> bool:
+    return os.environ.get("SCALETRAIN_TEST_FRESH_RANKS") == "1"
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, threads: int | None = None,
+              fresh: bool = False) -> list:
+    """fn(rank, world_size, *args) on `world_size` ranks with a gloo group; the ranks' results in rank order.
+
+    The ranks are spawned processes kept alive between calls of the same world size (starting a rank imports torch:
+    about 2-3 s of CPU per rank, which most runs would otherwise pay again). Each run gets a new process group on a
+    new FileStore, the parent's environment and working directory, and torch's default dtype and grad mode reset
+    after it; the trainer seeds everything it draws from (seed, name, step), so a run's result does not depend on
+    what the process ran before (tests/test_harness.py checks a pooled run equals a fresh one bit for bit). A rank
+    that raises or a run that times out kills the pool (the next call starts new ranks). `fresh=True`, or
+    SCALETRAIN_TEST_FRESH_RANKS=1 for the whole session, starts new processes for the run instead.
+    """
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    for attempt in range(1, INIT_ATTEMPTS + 1):
+        try:
+            if fresh or _fresh_processes():
+                return _run_fresh(fn, world_size, args, timeout, threads)
+            return _run_pooled(fn, world_size, args, timeout, threads)
+        except _InitFailed as e:
+            if attempt == INIT_ATTEMPTS:
+                raise RuntimeError(f"the gloo group did not start in {INIT_ATTEMPTS} attempts:\n{e}") from None
+    raise AssertionError("unreachable")
+
+
+class _InitFailed(RuntimeError):
+    """A rank's gloo group did not start (on a loaded machine gloo's connection mesh sometimes fails with
+    "Connection closed by peer" before any of the test's code ran): the run is started again in new processes."""
+
+
+INIT_ATTEMPTS = 3
+
+
+def _run_pooled(fn, world_size: int, args: tuple, timeout: float, threads: int) -> list:
+    pool = _pool(world_size)
+    pool.jobs += 1
+    job = pool.jobs
+    results: dict[int, object] = {}
+    ok = False
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        env, cwd = dict(os.environ), os.getcwd()
+        for r in range(world_size):
+            pool.tasks[r].put((job, fn, store, timeout, threads, args, env, cwd))
+        deadline = time.monotonic() + timeout + 30
+        try:
+            while len(results) < world_size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout + 30:.0f} s")
+                try:
+                    got_job, rank, status, payload = pool.q.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(pool.procs) if not p.is_alive() and r not in results]
+                    if dead:
+                        raise RuntimeError(f"rank {dead[0]} died with exit code {pool.procs[dead[0]].exitcode}") \
+                            from None
+                    continue
+                if got_job != job:  # a late answer of an earlier run that failed (its pool would be closed)
+                    continue
+                if status == "init":
+                    raise _InitFailed(f"rank {rank}: {payload}")
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}{_other_errors(pool.q, job, rank)}")
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            ok = True
+        finally:
+            if not ok:
+                _POOLS.pop(world_size, None)
+                pool.close(kill=True)
+    return [results[r] for r in range(world_size)]
+
+
+def _other_errors(q, job: int, failed: int, wait: float = 3.0) -> str:
+    """The other ranks' errors of the same run that arrive within `wait` seconds (a rank's failure often makes its
+    peers fail too; the first one to arrive is not always the cause)."""
+    out, deadline = [], time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            got_job, rank, status, payload = q.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if got_job == job and status == "error" and rank != failed:
+            out.append(f"\n(also) rank {rank} failed:\n{payload}")
+    return "".join(out)
+
+
+def _run_fresh(fn, world_size: int, args: tuple, timeout: float, threads: int) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, store, timeout, threads, args, q), daemon=True)
@@ -68,6 +237,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, threads: int |
                     if dead:
                         raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                     continue
+                if status == "init":
+                    raise _InitFailed(f"rank {rank}: {payload}")
                 if status == "error":
                     raise RuntimeError(f"rank {rank} failed:\n{payload}")
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -4,7 +4,8 @@ veth address) and its own kernel boot id (what scaletrain compares to know wheth
 so the README's torchrun command and the heartbeat meet what they meet between two real machines.
 
 Namespaces need root (or `unshare -rn`); when they cannot be made both "hosts" run on 127.0.0.1 with this
-machine's host name, and `TwoHosts.reason` says why (tests print it as a notice). Names start with `stmn-`
+machine's host name, and `TwoHosts.reason` says why (tests print it as a notice; under CI, which runs as root, the
+tests fail instead: a fallback is not the proof). Names start with `stmn-`
 and carry this process's id; `close()` kills every process inside and deletes them, also after a failure.
 """
 

@@ -399,7 +399,8 @@ def test_first_line_comes_before_the_slow_phases(run_dir):
                         f"tokens, fp32 -> {out}")
     assert lines[1].startswith("note: train.warmup_steps (20) >= train.steps (2): the learning rate only rises, "
                                "to 0.0001 at the last step")
-    assert lines[2] == "  loading data (builtin) ..." and lines[3] == "  building the model ..."
+    assert lines[2] == "  loading data (builtin) ..." and lines[4] == "  building the model ..."
+    assert lines[3].startswith("  data: 1") and "tokens in builtin" in lines[3]  # the corpus's size (issue 28)
     assert "parameters      7,664" in stdout  # the count the model really has
 
 

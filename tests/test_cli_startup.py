@@ -28,6 +28,7 @@ COMMANDS = {
                        "--seq-len", "2048", "--gpus", "64", "--global-batch", "512", "--json"],
     "plan params": ["plan", "--params", "7.5e9", "--gpus", "64"],
     "scaling optimal": ["scaling", "optimal", "--flops", "5.76e23", "--law", "chinchilla-1"],
+    "data tokenizer help": ["data", "tokenizer", "--help"],
 }
 
 

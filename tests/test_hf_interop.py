@@ -53,7 +53,9 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(name, over
     assert main(["train", "--out", str(run), *_sets({**overrides, "train.steps": 1})]) == 0
     assert main(["export", str(run), "--format", "hf", "--to", str(hf_dir)]) == 0
     assert arch in capsys.readouterr().out
-    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                        "tokenizer_config.json"]  # the byte tokenizer (issue 28)
+    assert transformers.AutoTokenizer.from_pretrained(hf_dir)("def ")["input_ids"] == list(b"def ")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(hf).__name__ == arch
     x = torch.randint(0, 256, (2, TINY["model.seq_len"]), generator=torch.Generator().manual_seed(0))

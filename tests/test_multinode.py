@@ -64,6 +64,9 @@ def wait_for_step(out: Path, step: int, procs: list, timeout: float = 240) -> No
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     h = TwoHosts(tmp_path_factory.mktemp("hosts")).open()
+    if not h.isolated and os.environ.get("CI") == "true":  # CI runs as root: two real "hosts", or it fails
+        h.close()
+        pytest.fail(f"two-node tests need two network namespaces under CI (run as root): {h.reason}")
     if not h.isolated:
         warnings.warn(f"two-node tests run both torchrun agents on 127.0.0.1: no network namespaces ({h.reason})",
                       stacklevel=1)

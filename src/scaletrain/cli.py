@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "scaletrain.commands.verify",
     "scaletrain.commands.launch_info",
     "scaletrain.commands.replay",
+    "scaletrain.commands.data",
 )
 
 

@@ -69,11 +69,11 @@ def _new_output(to: str, what: str) -> Path:
 
 def cmd_inspect(args) -> int:
     from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train import dcp_io
+    from scaletrain.train import ckpt_index
 
     directory = find_checkpoint(args.dir)
     meta = ckpt.read_meta(directory)
-    index = dcp_io.read_index(directory)
+    index = ckpt_index.read_index(directory)
     report = ckpt.verify(directory, index)
     kinds: dict[str, int] = {}
     params = 0
@@ -233,5 +233,9 @@ def cmd_export(args) -> int:
     out = _new_output(args.to, "export")
     state = ckpt.read_tensors(directory, "model/")
     arch = export_hf(cfg.model, state, out)
-    print(f"{directory} (step {meta['step']}) -> {out}: {arch}, config.json + model.safetensors (fp32)")
+    from scaletrain.data.tokenizer import run_tokenizer
+
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.data.eot_token, directory).save(out)  # AutoTokenizer reads it
+    files = "".join(f" + {p.name}" for p in tokenizer)
+    print(f"{directory} (step {meta['step']}) -> {out}: {arch}, config.json + model.safetensors (fp32){files}")
     return 0

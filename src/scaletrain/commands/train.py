@@ -73,11 +73,12 @@ def cmd_config_show(args) -> int:
 def cmd_train(args) -> int:
     import os
 
+    from scaletrain.data.tokenizer import folder_tokenizer
     from scaletrain.distributed.launch import LOG_DIR_ENV
     from scaletrain.distributed.process_group import detect_env
     from scaletrain.plan.budget import check_before_launch, local_world_size
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, base=folder_tokenizer(args.init_from))  # --init-from DIR's tokenizer
     env = detect_env()
     resume_args = {"reshard": args.reshard, "init_from": args.init_from}
     if env is not None:
@@ -85,7 +86,10 @@ def cmd_train(args) -> int:
         if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
             check_before_launch(cfg, Path(args.out), local_world_size(env.world_size))
         if env.rank == 0:
+            from scaletrain.data.run import keep_tokenizer
+
             mark_run(Path(args.out))  # under torchrun too, so a later `train --out` knows the folder is a run
+            keep_tokenizer(cfg, Path(args.out))
         return run_worker(cfg, Path(args.out), env, **resume_args)
     from scaletrain.report.runinfo import set_user_command
 
@@ -99,12 +103,12 @@ def cmd_train(args) -> int:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
     validate(cfg, nproc * args.nnodes)
     out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
-    from scaletrain.data import load_tokens
+    from scaletrain.data.run import keep_tokenizer, prepare
     from scaletrain.train.announce import first_line, status
 
     first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
-    status(f"loading data ({cfg.data.source})")
-    load_tokens(cfg.data.source, cfg.data.cache_dir)  # bad data fails here, once, before any process starts
+    status(f"loading data ({cfg.data.source if not cfg.data.mix else f'a mix of {len(cfg.data.mix)} sources'})")
+    print(f"  {prepare(cfg)}", flush=True)  # tokens counted, ids checked: bad data fails here, before any process
     from scaletrain.train.runner import check_run
 
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
@@ -115,6 +119,7 @@ def cmd_train(args) -> int:
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
     warn_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
+    keep_tokenizer(cfg, out)  # OUT/tokenizer/: what sample and export decode with (data/run.py)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
     if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
         return run_single(cfg, out, **resume_args)
@@ -273,21 +278,24 @@ def cmd_sample(args) -> int:
 
     import torch
 
-    from scaletrain.data.tokenizer import decode, encode
+    from scaletrain.data.tokenizer import run_tokenizer
     from scaletrain.train.checkpoint import find_checkpoint
     from scaletrain.train.sample import generate, load_model
 
     if args.tokens < 1 or not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 1:
         raise UserError(f"--tokens ({args.tokens}) and --top-k ({args.top_k}) must be positive and --temperature "
                         f"({args.temperature}) finite and >= 0")
-    idx = torch.from_numpy(encode(args.prompt).astype("int64"))[None]
-    if idx.numel() == 0:
+    if not args.prompt:
         raise UserError("--prompt must not be empty")
     directory = find_checkpoint(args.out)
     cfg, model = load_model(directory)
+    tok = run_tokenizer(cfg.data.tokenizer, cfg.data.eot_token, directory)  # the run's own (data/tokenizer.py)
+    idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.int64)
+    if idx.numel() == 0:
+        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens with {tok.name}")
     if int(idx.max()) >= cfg.model.vocab_size:
-        raise UserError(f"--prompt has byte values beyond model.vocab_size ({cfg.model.vocab_size})")
+        raise UserError(f"--prompt has token id {int(idx.max())} beyond model.vocab_size ({cfg.model.vocab_size})")
     g = torch.Generator().manual_seed(args.seed)
     out = generate(model, idx, args.tokens, cfg, args.temperature, args.top_k, g)
-    sys.stdout.write(decode(out[0].tolist()) + "\n")
+    sys.stdout.write(tok.decode(out[0].tolist()) + "\n")
     return 0

@@ -13,6 +13,7 @@ from scaletrain.config.schema import (
     Config,
     DataConfig,
     MemoryConfig,
+    MixSource,
     ModelConfig,
     MoEConfig,
     OptimConfig,
@@ -22,6 +23,6 @@ from scaletrain.config.schema import (
 from scaletrain.config.validate import validate
 from scaletrain.errors import ConfigError
 
-__all__ = ["DTYPES", "SCHEDULES", "Config", "ConfigError", "DataConfig", "MemoryConfig", "ModelConfig", "MoEConfig",
-           "OptimConfig", "ParallelConfig", "TrainConfig", "config_from_dict", "flatten", "load_config", "set_value",
-           "validate"]
+__all__ = ["DTYPES", "SCHEDULES", "Config", "ConfigError", "DataConfig", "MemoryConfig", "MixSource", "ModelConfig",
+           "MoEConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "config_from_dict", "flatten", "load_config",
+           "set_value", "validate"]

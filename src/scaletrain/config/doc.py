@@ -14,6 +14,8 @@ import yaml
 
 
 def _scalar(value: Any) -> str:
+    if isinstance(value, list):  # a list of sections (data.mix) as one YAML flow line
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).splitlines()[0]
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,16 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
             except ValueError:
                 pass
         raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if origin is list:  # a list of sections (data.mix): each item a mapping of that section's keys
+        item = typing.get_args(typ)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if not dataclasses.is_dataclass(item):
+            return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [item() for _ in value]
+        for i, (node, v) in enumerate(zip(items, value)):
+            _apply(node, v, f"{key}[{i}].")
+        return items
     if typ is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -124,9 +135,37 @@ def set_value(cfg: Config, dotted: str, raw: str) -> None:
                 raise ConfigError(f"unknown config key '{dotted}' ('{part}' is not a section)")
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides in order. Does not validate."""
+Implied = Callable[[Config], list[str]]
+_IMPLIED: list[Implied] = []
+
+
+def implied(fn: Implied) -> Implied:
+    """Register `fn(cfg) -> ["key=value", ...]`: defaults that other settings imply (model.vocab_size from
+    data.tokenizer, data/rules.py). load_config applies them below the YAML file and `--set`, so a value the user
+    gave wins. Registered by the features' torch-free rules modules, like validate()'s rules."""
+    same = [i for i, f in enumerate(_IMPLIED) if (f.__module__, f.__qualname__) == (fn.__module__, fn.__qualname__)]
+    if same:
+        _IMPLIED[same[0]] = fn
+    else:
+        _IMPLIED.append(fn)
+    return fn
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                base: list[str] | None = None) -> Config:
+    """Defaults, then `base` (`key=value` defaults from outside the config, e.g. what --init-from implies), then the
+    YAML file, then `key=value` overrides in order; then again with the defaults those settings imply (`implied`)
+    below all of them. Does not validate."""
+    cfg = _load(path, overrides, base)
+    extra = [kv for fn in _IMPLIED for kv in fn(cfg)]
+    return _load(path, overrides, [*extra, *(base or [])]) if extra else cfg
+
+
+def _load(path: str | os.PathLike | None, overrides: list[str] | None, base: list[str] | None) -> Config:
     cfg = Config()
+    for item in base or []:
+        key, raw = item.split("=", 1)
+        set_value(cfg, key.strip(), raw.strip())
     if path is not None:
         p = Path(path)
         if p.is_dir():

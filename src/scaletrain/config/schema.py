@@ -111,7 +111,7 @@ class ModelConfig:
     seq_len: int = 128
     """Context length in tokens (the paper's s)."""
     vocab_size: int = 256
-    """Vocabulary size; 256 for the byte tokenizer."""
+    """Vocabulary size; when not set, data.tokenizer's size (256 for the byte tokenizer)."""
     d_ff: int = 0
     """MLP hidden size; 0 means 4 * d_model (GELU) or the 8/3 * d_model rounding of LLaMA (SwiGLU)."""
     mlp: Mlp = "gelu"
@@ -364,12 +364,35 @@ class MemoryConfig:
 
 
 @dataclass
+class MixSource:
+    source: str = ""
+    """A corpus, as data.source takes it."""
+    weight: float = 1.0
+    """Its share of the sequences (weights are normalised over the mixture; positive)."""
+    text_field: str = ""
+    """The text column of this source's JSONL / Parquet / datasets rows; empty means data.text_field."""
+
+
+@dataclass
 class DataConfig:
     source: str = "builtin"
-    """`builtin` (the Python standard library sources of this interpreter), a text file or folder,
-    or a `.bin` file of uint16 tokens (nanoGPT layout)."""
+    """`builtin` (the Python standard library sources of this interpreter), a text file or folder, `.jsonl` /
+    `.jsonl.gz` files or folders, `.parquet` files or folders, a `datasets.Dataset.save_to_disk` folder, or a `.bin`
+    token file (uint16 as nanoGPT writes it; uint32 with a `.bin.json` sidecar, docs/data.md)."""
+    tokenizer: str = "byte"
+    """`byte` (token = UTF-8 byte, vocabulary 256) or a Hugging Face `tokenizer.json`, or a folder holding one
+    (a model folder, or what `scaletrain data tokenizer` writes); documents end with its end-of-text token."""
+    text_field: str = "text"
+    """The text column of JSONL / Parquet / datasets rows."""
+    eot_token: str = ""
+    """The token that ends each document; empty means the folder's tokenizer_config.json `eos_token`, else the first
+    of <|endoftext|>, <|end_of_text|>, </s>, <eos> the tokenizer has (NUL for `byte`)."""
+    mix: list[MixSource] = field(default_factory=list)
+    """Several sources with weights, e.g. [{source: a.jsonl, weight: 0.7}, {source: b/, weight: 0.3,
+    text_field: body}]: each sequence of a batch comes from source i with probability weight_i / sum (instead of
+    data.source)."""
     val_fraction: float = 0.05
-    """Fraction of the token stream, at its end, held out for validation."""
+    """Fraction of each token stream, at its end, held out for validation."""
     cache_dir: str = ""
     """Where tokenized corpora are cached; empty means $SCALETRAIN_CACHE or ~/.cache/scaletrain."""
 

@@ -1,106 +1,65 @@
-"""Token sources: the embedded default corpus, text files or folders, and nanoGPT `.bin` token files.
+"""A run's corpus: the token streams of its source (or of each source of `data.mix`, with its weight) under its
+tokenizer, from the token cache.
 
-`builtin` is the source code of the Python standard library of the running interpreter: every `*.py`
-file under `sysconfig.get_paths()["stdlib"]`, in sorted path order, skipping test directories
-(`test`, `tests`, `idle_test`), `site-packages` and `__pycache__`. It is about 12 MB of text on
-CPython 3.11, present on every machine that runs scaletrain, and needs no download. Its exact content
-depends on the Python version, so losses are comparable between machines with the same interpreter.
-
-Text sources are tokenized once with the byte tokenizer and cached as a uint16 memory-mapped file
-(nanoGPT's layout) in the cache directory, keyed by the source's paths, sizes and modification times.
-Documents are separated by a NUL byte (token 0).
+No paper. `load_corpus(cfg.data)` is what the trainer, the asynchronous runners and `scaletrain train`'s pre-launch
+check call; `load_tokens(source)` is the byte-tokenized stream of one source (the harness and benchmarks' shortcut).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from scaletrain.data.tokenizer import encode
+from scaletrain.config.schema import DataConfig
+from scaletrain.data.cache import cache_dir, cached_stream
+from scaletrain.data.sources import builtin_files, find_source
+from scaletrain.data.stream import TokenStream, open_bin
+from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
 from scaletrain.errors import DataError
 
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist-packages"}
-SEPARATOR = b"\x00"
+__all__ = ["Corpus", "builtin_files", "cache_dir", "load_corpus", "load_tokens"]
 
 
-def cache_dir(configured: str = "") -> Path:
-    """The token cache folder (created): data.cache_dir, else $SCALETRAIN_CACHE, else ~/.cache/scaletrain."""
-    env = os.environ.get("SCALETRAIN_CACHE")
-    path = Path(configured or env or Path.home() / ".cache" / "scaletrain")
-    setting = "data.cache_dir" if configured else "SCALETRAIN_CACHE" if env else "the default cache folder"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"{setting} {path} cannot be created ({e.strerror or e}); set data.cache_dir or "
-                        "SCALETRAIN_CACHE to a writable folder") from None
-    return path
+@dataclass
+class Corpus:
+    streams: list[TokenStream]
+    weights: list[float]  # normalised to sum 1
+    tokenizer: Tokenizer | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s) for s in self.streams)
+
+    @property
+    def max_id(self) -> int:
+        return max(s.max_id for s in self.streams)
+
+    @classmethod
+    def of_array(cls, tokens: np.ndarray) -> Corpus:
+        return cls([TokenStream.of_array(tokens)], [1.0])
 
 
-def builtin_files() -> list[Path]:
-    """The standard-library source files that make up the embedded corpus, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
-    return sorted(files)
-
-
-def text_files(source: Path) -> list[Path]:
-    if source.is_file():
-        return [source]
-    files = [p for p in sorted(source.rglob("*")) if p.is_file() and not any(s.startswith(".") for s in p.parts)]
-    return files
-
-
-def _fingerprint(files: list[Path]) -> str:
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def _tokenize_to_cache(files: list[Path], target: Path) -> None:
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as out:
-        for f in files:
-            data = f.read_bytes()
-            if data:
-                out.write(encode(data + SEPARATOR).tobytes())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, target)  # atomic: concurrent ranks may race, both write the same bytes
+def load_corpus(data: DataConfig, progress: bool = False, verify: bool = False) -> Corpus:
+    """The streams of `data.source` (or of each `data.mix` entry) under `data.tokenizer`, tokenized into the cache
+    when needed (`progress`: a progress bar on stderr; `verify`: recompute cached streams' checksums)."""
+    tok = load_tokenizer(data.tokenizer, data.eot_token)
+    entries = [(m.source, m.weight, m.text_field or data.text_field) for m in data.mix] or \
+        [(data.source, 1.0, data.text_field)]
+    streams = []
+    for spec, _, field in entries:
+        path = Path(spec).expanduser()
+        if spec != "builtin" and path.is_file() and path.suffix == ".bin":
+            streams.append(open_bin(path, tok.digest, tok.vocab_size, spec))
+        else:
+            streams.append(cached_stream(find_source(spec, field), tok, cache_dir(data.cache_dir), progress, verify))
+    total = sum(w for _, w, _ in entries)
+    return Corpus(streams, [w / total for _, w, _ in entries], tok)
 
 
 def load_tokens(source: str, cache: str = "") -> np.ndarray:
-    """The token stream of `source` as a read-only uint16 memmap. Raises DataError when unusable."""
-    if source == "builtin":
-        files = builtin_files()
-        if not files:
-            raise DataError("the builtin corpus is empty: no standard-library sources found")
-    else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"data.source not found: {source}")
-        if path.is_file() and path.suffix == ".bin":
-            if path.stat().st_size < 4:
-                raise DataError(f"data.source {source} is empty (a .bin file needs uint16 tokens)")
-            if path.stat().st_size % 2:
-                raise DataError(f"data.source {source} has an odd byte count; .bin files hold uint16 tokens")
-            return np.memmap(path, dtype=np.uint16, mode="r")
-        files = text_files(path)
-        if not files or sum(f.stat().st_size for f in files) == 0:
-            raise DataError(f"data.source {source} has no data (no non-empty files)")
-    target = cache_dir(cache) / f"{'builtin' if source == 'builtin' else Path(source).name}-{_fingerprint(files)}.bin"
-    if not target.exists():
-        try:
-            _tokenize_to_cache(files, target)
-        except PermissionError as e:
-            raise DataError(f"cannot write the token cache {target} ({e.strerror}); set data.cache_dir or "
-                            "SCALETRAIN_CACHE to a writable folder") from None
-    return np.memmap(target, dtype=np.uint16, mode="r")
+    """The byte-tokenized stream of one source (or a `.bin` file) as a read-only array. Raises DataError."""
+    if not source.strip():
+        raise DataError("data.source is empty")
+    return load_corpus(DataConfig(source=source, cache_dir=cache)).streams[0].tokens

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import CheckpointError, UserError
-from scaletrain.train import dcp_io
+from scaletrain.train import ckpt_index
 from scaletrain.train.checkpoint_dirs import (
     COMPLETE,
     DCP_FORMAT,
@@ -104,7 +104,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
-    if any(directory.glob("rank*.pt")) and not (directory / dcp_io.INDEX).exists():
+    if any(directory.glob("rank*.pt")) and not (directory / ckpt_index.INDEX).exists():
         if format_of(directory) == RANK_FORMAT:
             raise CheckpointError(f"{directory} is a per-rank checkpoint of an asynchronous run ({RANK_FORMAT}, "
                                   "parallel.sync=ps/hogwild/local): resume it with that run's parallel.sync, which "
@@ -115,7 +115,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{directory} is not a complete scaletrain checkpoint (no {COMPLETE} marker)")
     try:
         marker = json.loads((directory / COMPLETE).read_text())
-        want = {name: str(marker["sha256"][name]) for name in (META, dcp_io.INDEX)}
+        want = {name: str(marker["sha256"][name]) for name in (META, ckpt_index.INDEX)}
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"checkpoint {directory} has an unreadable {COMPLETE} marker") from None
     for name, digest in want.items():
@@ -140,15 +140,17 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 def read_tensors(directory: Path, prefix: str = "model/", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Whole tensors whose names start with `prefix`, by name without it (no process group needed)."""
-    index = dcp_io.read_index(directory)
+    index = ckpt_index.read_index(directory)
     out: dict[str, torch.Tensor] = {}
     entries: dict[str, Entry] = {}
     for key, t in index["tensors"].items():
         if key.startswith(prefix):
             shape = tuple(t["shape"])
-            buf = torch.empty(shape, dtype=dcp_io.DTYPES_BY_NAME[t["dtype"]])
+            buf = torch.empty(shape, dtype=ckpt_index.DTYPES_BY_NAME[t["dtype"]])
             entries[key] = Entry(shape, buf.dtype, [Block((0,) * len(shape), shape, [buf])])
             out[key[len(prefix):]] = buf
+    from scaletrain.train import dcp_io  # torch.distributed.checkpoint: imported when a checkpoint is read
+
     dcp_io.load_entries(directory, entries, index)
     return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
 
@@ -163,7 +165,7 @@ class VerifyReport:
 
 def verify(directory: Path, index: dict | None = None) -> VerifyReport:
     """Read every chunk of the checkpoint and check its SHA-256 (what `checkpoint inspect` reports)."""
-    index = index if index is not None else dcp_io.read_index(directory)
+    index = index if index is not None else ckpt_index.read_index(directory)
     bad: list[str] = []
     chunks = nbytes = 0
     for name, t in index["tensors"].items():
@@ -173,8 +175,8 @@ def verify(directory: Path, index: dict | None = None) -> VerifyReport:
             path = Path(directory) / c["file"]
             try:
                 with open(path, "rb") as f:
-                    dcp_io.read_chunk(f, path, name, dcp_io._Stored(c["file"], int(c["offset"]), int(c["length"]),
-                                                                    c["sha256"]))
+                    stored = ckpt_index.Stored(c["file"], int(c["offset"]), int(c["length"]), c["sha256"])
+                    ckpt_index.read_chunk(f, path, name, stored)
             except (CheckpointError, OSError) as e:
                 bad.append(str(e))
     return VerifyReport(len(index["tensors"]), chunks, nbytes, bad)
@@ -261,6 +263,8 @@ class Saver:
                 shutil.rmtree(tmp)  # leftover of a save that was killed; never a complete checkpoint
             tmp.mkdir(parents=True)
         self._barrier()
+        from scaletrain.train import dcp_io  # torch.distributed.checkpoint: imported when a checkpoint is written
+
         dcp_io.save_entries(tmp, entries, self.group)  # collective; rank 0 writes index.json before it returns
         if self.rank == 0:
             publish(tmp, final, {**meta, "format": FORMAT, "step": step})
@@ -271,9 +275,9 @@ class Saver:
 
 def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Write meta.json and COMPLETE into `tmp` and rename it to `final` (replacing an older one of that step)."""
-    dcp_io.write_json(tmp / META, meta)
-    digests = {name: _sha256_file(tmp / name) for name in (META, dcp_io.INDEX)}
-    dcp_io.write_json(tmp / COMPLETE, {"sha256": digests})
+    ckpt_index.write_json(tmp / META, meta)
+    digests = {name: _sha256_file(tmp / name) for name in (META, ckpt_index.INDEX)}
+    ckpt_index.write_json(tmp / COMPLETE, {"sha256": digests})
     fsync_dir(tmp)
     if final.exists():  # the same step saved again (a rerun): replace it only now that the new one is complete
         shutil.rmtree(final)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
-import json
 import os
 import warnings
 from pathlib import Path
@@ -54,12 +52,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from scaletrain.errors import CheckpointError
+from scaletrain.train.ckpt_index import DTYPE_NAMES, DTYPES_BY_NAME, INDEX, Stored, read_chunk, read_index, write_json
 from scaletrain.train.state import Entry
-
-INDEX = "index.json"
-DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
-               torch.float16: "float16", torch.uint8: "uint8", torch.int64: "int64", torch.int32: "int32"}
-DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def _key(fqn: str, offsets) -> tuple[str, tuple[int, ...]]:
@@ -146,16 +140,6 @@ def _original(e: CheckpointException) -> BaseException:
     return failures[min(failures)][0] if failures else e
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON to `path` atomically (temporary name, fsync, rename)."""
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_entries(directory: Path, entries: dict[str, Entry], group=None) -> None:
     """Collective over `group` (all ranks; none for a single process): write `entries` into `directory`."""
     dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -171,33 +155,6 @@ def save_entries(directory: Path, entries: dict[str, Entry], group=None) -> None
 # --------------------------------------------------------------------------- load
 
 
-def read_index(directory: Path) -> dict[str, Any]:
-    """The checkpoint's index.json (tensors, shapes, chunks), checked for structure."""
-    try:
-        index = json.loads((directory / INDEX).read_text())
-        tensors = index["tensors"]
-        for name, t in tensors.items():
-            if t["dtype"] not in DTYPES_BY_NAME or not isinstance(t["shape"], list):
-                raise ValueError(name)
-            for c in t["chunks"]:
-                _ = (str(c["file"]), int(c["offset"]), int(c["length"]), str(c["sha256"]), list(c["offsets"]),
-                     list(c["sizes"]))
-                if "/" in c["file"] or c["file"].startswith("."):
-                    raise ValueError(c["file"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {directory} has an unreadable {INDEX} ({e.__class__.__name__})") from None
-    return index
-
-
-@dataclasses.dataclass
-class _Stored:
-    relative_path: str
-    offset: int
-    length: int
-    sha256: str
-    transform_descriptors: Any = None
-
-
 def index_metadata(index: dict[str, Any]) -> Metadata:
     """DCP's Metadata for a checkpoint, from index.json."""
     sd_md, storage = {}, {}
@@ -207,7 +164,7 @@ def index_metadata(index: dict[str, Any]) -> Metadata:
         sd_md[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=DTYPES_BY_NAME[t["dtype"]]),
                                            size=torch.Size(t["shape"]), chunks=chunks)
         for c in t["chunks"]:
-            storage[MetadataIndex(fqn, torch.Size(c["offsets"]))] = _Stored(c["file"], int(c["offset"]),
+            storage[MetadataIndex(fqn, torch.Size(c["offsets"]))] = Stored(c["file"], int(c["offset"]),
                                                                             int(c["length"]), c["sha256"])
     return Metadata(state_dict_metadata=sd_md, storage_data=storage)
 
@@ -287,25 +244,6 @@ class ChecksummedReader(dcp.FileSystemReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
-
-
-def read_chunk(f, path: Path, fqn: str, info) -> torch.Tensor:
-    """One stored chunk: its bytes checked against the SHA-256, then torch.load(weights_only=True)."""
-    f.seek(info.offset)
-    data = f.read(info.length)
-    if len(data) != info.length:
-        raise CheckpointError(f"checkpoint file {path} is truncated ({fqn} needs bytes {info.offset}.."
-                              f"{info.offset + info.length}, the file ends before)")
-    if hashlib.sha256(data).hexdigest() != info.sha256:
-        raise CheckpointError(f"checkpoint file {path} is corrupted: {fqn} fails its SHA-256 check")
-    try:
-        t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
-        raise CheckpointError(f"checkpoint file {path}: {fqn} cannot be loaded: {str(e).splitlines()[0][:160]}") \
-            from None
-    if not isinstance(t, torch.Tensor):
-        raise CheckpointError(f"checkpoint file {path}: {fqn} is not a tensor")
-    return t
 
 
 def load_entries(directory: Path, entries: dict[str, Entry], index: dict[str, Any] | None = None) -> None:

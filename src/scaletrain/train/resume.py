@@ -29,7 +29,7 @@ from scaletrain.config import Config, flatten
 from scaletrain.config.run import HISTORY
 from scaletrain.errors import CheckpointError
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train import dcp_io
+from scaletrain.train import ckpt_index
 from scaletrain.train import state as st
 
 IDENTITY = ("model.", "optim.", "train.seed", "train.global_batch", "train.dtype", "data.source",
@@ -99,7 +99,7 @@ def save_entries(engine, streams: dict[str, dict[str, Any]]) -> dict[str, st.Ent
 def load_engine(engine, directory: Path, streams: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Read a checkpoint into a freshly built engine of any layout (and the random streams of `streams` that the
     checkpoint has); returns the streams it did not have. No collectives: each rank reads what it holds."""
-    index = dcp_io.read_index(directory)
+    index = ckpt_index.read_index(directory)
     available = set(index["tensors"])
     st.prepare_load(engine)
     entries = {**st.engine_entries(engine, stale=False, load=True), **st.stale_entries_for_load(engine, available)}
@@ -109,6 +109,8 @@ def load_engine(engine, directory: Path, streams: dict[str, dict[str, Any]] | No
         if not got:
             missing.append(name)
         entries.update(got)
+    from scaletrain.train import dcp_io  # torch.distributed.checkpoint: imported when a checkpoint is read
+
     try:
         dcp_io.load_entries(directory, entries, index)
     except (ValueError, RuntimeError) as e:  # DCP's planner on chunks that do not fit

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
-from scaletrain.data import BatchLoader, load_tokens
+from scaletrain.data import BatchLoader, load_corpus
 from scaletrain.device.accounting import memory_reports, peak_bytes, tensor_bytes
 from scaletrain.device.attention import probe_run
 from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
@@ -84,9 +84,9 @@ class Trainer:
         self.dp_group, self.dp_rank = self.mesh.group("dp_cp"), self.mesh.local_rank("dp")
         self.comm = CommStats()
 
-        tokens = load_tokens(cfg.data.source, cfg.data.cache_dir)
-        self.loader = BatchLoader(tokens, cfg.model.seq_len, t.global_batch, t.seed, cfg.data.val_fraction,
-                                  cfg.model.vocab_size, positions_of(p, cfg.model.seq_len, self.mesh))
+        self.loader = BatchLoader(load_corpus(cfg.data), cfg.model.seq_len, t.global_batch, t.seed,
+                                  cfg.data.val_fraction, cfg.model.vocab_size,
+                                  positions_of(p, cfg.model.seq_len, self.mesh))
         self.engine = build_engine(cfg, self.mesh, self.device, self.dtype, self.comm)
         self.model = self.engine.module
         self.attention = probe_run(cfg, self.device, self.dtype)  # the SDPA kernel that runs (device/attention.py)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from scaletrain.config import Config
-from scaletrain.data import BatchLoader, load_tokens
+from scaletrain.data import BatchLoader, load_corpus
 from scaletrain.distributed.comm import CommStats
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.errors import TrainingDiverged
@@ -68,8 +68,7 @@ class WorkerModel:
     def loader(self) -> BatchLoader:
         if self._loader is None:  # servers build the model for its initial weights only: no data needed
             cfg = self.cfg
-            tokens = load_tokens(cfg.data.source, cfg.data.cache_dir)
-            self._loader = BatchLoader(tokens, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
+            self._loader = BatchLoader(load_corpus(cfg.data), cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
                                        cfg.data.val_fraction, cfg.model.vocab_size)
         return self._loader
 
