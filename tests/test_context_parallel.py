@@ -9,7 +9,8 @@
   atol 1e-12: the measured differences are <= 1e-14, rounding; the faults below move them by 1e-3 or more):
   ring with RoPE, dropout and selective recomputation (cp 2); Ulysses with ZeRO-3 and SwiGLU (cp 2); cp 2 x dp 2 with
   expert parallelism 2, router noise and expert dropout, ZeRO-1; cp 2 x tp 2 with sequence parallelism (Ulysses,
-  dropout, RoPE); cp 2 x pp 2 (zero bubble) with full recomputation; and checkpoints resharded cp 2 -> 1 and 1 -> 2.
+  dropout, RoPE); cp 2 x pp 2 (interleaved, 2 chunks per rank) with full recomputation; and checkpoints resharded
+  cp 2 -> 1 and 1 -> 2.
 - In the same runs the bytes each rank sends for cp per step equal the planner's (`plan.analytic.context.step_bytes`),
   and the measured memory per category equals `predict_run`'s to the byte.
 - The comparison fails for a dropped key/value chunk and for a missing causal mask on the diagonal block.
@@ -46,8 +47,8 @@ CASES = {  # name -> (world, overrides)
     "cp2 tp2 sp ulysses dropout rope": (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
                                             "parallel.cp_mode": "ulysses", "model.dropout": 0.1,
                                             "model.position": "rope"}),
-    "cp2 pp2 zb-h1 full": (4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1",
-                               "memory.recompute": "full"}),
+    "cp2 pp2 interleaved full": (4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved",
+                                     "parallel.virtual_stages": 2, "model.n_layers": 4, "memory.recompute": "full"}),
 }
 FAULTS = ("drop a kv chunk", "no causal mask on the diagonal block")
 
@@ -298,6 +299,8 @@ def test_checkpoints_reshard_from_cp2_to_one_process_and_from_one_process_to_cp2
     ({"parallel.cp": 2, "parallel.tp": 4, "parallel.tp_mode": "2d"}, "parallel.tp_mode=2d with parallel.cp (2) > 1"),
     ({"parallel.cp": 2, "model.dropout": 0.1, "model.dropout_impl": "torch"}, "model.dropout_impl=torch with"),
     ({"parallel.cp": 2, "parallel.pp": 2, "parallel.partition": "time"}, "parallel.partition=time with"),
+    ({"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1", "memory.recompute": "every:1"},
+     "parallel.schedule=zb-h1 with memory.recompute=every:1 with parallel.cp (2) > 1"),
     ({"parallel.cp": 2, "train.log_noise_scale": True}, "train.log_noise_scale with"),
     ({"parallel.cp": 2, "model.moe.experts": 4, "model.moe.group_tokens": 16}, "model.moe.group_tokens (16) to divide"),
     ({"parallel.cp": 2, "parallel.tp": 3, "parallel.sequence_parallel": True, "model.n_heads": 3, "model.d_model": 48},

@@ -156,6 +156,8 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
                     continue
                 if sched == "interleaved" and (per_rank // mb) % pp:
                     continue
+                if cp > 1 and sched == "zb-h1" and rec.split(":")[0] in ("full", "every"):
+                    continue  # refused by validate() (parallel/context/rules.py): W recomputes the ring per group
                 out.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec,
                                   schedule=sched, virtual_stages=v, sequence_parallel=sp, offload=off,
                                   tp_mode=mode, tp_depth=depth, cp=cp, cp_mode=cp_mode))

@@ -77,6 +77,10 @@ def cp_refusals(cfg: Config) -> list[str]:
     if t.log_noise_scale:
         errors.append(f"train.log_noise_scale {why}: a rank's micro-batch gradient holds only its part of each "
                       "sequence, not a small-batch sample")
+    if p.pp > 1 and p.schedule == "zb-h1" and cfg.memory.recompute.split(":")[0] in ("full", "every"):
+        errors.append(f"parallel.schedule=zb-h1 with memory.recompute={cfg.memory.recompute} {why}: zero bubble's "
+                      "weight pass recomputes a checkpointed block once per weight group, sending the block's cp "
+                      "messages again each time (use selective recomputation or another schedule)")
     if p.pp > 1 and p.partition == "time":
         errors.append(f"parallel.partition=time {why}: its profile runs one rank's blocks alone, and their attention "
                       "needs the cp peers (use uniform, params or block counts)")
