@@ -22,11 +22,24 @@ the planner's predicted step time and memory total come from `scaletrain plan --
 
     python benchmarks/bench_gpu.py                       # on a GPU: 125M, 350M, 1.3B
     python benchmarks/bench_gpu.py --small --steps 2 --repeats 3    # on a CPU, end to end
+
+`--fp8` (issue 33) measures train.precision=fp8 against autocast-bf16 instead, on a ~1B GPT (GPT-3 XL, sequence
+2048) and a ~1B Llama-shaped model (16 layers, d 2048, SwiGLU, RoPE, RMSNorm, no biases, sequence 4096), both
+compiled: for each recipe (tensorwise, rowwise) a bf16 trainer and an FP8 trainer alternate blocks (tokens/s,
+speed-up, MFU against the device's bf16 dense peak for both, `max_memory_allocated` per side), then the FP8
+trainer alternates with torchtitan's recipe written as a plain loop (`torchao.float8.convert_to_float8_training` on
+the blocks' linear layers, torch.compile per block; ratio ours / torchao). The first block's losses of each pair
+are printed side by side (the same model, data and recipe). Two trainers are alive at once (~60 GB for 1.3B on
+an 80 GB H100); `--sizes` runs one model per call.
+
+    python benchmarks/bench_gpu.py --fp8 --json results_fp8.json              # on an FP8 GPU (H100, H200, L4, ...)
+    python benchmarks/bench_gpu.py --fp8 --small --steps 2 --repeats 3       # on a CPU: emulated, eager, tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -64,6 +77,15 @@ VARIANTS = {  # name: config overrides
     "compile selective": {"train.compile": True, "memory.recompute": "selective"},
     "compile full": {"train.compile": True, "memory.recompute": "full"},
 }
+FP8_SIZES = {  # name: (layers, d_model, heads, seq_len, vocab, micro_batch, global_batch, extra model keys)
+    "gpt-1.3b": (24, 2048, 16, 2048, 50304, 2, 8, {}),
+    "llama-1b": (16, 2048, 32, 4096, 50304, 1, 8, {"model.mlp": "swiglu", "model.position": "rope",
+                                                   "model.norm": "rmsnorm", "model.bias": False, "model.d_ff": 8192,
+                                                   "model.tie_embeddings": False}),
+}
+FP8_SMALL = {"tiny-gpt": (2, 64, 4, 64, 512, 4, 8, {}),
+             "tiny-llama": (2, 64, 4, 128, 512, 4, 8, {"model.mlp": "swiglu", "model.position": "rope",
+                                                       "model.norm": "rmsnorm", "model.bias": False})}
 GPU_NAMES = (("H100", "h100-80gb"), ("H200", "h200"), ("A100", "a100-80gb"), ("B200", "b200"))
 
 
@@ -81,10 +103,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_loop(cfg, device: torch.device):
-    """The minimal hand-written loop: returns run(first_step, n_steps) -> list of losses."""
+def plain_loop(cfg, device: torch.device, convert=None):
+    """The minimal hand-written loop: returns run(first_step, n_steps) -> list of losses. `convert(model)` swaps
+    layers before the blocks are wrapped (torchao's FP8 conversion, `torchao_loop`)."""
     t, o, m = cfg.train, cfg.optim, cfg.model
     model = build_gpt(m, t.seed, device, torch.float32)
+    if convert is not None:
+        model = convert(model)
     for block in model.blocks:
         if cfg.memory.recompute == "full":
             forward = block.forward
@@ -218,6 +243,94 @@ def fmt_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
+def fp8_sets(size: tuple, steps: int, device: str, precision: dict, compile_: bool) -> list[str]:
+    *shape, extra = size
+    sets = config_sets(tuple(shape), steps, device, {"train.compile": compile_, **extra, **precision})
+    return sets
+
+
+def torchao_loop(cfg, device: torch.device, recipe: str):
+    """torchtitan's FP8 recipe as a plain loop: the plain model, torchao's Float8Linear on the blocks' linear layers
+    (the output layer stays bf16), each block compiled, autocast-bf16 around; the same recipe as `plain_loop`."""
+    from scaletrain.memory.fp8 import torchao_float8
+
+    f8 = torchao_float8()
+    config = f8.Float8LinearConfig.from_recipe_name(recipe)
+    if device.type != "cuda":
+        config = dataclasses.replace(config, emulate=True)
+    return plain_loop(cfg, device, lambda model: f8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, name: name.startswith("blocks.")))
+
+
+def _alternate(sides: dict, args, device: torch.device, tokens_per_step: int) -> tuple[dict, dict, dict]:
+    """Warm up each side (compiles; the first losses), then `repeats` alternated timed blocks: (first losses,
+    tokens/s per block, peak bytes per side)."""
+    first, rates, peaks = {}, {s: [] for s in sides}, {s: 0 for s in sides}
+    for side, run in sides.items():
+        first[side] = run(1, args.steps)
+        sync(device)
+    step = 1 + args.steps
+    for _ in range(args.repeats):
+        for side, run in sides.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            run(step, args.steps)
+            sync(device)
+            rates[side].append(args.steps * tokens_per_step / (time.perf_counter() - t0))
+            if device.type == "cuda":
+                peaks[side] = max(peaks[side], int(torch.cuda.max_memory_allocated(device)))
+        step += args.steps
+    return first, rates, peaks
+
+
+def measure_fp8(name: str, size: tuple, args, device: torch.device, peak: float | None) -> list[dict]:
+    """The FP8 rows of one model: per recipe, bf16 vs FP8 trainers alternated; then FP8 vs torchao's loop."""
+    steps = (args.repeats + 1) * args.steps * 2 + 2
+    compile_ = device.type == "cuda"  # on a CPU (--small) eager, emulated: the script's paths, not a speed
+    rows = []
+    for recipe, against in (("tensorwise", "bf16"), ("rowwise", "bf16"), ("tensorwise", "torchao")):
+        fp8 = {"train.precision": "fp8", "train.fp8_recipe": recipe}
+        cfg = validate(load_config(None, fp8_sets(size, steps, device.type, fp8, compile_)), 1)
+        sides = {"fp8": trainer_loop(Trainer(cfg))}
+        if against == "bf16":
+            base = validate(load_config(None, fp8_sets(size, steps, device.type, {}, compile_)), 1)
+            sides = {"bf16": trainer_loop(Trainer(base)), **sides}
+        else:
+            sides["torchao"] = torchao_loop(cfg, device, recipe)
+        first, rates, peaks = _alternate(sides, args, device, cfg.tokens_per_step)
+        tps = {s: statistics.median(v) for s, v in rates.items()}
+        a, b = list(sides)
+        flops = model_flops_per_token(cfg.model)
+        rows.append({
+            "model": name, "recipe": recipe, "against": against, "seq_len": cfg.model.seq_len,
+            "tokens_per_s": tps, "ratio": tps["fp8"] / tps[against],
+            "ratio_spread": [min(x / y for x, y in zip(rates["fp8"], rates[against])),
+                             max(x / y for x, y in zip(rates["fp8"], rates[against]))],
+            "mfu": {s: flops * v / peak for s, v in tps.items()} if peak else None, "peak_bytes": peaks,
+            "first_losses": {s: first[s] for s in (a, b)}, "compiled": compile_,
+        })
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        del sides
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_table(rows: list[dict]) -> None:
+    print("| model | seq | recipe | against | tokens/s FP8 | tokens/s against | FP8 / against (min-max) | MFU FP8 | "
+          "MFU against | peak GiB FP8 | peak GiB against | first-block losses FP8 vs against |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        o, t = r["against"], r["tokens_per_s"]
+        mfu = (f"{100 * r['mfu']['fp8']:.1f}%", f"{100 * r['mfu'][o]:.1f}%") if r["mfu"] else ("n/a", "n/a")
+        peak = (fmt_bytes(r["peak_bytes"]["fp8"] or None), fmt_bytes(r["peak_bytes"][o] or None))
+        losses = f"{r['first_losses']['fp8'][-1]:.4f} vs {r['first_losses'][o][-1]:.4f}"
+        print(f"| {r['model']} | {r['seq_len']} | {r['recipe']} | {o} | {t['fp8']:,.0f} | {t[o]:,.0f} | "
+              f"{r['ratio']:.3f} ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}) | {mfu[0]} | {mfu[1]} | "
+              f"{peak[0]} | {peak[1]} | {losses} |")
+
+
 def plan_table(table: dict, sizes: list[str], variants: list[str], args, gpu: str) -> None:
     """The planner's side of every row, without training: `scaletrain plan --config FILE --gpu GPU --json`."""
     print(f"planner --gpu {gpu}; train.precision=autocast-bf16; predictions only (nothing trained)")
@@ -253,6 +366,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--plan-only", action="store_true",
                     help="print only the planner's predictions for the rows (no training; runs anywhere)")
+    ap.add_argument("--fp8", action="store_true", help="train.precision=fp8 against autocast-bf16 and torchao")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -260,6 +374,8 @@ def main() -> None:
     gpu, peak, name = device_gpu(device, args.gpu)
     if args.peak_tflops:
         peak = args.peak_tflops * 1e12
+    if args.fp8:
+        return main_fp8(args, device, name, peak)
     table = SMALL if args.small else SIZES
     sizes = args.sizes.split(",") if args.sizes else list(table)
     variants = args.variants.split(",")
@@ -291,6 +407,26 @@ def main() -> None:
               f"{plan_t} | {fmt_bytes(r['plan_memory_total'])} | {', '.join(r['exact_categories']) or 'none'} |")
     print(f"\nlosses of the first block, max |trainer - plain| over rows: "
           f"{max(r['first_losses_max_diff'] for r in rows):.2e}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def main_fp8(args, device: torch.device, name: str, peak: float | None) -> None:
+    from scaletrain.memory.fp8 import torchao_float8
+
+    torchao_float8()  # imported quietly first (torchao's root logs the CUDA libraries a CPU build cannot load)
+    import torchao
+
+    table = FP8_SMALL if args.small else FP8_SIZES
+    sizes = args.sizes.split(",") if args.sizes else list(table)
+    unknown = [s for s in sizes if s not in table]
+    if unknown:
+        raise SystemExit(f"unknown size {unknown[0]!r} (known: {', '.join(table)})")
+    gemm = "FP8 tensor cores" if device.type == "cuda" else "emulated"
+    print(f"device: {name}; torch {torch.__version__}; torchao {torchao.__version__}; FP8 GEMMs {gemm}; "
+          f"{args.repeats} blocks of {args.steps} steps per side, alternated; MFU against the bf16 dense peak")
+    rows = [row for size in sizes for row in measure_fp8(size, table[size], args, device, peak)]
+    fp8_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -75,6 +75,7 @@ def run_all(args, configs: dict[str, list[str]]) -> dict[str, dict]:
             t.train_step(args.steps + 3)
         out[name] = {"params": t.n_params, "step_time_s": statistics.median(times[name]),
                      "fwd_bwd_s": statistics.median(fb[name][1:args.steps + 1]),
+                     "fwd_bwd_all": fb[name][1:args.steps + 1],
                      "loss": last[name]["loss"], "peak_step_bytes": peak.peak, "flops": flops.get_total_flops(), **mem,
                      "cfg": t.cfg, "model": t.model, "trainer": t}
     return out

@@ -44,8 +44,11 @@ FAMILIES = {
     "moe": {**DENSE, "model.moe.experts": 4, "model.moe.every": 2},
     "ada": {**FACTORED, "optim.name": "adafactor", "optim.use_beta1": True},
     "sm3": {**FACTORED, "optim.name": "sm3", "optim.momentum": 0.5},
+    # grouped-query: one key/value head, copied on both ranks under tp 2; Qwen2's q/k/v biases; Llama 3.1's RoPE
     "llama": {**DENSE, "model.position": "rope", "model.mlp": "swiglu", "model.norm": "rmsnorm", "model.bias": False,
-              "model.tie_embeddings": False},
+              "model.tie_embeddings": False, "model.n_kv_heads": 1, "model.qkv_bias": True,
+              "model.rope_theta": 500000.0, "model.rope_scaling.type": "llama3",
+              "model.rope_scaling.original_max_position_embeddings": 16},
     "torchdrop": {**DENSE, "model.dropout": 0.1, "model.dropout_impl": "torch"},
     "bf16": {**DENSE, "train.dtype": "bf16"},
     "fp16": {**DENSE, "train.dtype": "fp16", "train.loss_scale": 1024.0},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -185,7 +186,7 @@ CLI_ROWS = [
     ([], ["'scaletrain' needs one of", "train", "plan"]),
     (["config"], ["'scaletrain config' needs one of: show"]),
     (["report"], ["'scaletrain report' needs one of: run, timeline"]),
-    (["train", "--nproc", "-2"], ["--nproc must be >= 1"]),
+    (["train", "--nproc", "-2"], ["--nproc", "[1, 16,777,216]", "got -2"]),
     (["train", "--set", "train.steps"], ["--set expects key=value", "'train.steps'"]),
     (["train", "--set", "model=3"], ["'model' is a section"]),
     (["train", "--set", "model.moe=3"], ["'model.moe' is a section"]),
@@ -535,3 +536,320 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, tmp_path, monkeypatch):
     timers[0].join()
     assert code == 130 and capsys.readouterr().err == "scaletrain: interrupted\n"
     assert not (tmp_path / "t.png").exists()
+
+
+# =========================================================================== issue 30: the second sweep
+# Each row: exit 2, one line naming the bad value, and every file in the test's folder unchanged (by hash).
+
+LONG = "x" * 300  # a path part over the file system's 255 bytes
+PATH_OPTIONS = [  # every option that names a path, with a 300-byte part
+    ["train", "--out", f"runs/{LONG}"], ["demo", "--out", LONG], ["sample", "--out", LONG],
+    ["config", "show", "--config", f"{LONG}.yaml"], ["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8",
+                                                     "--cluster", LONG],
+    ["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--png", f"{LONG}.png"],
+    ["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--html", f"{LONG}.html"],
+    [*TL, "--out", f"{LONG}.png"], [*TL, "--trace", f"{LONG}.json"], [*TL, "--run", LONG],
+    ["scaling", "fit", LONG], ["scaling", "fit", "/nonexistent.csv", "--plot", LONG],
+    ["scaling", "sweep", "--out", LONG], ["checkpoint", "convert", LONG, "--to", "x"],
+    ["report", "run", LONG],
+]
+HARD_CLI_ROWS = [(argv, ["bytes long, above the file system's limit of 255"]) for argv in PATH_OPTIONS] + [
+    (["plan", "--model", "gpt2", "--gpus", "100000000000000000000", "--global-batch", "8"],
+     ["--gpus (100000000000000000000) is above the limit of 16,777,216"]),
+    (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "100000000000000000000"],
+     ["--global-batch (100000000000000000000) is above the limit"]),
+    (["plan", "--layers", "1000000000000000000000000000000", "--hidden", "64", "--heads", "4", "--vocab", "256",
+      "--seq-len", "64", "--gpus", "8", "--global-batch", "8"], ["--layers", "above the limit of 100,000"]),
+    (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--layout", "tp=8,tp=4"],
+     ["--layout names tp twice (tp=8 and tp=4)"]),
+    (["plan", "--params", "1e9", "--gpus", "8", "--layout", "tp=99999999999999999999"],
+     ["--layout: tp (99999999999999999999) is above the limit"]),
+    (["launch-info", "--nnodes", "0"], ["--nnodes", "[1, 16,777,216]", "got 0"]),
+    (["train", "--nnodes", "0"], ["--nnodes", "got 0"]),
+    (["sample", "--out", "/nonexistent/run", "--seed", str(2**64)], ["--seed", str(2**64)]),
+    (["sample", "--out", "/nonexistent/run", "--seed", "-1"], ["--seed", "got -1"]),
+]
+HARD_CONFIG_ROWS = [
+    ("train.seed=-5", ["train.seed must be in [0, 2^63-1], got -5"]),
+    ("train.seed=100000000000000000000000", ["train.seed (100000000000000000000000) is beyond 64 bits"]),
+    ("model.n_layers=1000000000000000000000000000000", ["model.n_layers", "beyond 64 bits"]),
+    ("model.n_layers=100000000000000000", ["model.n_layers (100000000000000000) is above the limit of 100,000"]),
+    ("train.global_batch=1099511627776", ["train.global_batch (1099511627776) is above the limit"]),
+    ("parallel.dp=1000000000", ["parallel.dp (1000000000) is above the limit"]),
+    ("model.vocab_size=99999999999999", ["model.vocab_size", "above the limit"]),
+    ("parallel.timeout_s=0.01", ["parallel.timeout_s (0.01) is below the floor of 2 s"]),
+    ("model.norm_eps=-1", ["model.norm_eps must be positive", "-1.0"]),
+    ("model.norm_eps=0", ["model.norm_eps must be positive"]),
+    ("train.lr=1e999", ["train.lr (inf)", "must be finite"]),
+    ("optim.eps=" + "9" * 400, ["optim.eps", "beyond the range of a number"]),
+]
+
+
+@pytest.mark.parametrize("argv, fragments", HARD_CLI_ROWS, ids=[" ".join(r[0])[:80] for r in HARD_CLI_ROWS])
+def test_second_sweep_command_line_is_refused_in_one_line(capsys, tmp_path, monkeypatch, argv, fragments):
+    monkeypatch.chdir(tmp_path)
+    code = call(argv)
+    assert_one_line(code, capsys.readouterr().err, *fragments)
+    assert list(tmp_path.iterdir()) == [], "a refused command wrote files"
+
+
+@pytest.mark.parametrize("item, fragments", HARD_CONFIG_ROWS, ids=[r[0][:60] for r in HARD_CONFIG_ROWS])
+def test_second_sweep_config_value_is_refused_in_one_line(capsys, item, fragments):
+    code = call(["config", "show", "--set", item])
+    assert_one_line(code, capsys.readouterr().err, *fragments)
+
+
+def _hard_case(kind: str, tmp: Path) -> tuple[list[str], list[str]]:
+    """Bad files and folders of the second sweep, built in `tmp`: (argv, fragments)."""
+    yaml, cluster = tmp / "c.yaml", tmp / "cluster.yaml"
+    plan = ["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--cluster", str(cluster)]
+    show = ["config", "show", "--config", str(yaml)]
+    if kind.startswith("cluster-"):
+        body = {"cluster-nan": "gpu:\n  base: a100-80gb\n  peak_flops: .nan\n",
+                "cluster-inf": "gpu:\n  base: a100-80gb\n  memory_bytes: .inf\n",
+                "cluster-dup": "gpu:\n  base: a100-80gb\ngpu:\n  base: h100\n",
+                "cluster-gpus-huge": "gpu:\n  base: a100-80gb\ngpus: 100000000000000000000\n",
+                "cluster-big-int": "gpu:\n  base: a100-80gb\n  memory_bytes: 1" + "0" * 30 + "\n"}.get(kind)
+        if kind == "cluster-utf16":
+            cluster.write_bytes("gpu:\n  base: a100-80gb\n".encode("utf-16"))
+        elif kind == "cluster-fifo":
+            os.mkfifo(cluster)
+        else:
+            cluster.write_text(body)
+        return plan, {"cluster-nan": ["gpu.peak_flops (nan)", "finite"], "cluster-inf": ["gpu.memory_bytes (inf)"],
+                      "cluster-dup": ["key 'gpu' appears twice (lines 1 and 3)"],
+                      "cluster-gpus-huge": ["gpus (100000000000000000000)", "64 bits"],
+                      "cluster-big-int": ["gpu.memory_bytes", "64 bits"],
+                      "cluster-utf16": ["not a text file (not UTF-8"], "cluster-fifo": ["is a FIFO"]}[kind]
+    if kind == "config-fifo":
+        os.mkfifo(yaml)
+        return show, [f"--config {yaml} is a FIFO, not a config file"]
+    if kind == "config-devzero":
+        return ["config", "show", "--config", "/dev/zero"], ["--config /dev/zero is a device, not a config file"]
+    if kind == "config-loop":
+        (tmp / "la").symlink_to(tmp / "lb")
+        (tmp / "lb").symlink_to(tmp / "la")
+        return ["config", "show", "--config", str(tmp / "la")], ["a symbolic link loop"]
+    if kind == "config-dangling":
+        (tmp / "d.yaml").symlink_to(tmp / "gone.yaml")
+        return ["config", "show", "--config", str(tmp / "d.yaml")], ["is a symbolic link to", "which does not exist"]
+    if kind == "config-deep":
+        yaml.write_text("a: " + "[" * 3000 + "]" * 3000 + "\n")
+        return show, ["nested more than 64 levels deep"]
+    if kind == "config-alias-bomb":
+        lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+        lines += [f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]" for i in range(9)]
+        yaml.write_text("\n".join(lines) + "\n")
+        return show, ["more than 32 aliases"]
+    if kind == "config-dup-key":
+        yaml.write_text("train:\n  steps: 5\n  steps: 7\n")
+        return show, ["key 'steps' appears twice (lines 2 and 3)"]
+    if kind == "config-bad-section-repr":
+        yaml.write_text("model: [" + ",".join(["1"] * 2000) + "]\n")
+        return show, ["model: expected a mapping of keys, got [1, 1,", "...)"]
+    if kind == "plan-config-with-model":
+        yaml.write_text("train:\n  steps: 5\n")
+        return ["plan", "--config", str(yaml), "--model", "gpt3-175b", "--gpus", "8"], \
+            ["plan --config", "--model, --gpus would be ignored"]
+    if kind in ("out-loop", "out-dangling"):
+        if kind == "out-loop":
+            (tmp / "oa").symlink_to(tmp / "ob")
+            (tmp / "ob").symlink_to(tmp / "oa")
+            return ["train", *TINY, "--out", str(tmp / "oa")], ["a symbolic link loop"]
+        (tmp / "od").symlink_to(tmp / "nowhere")
+        return ["train", *TINY, "--out", str(tmp / "od")], ["is a symbolic link to", "which does not exist"]
+    if kind.startswith("trace-"):
+        js = tmp / "t.json"
+        body = {"trace-list": b"[1, 2]", "trace-utf16": "{}".encode("utf-16"),
+                "trace-huge-pp": b'{"traceEvents": [], "otherData": {"schedule": "1f1b", "pp": 1000000000, '
+                                 b'"microbatches": 1}}',
+                "trace-inf-time": b'{"traceEvents": [{"ph": "X", "pid": 0, "ts": 1e999, "dur": 1, "name": "F"}], '
+                                  b'"otherData": {"schedule": "1f1b", "pp": 1, "microbatches": 1}}'}[kind]
+        js.write_bytes(body)
+        return [*TL, "--run", str(js)], {"trace-list": ["is not a scaletrain pipeline trace"],
+                                         "trace-utf16": ["not UTF-8"], "trace-huge-pp": ["pp=1000000000"],
+                                         "trace-inf-time": ["out of range"]}[kind]
+    if kind == "sweep-user-folder":
+        (tmp / "mine").mkdir()
+        (tmp / "mine" / "notes.txt").write_text("mine")
+        return ["scaling", "sweep", "--out", str(tmp / "mine")], ["not a scaling sweep (no .scaletrain-sweep)"]
+    if kind == "sweep-bad-plan":
+        (tmp / "sw").mkdir()
+        (tmp / "sw" / ".scaletrain-sweep").write_text("x")
+        (tmp / "sw" / "plan.json").write_text("not json{")
+        return ["scaling", "sweep", "--out", str(tmp / "sw"), "--minutes", "0.1"], ["plan.json is not a sweep plan"]
+    if kind == "csv-fifo":
+        os.mkfifo(tmp / "runs.csv")
+        return ["scaling", "fit", str(tmp / "runs.csv")], ["is a FIFO"]
+    if kind == "csv-latin1":
+        (tmp / "runs.csv").write_bytes("params,tokens,flops,loss,run\n1,2,3,4,caf\xe9\n".encode("latin-1"))
+        return ["scaling", "fit", str(tmp / "runs.csv")], ["not a text file (not UTF-8: byte 0xe9"]
+    raise AssertionError(kind)
+
+
+HARD_FILE_ROWS = ["cluster-nan", "cluster-inf", "cluster-dup", "cluster-gpus-huge", "cluster-big-int",
+                  "cluster-utf16", "cluster-fifo", "config-fifo", "config-devzero", "config-loop", "config-dangling",
+                  "config-deep", "config-alias-bomb", "config-dup-key", "config-bad-section-repr",
+                  "plan-config-with-model", "out-loop", "out-dangling", "trace-list", "trace-utf16", "trace-huge-pp",
+                  "trace-inf-time", "sweep-user-folder", "sweep-bad-plan", "csv-fifo", "csv-latin1"]
+
+
+def _hashes(path: Path) -> dict:
+    import hashlib
+
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*"))
+            if p.is_file() and not p.is_symlink() and not stat.S_ISFIFO(p.lstat().st_mode)}
+
+
+@pytest.mark.parametrize("kind", HARD_FILE_ROWS)
+def test_second_sweep_bad_file_is_refused_and_left_alone(capsys, tmp_path, kind):
+    argv, fragments = _hard_case(kind, tmp_path)
+    before, names = _hashes(tmp_path), sorted(p.name for p in tmp_path.rglob("*"))
+    code = call(argv)
+    err = capsys.readouterr().err
+    assert_one_line(code, err, *fragments)
+    assert len(err) < 400, err  # a message quotes bad input, never megabytes of it
+    assert _hashes(tmp_path) == before and sorted(p.name for p in tmp_path.rglob("*")) == names
+
+
+# --------------------------------------------------------------------------- issue 30: runs, locks, signals, disks
+
+HOLD = ("import sys, time\nfrom pathlib import Path\nfrom scaletrain.guards import lock_run\n"
+        "lock = lock_run(Path(sys.argv[1]))\nprint('held', flush=True)\ntime.sleep(600)\n")
+
+
+def test_a_locked_run_folder_is_refused_naming_the_holder_then_recovered_after_a_crash(capsys, run_dir, tmp_path):
+    """Two `train --out X` at once: the second is refused (host and pid of the holder), nothing changed; after the
+    holder is killed (SIGKILL: no clean-up), the next run takes the stale lock over, saying so, and trains."""
+    import signal
+    import socket
+
+    out = tmp_path / "run"
+    shutil.copytree(run_dir[0], out)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = _hashes(out)
+        code = call(["train", "--out", str(out), *TINY, "--set", "train.steps=3"])
+        assert_one_line(code, capsys.readouterr().err, f"--out {out} is in use by another scaletrain run",
+                        f"host {socket.gethostname()}, pid {holder.pid}")
+        assert _hashes(out) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert call(["train", "--out", str(out), *TINY, "--set", "train.steps=3"]) == 0
+    captured = capsys.readouterr()
+    assert f"was left by a run that stopped without releasing it (host {socket.gethostname()}, pid {holder.pid})" \
+        in captured.err
+    assert not (out / ".scaletrain-lock").exists()  # released at the end of the run
+
+
+def test_resume_refuses_a_checkpoints_file_and_only_incomplete_checkpoints(capsys, run_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run_dir[0], out)
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").write_text("not a folder")
+    before = _hashes(out)
+    code = call(["train", "--out", str(out), *TINY, "--set", "train.steps=3"])
+    assert_one_line(code, capsys.readouterr().err, "checkpoints is a file, not the run's folder of checkpoints")
+    assert _hashes(out) == before
+    shutil.rmtree(out)
+    shutil.copytree(run_dir[0], out)
+    for marker in (out / "checkpoints").glob("*/COMPLETE"):
+        marker.unlink()
+    before = _hashes(out)
+    code = call(["train", "--out", str(out), *TINY, "--set", "train.steps=3"])
+    assert_one_line(code, capsys.readouterr().err, "is incomplete (no COMPLETE marker",
+                    "no earlier complete checkpoint to resume from")
+    assert _hashes(out) == before  # config.yaml, metrics.jsonl, run_info.json: not rewritten
+
+
+def test_resume_passes_over_an_incomplete_newest_checkpoint_saying_which(capsys, tmp_path):
+    out = tmp_path / "run"
+    assert call(["train", "--out", str(out), *TINY, "--set", "train.checkpoint_every=1"]) == 0
+    capsys.readouterr()
+    (out / "checkpoints" / "step_00000002" / "COMPLETE").unlink()
+    assert call(["train", "--out", str(out), *TINY, "--set", "train.checkpoint_every=1",
+                 "--set", "train.steps=3"]) == 0
+    text = capsys.readouterr().out
+    assert f"note: {out}/checkpoints/step_00000002 is incomplete (no COMPLETE marker: an interrupted save?); " \
+           f"resuming from {out}/checkpoints/step_00000001, the newest complete checkpoint" in text
+    assert "resumed from step 1" in text
+
+
+def test_outputs_inside_a_runs_managed_folders_are_refused(capsys, run_dir):
+    out = run_dir[0]
+    before = _hashes(out)
+    for argv in (["checkpoint", "convert", str(out), "--to", str(out / "checkpoints" / "single")],
+                 ["export", str(out), "--format", "hf", "--to", str(out / "logs" / "hf")],
+                 ["scaling", "sweep", "--out", str(out / "checkpoints" / "sw")],
+                 ["report", "timeline", "--out", str(out / "checkpoints" / "t.png")],
+                 ["train", "--out", str(out / "checkpoints" / "r"), *TINY]):
+        code = call(argv)
+        assert_one_line(code, capsys.readouterr().err, "a folder the run", "manages")
+    assert _hashes(out) == before
+
+
+def test_a_model_beyond_host_memory_is_refused_before_launch(capsys, tmp_path):
+    """357,636 GiB per rank on a 23.5 GiB host was warned about, then allocated until the kernel killed it."""
+    out = tmp_path / "big"
+    code = call(["train", "--out", str(out), *TINY, "--set", "model.n_layers=2000", "--set", "model.d_model=8192",
+                 "--set", "model.n_heads=64"])
+    assert_one_line(code, capsys.readouterr().err, "the plan needs", "GiB per rank", "host memory per process is",
+                    "nothing was started")
+    assert not out.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_is_named_and_the_earlier_checkpoint_kept(capsys, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = disk / "run"
+        sets = [*TINY, "--set", "train.checkpoint_every=1", "--set", "train.report=false"]
+        assert call(["train", "--out", str(out), *sets, "--set", "train.steps=1"]) == 0
+        first = _hashes(out / "checkpoints")
+        capsys.readouterr()
+        code = call(["train", "--out", str(out), *sets, "--set", "train.steps=4"])
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+        assert "the disk is full" in lines[0] and "unexpected pos" not in lines[0]
+        assert f"the earlier checkpoint {out}/checkpoints/step_00000001 is intact" in lines[0]
+        assert {p: h for p, h in _hashes(out / "checkpoints").items() if "step_00000001" in str(p)} == first
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    """`kill -TERM` to `scaletrain train --nproc 2` (how SLURM and Kubernetes stop a job): the launcher forwards it
+    to torchrun's process group, waits for the ranks, and exits 143 with one line; no process is left behind."""
+    import signal
+    import time
+
+    import psutil
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--nproc", "2", "--out", str(out), *TINY,
+                          "--set", "parallel.dp=2", "--set", "train.steps=100000"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() else "no step"
+            time.sleep(0.1)
+        family = psutil.Process(p.pid).children(recursive=True)
+        assert len(family) >= 3  # torchrun and its two ranks
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert [x for x in err.splitlines() if x.startswith("scaletrain:")] == \
+        ["scaletrain: stopped by SIGTERM; the ranks were stopped"]
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, [q.pid for q in alive]
+    assert not (out / ".scaletrain-lock").exists()

@@ -444,6 +444,18 @@ def test_partition_by_params_counts_embeddings_and_head():
     assert plan.bottleneck <= part.uniform(6, 3, costs).bottleneck
 
 
+def test_partition_ends_gives_the_embedding_and_the_head_one_block_each():
+    from scaletrain.parallel.pipeline.check import validate_pipeline
+    from scaletrain.parallel.pipeline.stage import resolve_partition
+
+    assert part.ends(126, 16).blocks == (7,) + (8,) * 14 + (7,)  # Llama 3 405B, arXiv 2407.21783 Sec. 3.3.2
+    assert part.ends(5, 2).blocks == (3, 2) and part.ends(6, 2).blocks == (3, 3)
+    cfg = make_config({**TINY, "model.n_layers": 5, "parallel.pp": 2, "parallel.partition": "ends"})
+    assert resolve_partition(cfg.model, cfg.parallel, 2, None).blocks == (3, 2)
+    assert validate_pipeline(5, 2, 1, 4, "1f1b", "ends") == []
+    assert "ends cannot split model.n_layers (4) into 4 stages" in validate_pipeline(4, 4, 1, 8, "1f1b", "ends")[0]
+
+
 def test_partition_by_measured_times_is_balanced():
     from scaletrain.model import build_gpt
 

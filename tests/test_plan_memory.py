@@ -24,6 +24,8 @@ CONFIGS = [
     dict(position="rope", tie_embeddings=False),
     dict(n_layers=2, d_model=96, n_heads=6, seq_len=48, vocab_size=300, d_ff=100),
     dict(mlp="swiglu", bias=False, position="rope", tie_embeddings=False),
+    dict(n_kv_heads=2, mlp="swiglu", bias=False, qkv_bias=True, position="rope"),  # grouped-query, Qwen2's biases
+    dict(n_kv_heads=1),  # multi-query
 ]
 
 
@@ -119,8 +121,8 @@ def test_korthikanti_activation_formulas():
     assert f(m, s * b, 1, False, "none", "standard", 2) == pytest.approx(sbh * (34 + 5 * a * s / h))
     assert f(m, s * b, t, False, "none", "standard", 2) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert f(m, s * b, t, True, "none", "standard", 2) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
-    # selective keeps 34 sbh/t plus a 4-byte log-sum-exp per head and token (< 0.1% here)
-    assert f(m, s * b, t, True, "selective", "standard", 2) == pytest.approx(34 * sbh / t, rel=1e-3)
+    # attn-core (selective) keeps 34 sbh/t plus a 4-byte log-sum-exp per head and token (< 0.1% here)
+    assert f(m, s * b, t, True, "attn-core", "standard", 2) == pytest.approx(34 * sbh / t, rel=1e-3)
     assert f(m, s * b, t, True, "full", "standard", 2) == pytest.approx(2 * sbh / t)
     assert f(m, s * b, 1, False, "full", "standard", 2) == pytest.approx(2 * sbh)
 
@@ -188,6 +190,10 @@ ONE_RANK = [  # the passes that run in one process: precision, recomputation, of
     {"train.precision": "autocast-bf16", "model.mlp": "swiglu", "model.position": "rope", "model.bias": False},
     {"train.precision": "autocast-bf16", "memory.recompute": "selective", "model.tie_embeddings": False},
     {"train.precision": "autocast-bf16", "memory.recompute": "every:2", "model.n_layers": 4},
+    # grouped-query attention: q and kv outputs, RoPE's rotated q and k, autocast's extra input cast
+    {"model.n_kv_heads": 2, "model.position": "rope", "model.rope_scaling.type": "llama3", "train.dtype": "bf16"},
+    {"model.n_kv_heads": 1, "train.precision": "autocast-bf16", "model.position": "rope",
+     "memory.recompute": "selective"},
 ]
 
 
@@ -229,6 +235,10 @@ TWO_RANKS = [  # every parallel layout on two processes: dp x ZeRO 0-3 (+ offloa
     # ... and under tensor parallelism: statistics of the whole matrix on each tp rank, element-wise states local
     {"parallel.tp": 2, "optim.name": "adafactor", "optim.use_beta1": True, "train.dtype": "bf16"},
     {"parallel.tp": 2, "optim.name": "sm3", "optim.momentum": 0.9, "parallel.sequence_parallel": True},
+    # grouped-query attention: 2 key/value heads split over tp 2; 1 copied on both ranks (with sp, Adafactor)
+    {"parallel.tp": 2, "model.n_kv_heads": 2, "model.position": "rope", "memory.recompute": "selective"},
+    {"parallel.tp": 2, "model.n_kv_heads": 1, "parallel.sequence_parallel": True, "optim.name": "adafactor",
+     "model.bias": False, "model.qkv_bias": True},
 ]
 
 

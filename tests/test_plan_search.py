@@ -9,7 +9,7 @@ import pytest
 from scaletrain.errors import UserError
 from scaletrain.plan.analytic.estimate import estimate
 from scaletrain.plan.analytic.inputs import Layout, Training
-from scaletrain.plan.analytic.pipeline import inflight_chunks, pipeline_time
+from scaletrain.plan.analytic.stages import inflight_count, pipeline_makespan
 from scaletrain.plan.catalog import get_model
 from scaletrain.plan.hardware import get_gpu
 from scaletrain.plan.search import dedupe, parse_layout, search
@@ -18,6 +18,11 @@ CASES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "
          for p in (1, 2, 3, 4, 8) for m in (p, 2 * p, 2 * p + 1, 4 * p)
          for v in ((1, 2, 3) if name == "interleaved" else (1,))]
 TIMES = [(1.0, 2.0, 0.0), (1.0, 1.0, 1.0), (1.0, 1.5, 0.7), (1.0, 1.0, 3.0), (0.5, 0.3, 0.9)]
+
+
+def pipeline_time(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float = 0.0) -> float:
+    """The planner's step for equal stages: t_f, t_b (input backward, or all of it when t_w = 0), t_w per rank."""
+    return pipeline_makespan(name, p, m, v, [t_f + t_b + t_w] * p, [max(t_f + t_b - t_w, t_f)] * p)
 
 
 def test_closed_forms_agree_with_schedule_simulator():
@@ -36,7 +41,7 @@ def test_closed_forms_agree_with_schedule_simulator():
             if name == "2bw" and p > 1:  # one isolated step: fill and drain once (see pipeline_time)
                 closed += (p - 1) * (t_f + t_b + t_w)
             assert r.makespan == pytest.approx(closed, rel=1e-9), (name, p, m, v, t_f, t_b, t_w)
-            assert max(r.peak_in_flight) == inflight_chunks(name, p, m, v), (name, p, m, v)
+            assert r.peak_in_flight == [inflight_count(name, p, m, v, rank) for rank in range(p)], (name, p, m, v)
             checked += 1
     assert checked > 300
 
@@ -54,18 +59,36 @@ def test_bubble_fraction_closed_forms():
 def test_interleaved_inflight_matches_korthikanti_factor():
     # first stage holds L(1 + (p-1)/(pv)) layers' activations (arXiv 2205.05198 Sec. 4.2.3)
     for p, v in ((4, 2), (8, 3), (16, 4)):
-        chunks = inflight_chunks("interleaved", p, 4 * p, v)  # a chunk holds L/(pv) layers
+        chunks = inflight_count("interleaved", p, 4 * p, v, 0)  # a chunk holds L/(pv) layers
         assert chunks / (p * v) == pytest.approx(1 + (p - 1) / (p * v))
 
 
-def test_search_1t_on_3072_gpus_under_two_seconds():
-    t0 = time.perf_counter()
+def test_search_1t_on_3072_gpus_in_seconds():
+    """Issue 31 widened the search (any pp with enough layers, the partitions, the checkpointing policies, ZeRO-3
+    without resharding): about 18,600 layouts for 1T on 3,072 GPUs, 2.6x those before. Measured here 1.1-1.3 s of
+    CPU (process time, which the shared machine's load moves less than wall time); the bound catches a blow-up."""
+    t0 = time.process_time()
     r = search(get_model("megatron-1t"), get_gpu("a100-80gb"), 3072, Training(3072))
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 2.0, elapsed
-    assert r.candidates[0].fits and r.evaluated > 1000
+    elapsed = time.process_time() - t0
+    assert elapsed < 6.0, elapsed
+    assert r.candidates[0].fits and 15000 < r.evaluated < 25000
     best = r.candidates[0].layout
     assert best.world == 3072 and best.tp * best.pp >= 64  # 1T cannot live on fewer than ~64 GPUs/replica
+
+
+def test_readme_first_plan_ranks_no_unvalidated_layout_above_validated_ones_within_the_held_out_error():
+    """The README's first command: ZeRO-3 over 256 data-parallel ranks is predicted fastest by 1%, but no published
+    run checks ZeRO-3 that wide (the 2021 DeepSpeed runs ran 1.4-4x slower than predicted): it ranks as if 26% slower,
+    behind the validated layouts it beats by less than that. Before issue 31 it came first at 71% MFU."""
+    from scaletrain.plan.trust import TRUST, coverage_notes, rank_key
+
+    r = search(get_model("gpt3-175b"), get_gpu("a100-80gb"), 1024, Training(1536))
+    fits = [c for c in r.candidates if c.fits]
+    best, fastest = fits[0], min(fits, key=lambda c: c.step_time_s)
+    assert coverage_notes(fastest) and fastest.layout.zero == 3 and fastest.layout.dp == 256
+    assert not coverage_notes(best) and best.step_time_s < fastest.step_time_s * (1 + TRUST)
+    assert [rank_key(c) for c in fits] == sorted(rank_key(c) for c in fits)
+    assert 0.55 < best.mfu < 0.65  # measured 62.9%: MPT-70B on A100 reaches 53% MFU with full recomputation
 
 
 def test_search_ranks_fitting_layouts_by_step_time():
@@ -103,3 +126,17 @@ def test_more_memory_pressure_never_fits_better():
     assert full.memory["activations"] < none.memory["activations"]
     assert full.step_time_s > none.step_time_s
     assert full.hardware_tflops_per_gpu / full.model_tflops_per_gpu == pytest.approx(4 / 3, rel=0.02)
+
+
+def test_docs_state_the_zero_stages_the_search_tries_with_pipelining():
+    """Issue 31: docs/planner.md said the search tries ZeRO 0-1 with pp > 1 while search.py tries 0-3."""
+    from pathlib import Path
+
+    from scaletrain.plan.search import enumerate_layouts
+
+    layouts = enumerate_layouts(get_model("gpt3-6.7b"), get_gpu("a100-80gb"), 64, Training(512), {"tp": 8, "pp": 4})
+    assert sorted({lay.zero for lay in layouts}) == [0, 1, 2, 3]
+    doc = (Path(__file__).parents[1] / "docs" / "planner.md").read_text()
+    start = doc.index("## The search")
+    search_section = doc[start:doc.index("\n## ", start)]
+    assert "ZeRO 0–3 with and without pp" in search_section and "0–1 with pp > 1" not in search_section

@@ -329,3 +329,19 @@ if __name__ == "__main__":  # the tables of docs/planner-validation.md section 6
     print(head.format("layout (2 processes)"))
     for name, ov in TWO_PROCESS.items():
         print(_row(name, measure_and_predict_two_processes(ov)))
+
+
+@pytest.mark.parametrize("name", ["adafactor", "sm3"])
+def test_probe_times_the_engines_factored_optimizer_under_zero(name):
+    """Under ZeRO the engine steps Adafactor / SM3 as `zero_factored.ShardedFactored` over the shard's pieces; the
+    probe timed AdamW there with the configured optimizer's keywords and failed to build (ConfigError)."""
+    from harness import TINY, make_config
+
+    from scaletrain.parallel.zero_factored import ShardedFactored
+    from scaletrain.plan.exact.probe import RunProbe
+
+    cfg = make_config({**TINY, "parallel.dp": 2, "parallel.zero": 1, "optim.name": name})
+    probe = RunProbe(cfg)
+    assert isinstance(probe.opt, ShardedFactored) and probe.opt.name == name
+    assert sum(b - a for _, a, b in probe._optimizer_pieces()) == sum(p.numel() for p in probe.opt_params)
+    assert probe.sample()["optimizer"] > 0

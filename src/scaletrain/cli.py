@@ -14,7 +14,7 @@ import os
 import sys
 
 from scaletrain.commands.parser import Parser
-from scaletrain.errors import UserError
+from scaletrain.errors import Stopped, UserError
 
 # (module that owns the subcommand). Modules are imported only if they exist in this install.
 COMMAND_MODULES = (
@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         sys.stderr.write(f"scaletrain: error: {e}\n")
         return e.exit_code
+    except Stopped as e:
+        import signal
+
+        sys.stderr.write(f"scaletrain: stopped by {signal.Signals(e.signum).name}; the ranks were stopped\n")
+        return 128 + e.signum
     except KeyboardInterrupt:
         sys.stderr.write("scaletrain: interrupted\n")
         return 130

@@ -26,3 +26,20 @@ class CheckpointError(UserError):
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The launcher received SIGTERM or SIGHUP (a job scheduler stopping the job): raised in the launcher's main thread
+    by `distributed.launch.stop_signals`, which has forwarded the signal to its ranks and waits for them; the CLI
+    prints one line and exits 128 + the signal number, as a process killed by it would."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class DiskFull(UserError):
+    """A write failed because the disk (or the user's quota) is full: one line naming the folder and the free space,
+    exit 1 (the input was fine; the machine ran out of room). What was written before is left intact."""
+
+    exit_code = 1

@@ -3,7 +3,7 @@
     scaletrain checkpoint inspect runs/r2                     # newest checkpoint: step, layout, tensors, checksums
     scaletrain checkpoint convert runs/r2 --to runs/r2-single  # the same state as a single-process run
     scaletrain checkpoint convert runs/r2 --to runs/r2-tp --layout "tp=2,sequence_parallel=true"
-    scaletrain export runs/r2 --format hf --to hf/r2           # Hugging Face GPT-2 / Llama directory
+    scaletrain export runs/r2 --format hf --to hf/r2           # Hugging Face GPT-2 / Llama / Qwen2 directory
 
 A DIR argument may be a checkpoint directory, a run directory (its newest complete checkpoint) or a folder of
 runs (the run with the newest checkpoint, e.g. `runs/demo`).
@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from scaletrain.errors import CheckpointError, UserError
+from scaletrain.guards import check_not_managed, check_path
 
 
 def add_parser(sub) -> None:
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
                    help="other layout keys (parallel.*, train.micro_batch, memory.*)")
     v.set_defaults(func=cmd_convert)
 
-    e = sub.add_parser("export", help="export a checkpoint of any layout (Hugging Face GPT-2 / Llama)")
+    e = sub.add_parser("export", help="export a checkpoint of any layout (Hugging Face GPT-2 / Llama / Qwen2)")
     e.add_argument("dir", help="a checkpoint, a run (its newest checkpoint) or a folder of runs")
     e.add_argument("--format", choices=["hf"], default="hf", help="hf: config.json + model.safetensors")
     e.add_argument("--to", required=True, help="output directory (must not exist, or be empty)")
@@ -49,9 +50,10 @@ def find_checkpoint(path, note: bool = True) -> Path:
 
 def _new_output(to: str, what: str) -> Path:
     """An output directory that does not exist or is empty (created); never one with files in it."""
-    out = Path(to)
     if str(to).strip() == "":
         raise UserError(f"--to must name a directory for the {what}")
+    out = check_path(to, "--to")  # guards.py: long parts, link loops, dangling links
+    check_not_managed(out, "--to")  # never inside a run's checkpoints/ or logs/: its clean-up would delete it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--to {out} exists and is not an empty directory; choose a new one (nothing was written)")
     try:
@@ -223,13 +225,14 @@ def convert_worker(cfg, source: Path, meta: dict, out: Path, env) -> int:
 
 def cmd_export(args) -> int:
     from scaletrain.config import config_from_dict
-    from scaletrain.interop.hf import export_hf, hf_kind
+    from scaletrain.interop.hf import export_hf
+    from scaletrain.interop.hf_config import hf_family
     from scaletrain.train import checkpoint as ckpt
 
     directory = find_checkpoint(args.dir)
     meta = ckpt.read_meta(directory)
     cfg = config_from_dict(meta["config"])
-    hf_kind(cfg.model)  # refuses models without a Hugging Face equivalent before anything is written
+    hf_family(cfg.model)  # refuses models without a Hugging Face equivalent before anything is written
     out = _new_output(args.to, "export")
     state = ckpt.read_tensors(directory, "model/")
     arch = export_hf(cfg.model, state, out)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.errors import UserError
+from scaletrain.guards import MAX_GPUS, bounded_int
 from scaletrain.multinode import network
 
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
@@ -29,8 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="the rendezvous endpoint (default: MASTER_ADDR:MASTER_PORT when set)")
     p.add_argument("--out", default=None, help="the run's output folder, to check it")
-    p.add_argument("--nnodes", type=int, default=2, help="nodes, for the printed torchrun line")
-    p.add_argument("--nproc", type=int, default=1, help="processes per node, for the printed torchrun line")
+    p.add_argument("--nnodes", type=bounded_int(1, MAX_GPUS), default=2, help="nodes, for the printed torchrun line")
+    p.add_argument("--nproc", type=bounded_int(1, MAX_GPUS), default=1,
+                   help="processes per node, for the printed torchrun line")
     p.add_argument("--config", default=None, help="YAML config (under torchrun: compared between ranks)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(func=cmd_launch_info)

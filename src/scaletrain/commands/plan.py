@@ -18,7 +18,7 @@ import sys
 
 from scaletrain.config.schema import MLPS, POSITIONS
 from scaletrain.errors import UserError
-from scaletrain.guards import positive_float
+from scaletrain.guards import MAX_GLOBAL_BATCH, MAX_GPUS, SIZE_LIMITS, positive_float, short
 from scaletrain.optim import optimizer_spec
 from scaletrain.plan import catalog, hardware
 from scaletrain.plan.analytic.inputs import DTYPES, OPTIMIZERS, Assumptions, Layout, Training
@@ -78,8 +78,15 @@ def add_parser(subparsers) -> None:
                          "per-tensor (DeepSpeed ZeRO-3 up to v0.4); see docs/planner.md")
     tr.add_argument("--zero3-bw", type=float, metavar="GB/S",
                     help="per-GPU bandwidth ZeRO-3's collectives reach across nodes (default: all NICs of a node)")
+    tr.add_argument("--tp-overlap", action="store_true",
+                    help="tensor-parallel all-gathers / reduce-scatters (with sequence parallelism) decomposed and "
+                         "overlapped with their GEMMs, as Megatron's tp-comm-overlap or PyTorch's async TP (default: "
+                         "fully exposed; the plan says which it assumed)")
     p.add_argument("--layout", default="",
-                   help='fix fields, e.g. "dp=8,tp=8,pp=4,zero=1,recompute=selective"; the rest is searched')
+                   help='fix fields, e.g. "dp=8,tp=8,pp=4,zero=1,recompute=full"; the rest is searched')
+    p.add_argument("--baseline", metavar="LAYOUT",
+                   help='your own layout, e.g. "dp=16,tp=8,pp=8,zero=1": shown beside the search\'s, and each one '
+                        "the planner ranks above it says whether the difference is beyond the planner's held-out error")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="layouts to show")
     out.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -168,15 +175,44 @@ def _assumptions(args) -> Assumptions:
     bw = getattr(args, "zero3_bw", None)
     if bw is not None and not bw > 0:
         raise UserError(f"--zero3-bw must be a positive bandwidth in GB/s, got {bw}")
-    zero3 = {"zero3_style": style, "zero3_link_bw": bw * 1e9 if bw is not None else None}
+    zero3 = {"zero3_style": style, "zero3_link_bw": bw * 1e9 if bw is not None else None,
+             "tp_comm_overlap": getattr(args, "tp_overlap", False)}
     if args.calibrate:  # measured rates are achieved rates already
         return Assumptions(link_efficiency=1.0, hbm_efficiency=1.0, reserved_bytes=0.0, **zero3)
     return Assumptions(**zero3)
 
 
+INT_LIMITS = {"layers": SIZE_LIMITS["model.n_layers"], "hidden": SIZE_LIMITS["model.d_model"],
+              "heads": SIZE_LIMITS["model.n_heads"], "vocab": SIZE_LIMITS["model.vocab_size"],
+              "ffn": SIZE_LIMITS["model.d_ff"], "kv_heads": SIZE_LIMITS["model.n_heads"],
+              "experts": SIZE_LIMITS["model.moe.experts"], "top_k": SIZE_LIMITS["model.moe.top_k"],
+              "moe_every": SIZE_LIMITS["model.n_layers"], "seq_len": SIZE_LIMITS["model.seq_len"], "gpus": MAX_GPUS,
+              "global_batch": MAX_GLOBAL_BATCH, "servers": MAX_GPUS, "local_steps": 10**9, "top": 10**6}
+"""Upper bounds of plan's integer flags, checked before any arithmetic (guards.py: a --gpus of 10^20 made the
+search enumerate divisors for minutes)."""
+CONFIG_IGNORES = ("model", "params", "layers", "hidden", "heads", "vocab", "gpus", "global_batch",
+                  *(dest for _, _, dest in MODEL_FLAGS))
+"""Flags that `plan --config` would ignore (the config names the model, batch and layout): refused with it."""
+
+
+def check_flags(args) -> None:
+    """Integer flags within their limits; with --config, no flag it would ignore."""
+    for dest, limit in INT_LIMITS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value > limit:
+            raise UserError(f"--{dest.replace('_', '-')} ({short(value, 30)}) is above the limit of {limit:,}")
+    if args.config:
+        given = [f"--{d.replace('_', '-')}" for d in CONFIG_IGNORES if getattr(args, d, None) is not None]
+        given += ["--layout"] if args.layout else []
+        if given:
+            raise UserError(f"plan --config predicts the run its config describes; {', '.join(given)} would be "
+                            "ignored: set the model, batch and layout in the config (or with --set)")
+
+
 def run(args) -> int:
     from scaletrain.plan.search import dedupe, parse_layout, search
 
+    check_flags(args)
     if args.top < 1:
         raise UserError(f"--top must be >= 1, got {args.top}")
     if args.gpus is not None and args.gpus < 1:
@@ -210,7 +246,24 @@ def run(args) -> int:
     result = search(model, gpu, args.gpus, train, fixed, _assumptions(args))
     top = dedupe(result.candidates, args.top)
     extra = _sync_comm(args, model, gpu, train, top[0].layout) if top else None
+    if args.baseline:
+        extra = {**(extra or {}), "baseline": _baseline(args, model, gpu, train)}
     return _emit(args, model, cluster, train, top, result.evaluated, result.offload_needed, extra)
+
+
+def _baseline(args, model, gpu, train):
+    """The user's own layout (`--baseline`), evaluated as given: every field it does not name takes its default."""
+    from scaletrain.plan.analytic.estimate import estimate
+    from scaletrain.plan.search import parse_layout
+
+    fixed = parse_layout(args.baseline)
+    missing = [k for k in ("dp", "tp", "pp") if k not in fixed]
+    if missing:
+        raise UserError(f"--baseline names a whole layout: it needs {', '.join(missing)} (e.g. \"dp=8,tp=8,pp=16\")")
+    try:
+        return estimate(model, gpu, train, Layout(**fixed), _assumptions(args), n_gpus=args.gpus)
+    except UserError as e:
+        raise UserError(f"--baseline: {e}") from None
 
 
 def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool = False,
@@ -228,10 +281,15 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
         write_plan_page({**report.to_json(model, cluster, train, top), **(extra or {})}, args.html, explanation)
         if not args.json:
             sys.stderr.write(f"wrote {args.html}\n")
+    extra = dict(extra or {})
+    base = extra.pop("baseline", None)
     if args.json:
         doc = report.to_json(model, cluster, train, top)
-        if extra:
-            doc.update(extra)
+        doc.update(extra)
+        if base is not None:
+            doc["baseline"] = {**base.to_dict(), "faster": [
+                {"rank": i, "beyond_held_out_error": report.trusted(c, base)}
+                for i, c in enumerate(top, 1) if c.fits and c.step_time_s < base.step_time_s]}
         json.dump(doc, sys.stdout, indent=2, default=float)
         sys.stdout.write("\n")
         return 0
@@ -243,18 +301,25 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     title = (f"{model.name}: {size} params on {cluster.n_gpus} x "
              f"{cluster.gpu.name}, global batch {train.global_batch} x {model.seq_len} tokens "
              f"({evaluated} layouts evaluated)")
-    con.print(report.table(top, cluster, title))
+    con.print(report.table(top + ([base] if base is not None else []), cluster, title, base))
     con.print(f"model assumptions: {model_flags(model)}", soft_wrap=True)
     if offload_needed:
         con.print("Nothing fits without offload; these layouts offload optimizer state or parameters.")
-    if len(top) > 1:
-        con.print(report.explain(top[0], top[1], model, cluster))
-    elif top and not top[0].fits:
-        con.print(f"Does not fit: {report.gib(top[0].over_by)} GiB over the "
+    shown = top + ([base] if base is not None else [])
+    for note in dict.fromkeys(n for c in shown for n in (*c.notes, *report.coverage_notes(c))):  # each once
+        con.print(f"note: {note}", soft_wrap=True)
+    if top and not top[0].fits:
+        con.print(f"Does not fit: the closest layout is {report.gib(top[0].over_by)} GiB over the "
                   f"{report.gib(cluster.gpu.memory_bytes)} GiB per GPU.")
+    elif len(top) > 1:
+        con.print(report.explain(top[0], top[1], model, cluster))
+    if base is not None:
+        con.print(_baseline_text(report, top, base), soft_wrap=True)
     if extra:
         for key, value in extra.get("run_prediction", {}).items():
             con.print(f"{key}: {value:,} bytes")
+        if "fp8" in extra:
+            con.print(extra["fp8"]["line"], soft_wrap=True)
         if "sync_comm" in extra:
             from scaletrain.plan.analytic import async_costs
 
@@ -264,6 +329,21 @@ def _emit(args, model, cluster, train, top, evaluated: int, offload_needed: bool
     return 0
 
 
+def _baseline_text(report, top: list, base) -> str:
+    """What the search found against the user's layout, each gain said beyond or inside the planner's error."""
+    faster = [c for c in top if c.fits and c.step_time_s < base.step_time_s]
+    head = f"Your layout {base.label()}: {base.step_time_s:.3g} s per step" + ("" if base.fits else
+                                                                            f", {report.gib(base.over_by)} GiB over")
+    if not faster:
+        return head + "; none of the layouts shown is predicted faster."
+    sure = [c for c in faster if report.trusted(c, base)]
+    text = f"{head}; the best shown is {report.verdict(faster[0], base)}."
+    if len(faster) > 1:
+        text += (f" {len(sure)} of the {len(faster)} shown faster than yours are beyond that error." if sure else
+                 f" None of the {len(faster)} shown faster than yours is beyond that error.")
+    return text
+
+
 def config_layout(cfg) -> Layout:
     """The planner's description of the layout `scaletrain train` runs for this config."""
     par, t = cfg.parallel, cfg.train
@@ -271,7 +351,10 @@ def config_layout(cfg) -> Layout:
                   recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
                   virtual_stages=par.virtual_stages,
                   sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
-                  tp_mode=par.tp_mode, tp_depth=par.tp_depth, cp=par.cp, cp_mode=par.cp_mode)
+                  tp_mode=par.tp_mode, tp_depth=par.tp_depth, cp=par.cp, cp_mode=par.cp_mode,
+                  # `time` profiles the run's own blocks: predicted, as predict_run does, with the parameter balance
+                  partition="params" if par.partition == "time" else par.partition.replace(" ", ""),
+                  reshard_after_forward=getattr(par, "reshard_after_forward", None))
 
 
 def config_training(cfg) -> Training:
@@ -319,6 +402,14 @@ def _run_config(args) -> int:
 
         pred = {**pred, **{f"plan_{k}": v for k, v in step_bytes(cfg).as_metrics().items()}}
     extra: dict = {"run_prediction": pred}
+    if cfg.train.precision == "fp8":  # which layers the run computes in FP8 (memory/fp8_layers.py)
+        from scaletrain.memory.fp8_layers import describe, fp8_layer_names
+
+        names = fp8_layer_names(cfg.model, cfg.train)
+        extra["fp8"] = {"recipe": cfg.train.fp8_recipe, "gemm": cfg.train.fp8_gemm, "layers": names,
+                        "line": f"FP8 ({cfg.train.fp8_recipe}, train.fp8_gemm={cfg.train.fp8_gemm}): "
+                                f"{describe(names, cfg.model)}; embeddings, output layer, norms and attention in "
+                                "bf16/fp32"}
     if args.calibrate:  # this machine, profiled at the run's sizes (plan/exact/run_time.py)
         from scaletrain.plan.calibrate import machine
         from scaletrain.plan.exact.run_calibrate import calibrate_run

@@ -23,8 +23,10 @@ from scaletrain.guards import (
     MAX_TIMELINE_STAGES,
     bounded_int,
     check_output_file,
+    check_path,
     nonneg_float,
     positive_float,
+    read_input,
 )
 
 
@@ -62,6 +64,9 @@ def add_parser(sub) -> None:
 def cmd_run(args) -> int:
     from scaletrain.report.run_page import write_report
 
+    check_path(args.out, "the run")  # long parts, link loops, dangling links: one line
+    if args.to is not None:
+        check_path(args.to, "--to")
     if args.to is not None and not Path(args.to).is_dir():  # a folder: write_report says so itself
         check_output_file(args.to, "--to")
     path = write_report(args.out, args.to, args.peak_flops, args.gpu, args.calibrate)
@@ -110,17 +115,34 @@ def _planned(args) -> int:
     return 0
 
 
+def check_trace(trace) -> None:
+    """A loaded trace is drawable: stages and ops within the timeline limits, ranks in range, finite times
+    (ValueError otherwise)."""
+    import math
+
+    if not 1 <= trace.p <= MAX_TIMELINE_STAGES or not 1 <= trace.m or not 1 <= trace.v:
+        raise ValueError(f"pp={trace.p}, microbatches={trace.m}, virtual stages={trace.v} out of range")
+    if trace.p * trace.m * trace.v > MAX_TIMELINE_OPS or len(trace.events) > 3 * MAX_TIMELINE_OPS:
+        raise ValueError(f"{trace.p * trace.m * trace.v:,} ops, above the limit of {MAX_TIMELINE_OPS:,}")
+    for ev in trace.events:
+        if not 0 <= ev.rank < trace.p or not (math.isfinite(ev.start_s) and math.isfinite(ev.end_s)):
+            raise ValueError(f"an event of rank {ev.rank} at {ev.start_s}..{ev.end_s} s is out of range")
+
+
 def _measured(args) -> int:
     from scaletrain.parallel.pipeline import trace as tr
 
-    path = Path(args.run)
+    path = check_path(args.run, "--run")
     js = path / tr.TRACE_JSON if path.is_dir() else path
-    if not js.is_file():
+    if not js.exists():
         raise UserError(f"no pipeline trace at {js} (runs with parallel.pp > 1 write {tr.TRACE_JSON})")
+    read_input(js, "--run", "pipeline trace")  # guards.py: a folder, FIFO, device, not UTF-8, too large
     try:
         trace = tr.load(js)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{js} is not a scaletrain pipeline trace ({e})") from None
+        check_trace(trace)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
+        reason = str(e).splitlines()[0][:120] if str(e) else e.__class__.__name__
+        raise UserError(f"{js} is not a scaletrain pipeline trace ({reason})") from None
     out = check_output_file(args.out if args.out is not None else js.parent / tr.TRACE_PNG, "--out", (".png",))
     trace.draw(out)
     pred = trace.predicted()

@@ -10,21 +10,34 @@ from importlib import resources
 from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
+from scaletrain.config.load import load_config_keys
 from scaletrain.errors import UserError
-from scaletrain.guards import MAX_SAMPLE_TOKENS, bounded_int, check_out_dir, mark_run, nonneg_float
+from scaletrain.guards import (
+    MAX_GPUS,
+    MAX_INT,
+    MAX_SAMPLE_TOKENS,
+    bounded_int,
+    check_out_dir,
+    check_path,
+    lock_run,
+    mark_run,
+    nonneg_float,
+    shown,
+)
 from scaletrain.multinode import launcher as multinode_launcher
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)")
     _config_args(p)
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=bounded_int(1, MAX_GPUS), default=None,
                    help="processes to start on this machine (default: the layout's size / --nnodes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
     p.add_argument("--reshard", action="store_true",
                    help="resume the run in --out under a different layout or number of processes")
     p.add_argument("--init-from", default=None, metavar="HF_DIR",
-                   help="start a new run from a Hugging Face GPT-2 / Llama directory (config.json + safetensors)")
+                   help="start a new run from a Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory (config.json + "
+                        "safetensors); the model keys come from its config.json")
     multinode_launcher.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
@@ -42,7 +55,7 @@ def add_parser(sub) -> None:
     s.add_argument("--temperature", type=nonneg_float, default=0.8,
                    help="softmax temperature (>= 0; 0 = greedy: the most likely token)")
     s.add_argument("--top-k", type=bounded_int(1), default=50, help="sample among the k likeliest tokens (>= 1)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=bounded_int(0, MAX_INT), default=0, help="sampling seed (0 to 2^63-1)")
     s.set_defaults(func=cmd_sample)
 
     c = sub.add_parser("config", help="configuration tools")
@@ -73,24 +86,36 @@ def cmd_config_show(args) -> int:
 def cmd_train(args) -> int:
     import os
 
+    check_path(args.out, "--out")  # before torch is imported: a path no file system takes costs no start-up
+
     from scaletrain.data.tokenizer import folder_tokenizer
     from scaletrain.distributed.launch import LOG_DIR_ENV
     from scaletrain.distributed.process_group import detect_env
     from scaletrain.plan.budget import check_before_launch, local_world_size
 
-    cfg = load_config(args.config, args.set, base=folder_tokenizer(args.init_from))  # --init-from DIR's tokenizer
+    cfg, explicit = load_config_keys(args.config, args.set, base=folder_tokenizer(args.init_from))  # DIR's tokenizer
+    if args.init_from is not None:  # the model is DIR/config.json's; a bad directory fails here, before anything
+        from scaletrain.interop.hf_config import apply_hf_model
+
+        apply_hf_model(cfg, explicit, Path(args.init_from))
     env = detect_env()
     resume_args = {"reshard": args.reshard, "init_from": args.init_from}
     if env is not None:
         validate(cfg, env.world_size)
         if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
             check_before_launch(cfg, Path(args.out), local_world_size(env.world_size))
+        lock = None
         if env.rank == 0:
             from scaletrain.data.run import keep_tokenizer
 
+            lock = lock_run(Path(args.out))  # under torchrun/SLURM or several nodes: rank 0 holds it for the job
             mark_run(Path(args.out))  # under torchrun too, so a later `train --out` knows the folder is a run
             keep_tokenizer(cfg, Path(args.out))
-        return run_worker(cfg, Path(args.out), env, **resume_args)
+        try:
+            return run_worker(cfg, Path(args.out), env, **resume_args)
+        finally:
+            if lock is not None:
+                lock.release()
     from scaletrain.report.runinfo import set_user_command
 
     set_user_command(args)  # the command as the user gave it, for the run report
@@ -102,8 +127,20 @@ def cmd_train(args) -> int:
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
     validate(cfg, nproc * args.nnodes)
+    from scaletrain.memory.fp8 import check_fp8_device
+
+    check_fp8_device(cfg)  # no FP8 tensor cores: one line, before data, processes or the run folder
     out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
+    if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
+        return _launch(args, cfg, out, nproc, resume_args)
+    with lock_run(out) or contextlib.nullcontext():  # one run per folder (guards.py), until the ranks have stopped
+        return _launch(args, cfg, out, nproc, resume_args)
+
+
+def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
+    """Everything after the folder is ours: data, checks against its checkpoints, the memory plan, then the run."""
     from scaletrain.data.run import keep_tokenizer, prepare
+    from scaletrain.plan.budget import check_before_launch
     from scaletrain.train.announce import first_line, status
 
     first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
@@ -112,12 +149,12 @@ def cmd_train(args) -> int:
     from scaletrain.train.runner import check_run
 
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
-    if args.init_from is not None:  # a bad Hugging Face directory fails here, before any process starts
-        from scaletrain.interop.hf import check_hf_config, read_hf_config
+    if args.init_from is not None:  # weights whose shapes disagree with config.json fail here, before any process
+        from scaletrain.interop.hf import check_hf_weights
 
-        check_hf_config(read_hf_config(Path(args.init_from)), cfg.model, Path(args.init_from))
+        check_hf_weights(Path(args.init_from), cfg.model)
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
-    warn_if_too_big(cfg, nproc)
+    refuse_if_too_big(cfg, nproc)
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     keep_tokenizer(cfg, out)  # OUT/tokenizer/: what sample and export decode with (data/run.py)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
@@ -140,8 +177,9 @@ def cmd_train(args) -> int:
     return launch_local(nproc, argv, out, args.restarts)
 
 
-def warn_if_too_big(cfg: Config, nproc: int) -> None:
-    """Before launch: warn when the planner says a rank's memory will not fit the device (or host RAM)."""
+def refuse_if_too_big(cfg: Config, nproc: int) -> None:
+    """Before launch: refuse when the planner says a rank's memory will not fit the device (or its share of the host's
+    RAM), as memory.budget_gb does: allocating until the machine swaps or the kernel kills a rank helps nobody."""
     import os
 
     import torch
@@ -158,8 +196,10 @@ def warn_if_too_big(cfg: Config, nproc: int) -> None:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // nproc, "host memory per process"
     if need > have:
         gib = {k.removeprefix("plan_mem_"): f"{v / 2**30:.2f}" for k, v in plan.items()}
-        sys.stderr.write(f"scaletrain: warning: the plan needs {need / 2**30:.2f} GiB per rank ({gib} GiB) but "
-                         f"{where} is {have / 2**30:.2f} GiB; `scaletrain plan --config` shows layouts that fit\n")
+        parts = ", ".join(f"{k} {v}" for k, v in gib.items())
+        raise UserError(f"the plan needs {need / 2**30:,.2f} GiB per rank ({parts} GiB) but {where} is "
+                        f"{have / 2**30:.2f} GiB; `scaletrain plan --config` shows layouts that fit (nothing was "
+                        "started)")
 
 
 def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None) -> int:
@@ -213,7 +253,7 @@ def summary(out: Path, n_params: int, result, seconds: float) -> None:
     rows = read_metrics(metrics) if metrics.exists() else []
     if not rows:
         return
-    png = plot_loss(metrics, out / "loss.png", title=f"{out}")
+    png = plot_loss(metrics, out / "loss.png", title=shown(out))  # printable: a name need not be UTF-8
     load_png = plot_expert_load(metrics, out / "expert_load.png")
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     lines = [
@@ -254,6 +294,11 @@ def cmd_demo(args) -> int:
         cfg = load_config(path, args.set)
     validate(cfg, 1)
     out = check_out_dir(args.out if args.out is not None else f"runs/demo/{time.strftime('%Y%m%d-%H%M%S')}")
+    with lock_run(out) or contextlib.nullcontext():
+        return _demo(args, cfg, out)
+
+
+def _demo(args, cfg: Config, out: Path) -> int:
     mark_run(out)
     print(f"scaletrain demo: {cfg.model.n_layers}-layer GPT (d_model {cfg.model.d_model}) on the embedded corpus "
           f"(Python standard library sources), {cfg.train.steps} steps -> {out}")

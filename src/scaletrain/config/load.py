@@ -1,5 +1,6 @@
 """Loading a run configuration: defaults, then a YAML file, then `--set key=value` overrides, each converted to the
-field's type with a `ConfigError` naming the key when it does not fit. Does not validate (`config/validate.py`)."""
+field's type with a `ConfigError` naming the key when it does not fit; then `model.preset` fills the model keys
+neither gave (config/presets.py). Does not validate (`config/validate.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from typing import Any
 
 import yaml
 
+from scaletrain.config.presets import apply_preset
 from scaletrain.config.schema import Config
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
+from scaletrain.guards import MAX_INT, load_yaml, read_input, short, shown
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -41,35 +44,40 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
             return value.lower() in ("true", "yes", "1", "on")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {short(value)}")
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                value = int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            if abs(value) > MAX_INT:
+                raise ConfigError(f"{key} ({short(value, 40)}) is beyond 64 bits (at most {MAX_INT:,})")
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {short(value)}")
     if typ is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         if isinstance(value, (int, float)):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{key} ({short(value, 40)}) is beyond the range of a number") from None
         if isinstance(value, str):
             try:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        raise ConfigError(f"{key}: expected a number, got {short(value)}")
     if origin is list:  # a list of sections (data.mix): each item a mapping of that section's keys
         item = typing.get_args(typ)[0]
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {short(value)}")
         if not dataclasses.is_dataclass(item):
             return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
         items = [item() for _ in value]
@@ -78,14 +86,14 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
         return items
     if typ is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {short(value)}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ!r}")
 
 
-def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
+def _apply(node: Any, values: dict[str, Any], prefix: str, seen: set[str] | None = None) -> None:
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {values!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {short(values)}")
     hints = _field_types(type(node))
     for key, value in values.items():
         dotted = f"{prefix}{key}"
@@ -94,9 +102,11 @@ def _apply(node: Any, values: dict[str, Any], prefix: str) -> None:
             raise ConfigError(f"unknown config key '{dotted}' (known here: {known})")
         current = getattr(node, key)
         if dataclasses.is_dataclass(current):
-            _apply(current, value, dotted + ".")
+            _apply(current, value, dotted + ".", seen)
         else:
             setattr(node, key, _convert(value, hints[key], dotted))
+            if seen is not None:
+                seen.add(dotted)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -155,39 +165,44 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
                 base: list[str] | None = None) -> Config:
     """Defaults, then `base` (`key=value` defaults from outside the config, e.g. what --init-from implies), then the
     YAML file, then `key=value` overrides in order; then again with the defaults those settings imply (`implied`)
-    below all of them. Does not validate."""
-    cfg = _load(path, overrides, base)
+    below all of them; then the model preset under the keys the file or `--set` gave. Does not validate."""
+    return load_config_keys(path, overrides, base)[0]
+
+
+def load_config_keys(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                     base: list[str] | None = None) -> tuple[Config, set[str]]:
+    """`load_config`, and the dotted keys the YAML file or the overrides set (what a preset or a Hugging Face
+    config.json must not change: `train --init-from` refuses one that contradicts it)."""
+    cfg, explicit = _load(path, overrides, base)
     extra = [kv for fn in _IMPLIED for kv in fn(cfg)]
-    return _load(path, overrides, [*extra, *(base or [])]) if extra else cfg
+    if extra:
+        cfg, explicit = _load(path, overrides, [*extra, *(base or [])])
+    apply_preset(cfg.model, explicit)
+    return cfg, explicit
 
 
-def _load(path: str | os.PathLike | None, overrides: list[str] | None, base: list[str] | None) -> Config:
+def _load(path: str | os.PathLike | None, overrides: list[str] | None,
+          base: list[str] | None) -> tuple[Config, set[str]]:
     cfg = Config()
+    explicit: set[str] = set()
     for item in base or []:
         key, raw = item.split("=", 1)
         set_value(cfg, key.strip(), raw.strip())
     if path is not None:
         p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"--config {p} is a folder; give a YAML file")
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {p} is not a text file") from None
+        try:  # guards.py: FIFOs, devices, link loops, non-UTF-8, duplicate keys, alias bombs, deep nesting
+            data = load_yaml(read_input(p, "--config", "config file"), f"config file {shown(p)}")
+        except UserError as e:
+            raise ConfigError(str(e)) from None
         if data is not None:
-            _apply(cfg, data, "")
+            _apply(cfg, data, "", explicit)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
         set_value(cfg, key.strip(), raw.strip())
-    return cfg
+        explicit.add(key.strip())
+    return cfg, explicit
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -1,5 +1,5 @@
-"""Readers of the config values that are small languages of their own: memory.recompute (`every:k`), memory.compress
-(a list of modes), train.profile_steps (`a:b`) and parallel.slow_ranks (`rank:factor,...`).
+"""Readers of the config values that are small languages of their own: memory.recompute (`every:k`, `ops:matmul`),
+memory.compress (a list of modes), train.profile_steps (`a:b`) and parallel.slow_ranks (`rank:factor,...`).
 
 Each is read by validate()'s rules and by the layers that act on it (the recomputation and compression passes, the
 planner, the profiler, straggler injection), so it lives here, below all of them; a value that does not parse raises
@@ -11,29 +11,60 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scaletrain.config.schema import COMPRESS_MODES, RECOMPUTE_KINDS
+from scaletrain.config.schema import COMPRESS_MODES, RECOMPUTE_ALIASES, RECOMPUTE_OPS
 from scaletrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class RecomputeMode:
-    kind: str  # none | full | selective | every (schema.RecomputeKind)
-    k: int = 1  # segment length for `every`
+    """A parsed memory.recompute policy: `kind` of schema.RecomputeKind, `k` for every:k and nth:k, `ops` (the op kinds
+    of schema.RecomputeOp) for ops:..."""
+
+    kind: str
+    k: int = 1
+    ops: frozenset[str] = frozenset()
+
+    @property
+    def spec(self) -> str:
+        """The canonical spelling (`selective` reads `attn-core`, `every:1` and `nth:1` read `full`)."""
+        if self.kind in ("every", "nth"):
+            return f"{self.kind}:{self.k}"
+        if self.kind == "ops":
+            return "ops:" + "+".join(o for o in RECOMPUTE_OPS if o in self.ops)
+        return self.kind
+
+    @property
+    def checkpoints_blocks(self) -> bool:
+        """Whether whole blocks (or segments) are checkpoints keeping only their inputs: full, every:k, nth:k."""
+        return self.kind in ("full", "every", "nth")
+
+
+_RECOMPUTE_FORMS = ("none, full, every:k, nth:k (k >= 1), ops:<kinds> (" + ", ".join(RECOMPUTE_OPS) +
+                    ", joined by +) or attn-core (old name: selective)")
 
 
 def parse_recompute(spec: str) -> RecomputeMode:
-    """`none`, `full`, `selective` or `every:k` (k >= 1) -> RecomputeMode; ConfigError otherwise."""
+    """memory.recompute -> RecomputeMode; ConfigError naming the value otherwise. `every:1` and `nth:1` are `full`."""
     s = str(spec).strip().lower()
-    if s in RECOMPUTE_KINDS and s != "every":  # every is spelled every:k
+    s = RECOMPUTE_ALIASES.get(s, s)
+    if s in ("none", "full", "attn-core"):
         return RecomputeMode(s)
-    if s.startswith("every:"):
+    head, sep, rest = s.partition(":")
+    if sep and head in ("every", "nth"):
         try:
-            k = int(s.split(":", 1)[1])
+            k = int(rest)
         except ValueError:
             k = 0
         if k >= 1:
-            return RecomputeMode("full") if k == 1 else RecomputeMode("every", k)
-    raise ConfigError(f"memory.recompute must be none, full, selective or every:k with k >= 1, got {spec!r}")
+            return RecomputeMode("full") if k == 1 else RecomputeMode(head, k)
+    if sep and head == "ops":
+        kinds = {o.strip() for o in rest.replace(",", "+").split("+")} - {""}
+        bad = sorted(kinds - set(RECOMPUTE_OPS)) or ([] if kinds else ["(none)"])
+        if bad:
+            raise ConfigError(f"memory.recompute={spec}: op kind {', '.join(bad)} is not one of "
+                              f"{', '.join(RECOMPUTE_OPS)} (join several with +, e.g. ops:matmul+attention)")
+        return RecomputeMode("ops", ops=frozenset(kinds))
+    raise ConfigError(f"memory.recompute must be {_RECOMPUTE_FORMS}, got {spec!r}")
 
 
 def parse_modes(spec: str | Sequence[str] | None) -> frozenset[str]:

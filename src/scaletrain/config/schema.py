@@ -25,34 +25,53 @@ Router = Literal["topk", "switch", "expert_choice"]
 OptimizerName = Literal["adamw", "adafactor", "sm3", "sgd"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "optimizer", "params", "nvme"]
-Precision = Literal["dtype", "autocast-bf16"]
+Precision = Literal["dtype", "autocast-bf16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+"""How train.precision=fp8 scales tensors to float8 before each GEMM (memory/fp8.py)."""
+Fp8Gemm = Literal["auto", "emulate", "hardware"]
+"""Where train.precision=fp8's scaled GEMMs run: FP8 tensor cores, or emulated in fp32 (memory/fp8.py)."""
 Mlp = Literal["gelu", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["gelu", "gelu_tanh"]
+RopeScalingType = Literal["none", "llama3"]
 DropoutImpl = Literal["global", "torch"]
 LrSchedule = Literal["cosine", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 OnNan = Literal["stop", "skip"]
-RecomputeKind = Literal["none", "selective", "full", "every"]
-"""The kinds of memory.recompute (`every` is written every:k); config/parse.py reads the string."""
+RecomputeKind = Literal["none", "full", "every", "nth", "ops", "attn-core"]
+"""The checkpointing policies of memory.recompute (docs/memory.md): `every` is written every:k, `nth` nth:k and `ops`
+ops:<op kinds joined by +>; config/parse.py reads the string (`RECOMPUTE_ALIASES` gives the old names)."""
+RecomputeOp = Literal["matmul", "attention"]
+"""The op kinds whose outputs memory.recompute=ops:... keeps: `matmul` (aten mm / addmm / bmm / baddbmm: every linear
+layer, the experts' batched matmuls), `attention` (the fused scaled-dot-product-attention kernels: output and
+log-sum-exp)."""
+RECOMPUTE_ALIASES: dict[str, str] = {"selective": "attn-core"}
+"""Old names of memory.recompute policies, still accepted: `selective` is Korthikanti's attention-core policy."""
 CompressMode = Literal["none", "relu-mask", "bf16", "int8"]
 """The modes of memory.compress, which takes one or a comma list; config/parse.py reads the string."""
-PartitionKind = Literal["uniform", "params", "time"]
+PartitionKind = Literal["uniform", "params", "time", "ends"]
 """The named ways of parallel.partition, which also takes block counts such as 2,3,3."""
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 TP_MODES: tuple[str, ...] = get_args(TpMode)
 CP_MODES: tuple[str, ...] = get_args(CpMode)
+CP_UNSUPPORTED_RECOMPUTE = ("nth", "ops")  # memory.recompute policies refused with parallel.cp > 1
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 ROUTERS: tuple[str, ...] = get_args(Router)
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+FP8_RECIPES: tuple[str, ...] = get_args(Fp8Recipe)
+FP8_GEMMS: tuple[str, ...] = get_args(Fp8Gemm)
 MLPS: tuple[str, ...] = get_args(Mlp)
 POSITIONS: tuple[str, ...] = get_args(Position)
 NORMS: tuple[str, ...] = get_args(Norm)
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+ROPE_SCALING_TYPES: tuple[str, ...] = get_args(RopeScalingType)
 RECOMPUTE_KINDS: tuple[str, ...] = get_args(RecomputeKind)
+RECOMPUTE_OPS: tuple[str, ...] = get_args(RecomputeOp)
 COMPRESS_MODES: tuple[str, ...] = get_args(CompressMode)
 PARTITION_KINDS: tuple[str, ...] = get_args(PartitionKind)
 DROPOUT_IMPLS: tuple[str, ...] = get_args(DropoutImpl)
@@ -101,6 +120,23 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    type: RopeScalingType = "none"
+    """`none`, or `llama3`: Llama 3.1's frequency-dependent RoPE scaling (Hugging Face `rope_type: llama3`; Grattafiori
+    et al., arXiv 2407.21783): wavelengths longer than original_max_position_embeddings / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_position_embeddings / high_freq_factor are kept, and the
+    band between is interpolated smoothly. Needs model.position=rope."""
+    factor: float = 8.0
+    """llama3: how much the low frequencies are slowed down (Llama 3.1: 8)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / this are scaled fully (Llama 3.1: 1)."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / this are not scaled (Llama 3.1: 4)."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context length the model was pre-trained with before the scaling (Llama 3.1: 8192)."""
+
+
+@dataclass
 class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks."""
@@ -108,6 +144,10 @@ class ModelConfig:
     """Hidden size (the paper's h)."""
     n_heads: int = 4
     """Attention heads; must divide d_model."""
+    n_kv_heads: int = 0
+    """Key/value heads: fewer than n_heads is grouped-query attention (Ainslie et al., arXiv 2305.13245), each
+    shared by n_heads / n_kv_heads query heads; 1 is multi-query attention (Shazeer, arXiv 1911.02150); 0 means
+    n_heads (multi-head attention). Must divide n_heads."""
     seq_len: int = 128
     """Context length in tokens (the paper's s)."""
     vocab_size: int = 256
@@ -116,8 +156,15 @@ class ModelConfig:
     """MLP hidden size; 0 means 4 * d_model (GELU) or the 8/3 * d_model rounding of LLaMA (SwiGLU)."""
     mlp: Mlp = "gelu"
     """MLP kind: `gelu` (GPT-2) or `swiglu` (Shazeer, arXiv 2002.05202)."""
+    activation: Activation = "gelu"
+    """The GELU MLP's activation (Hendrycks & Gimpel, arXiv 1606.08415): `gelu` (exact, with erf) or `gelu_tanh`
+    (its tanh approximation, used by GPT-2 checkpoints: Hugging Face `gelu_new` / `gelu_pytorch_tanh`)."""
     position: Position = "learned"
     """Position encoding: `learned` (GPT-2) or `rope` (RoFormer, arXiv 2104.09864)."""
+    rope_theta: float = 10000.0
+    """RoPE base: pair i of a head rotates by position x theta^(-2i/head_size) (RoFormer: 10000; Llama 3: 500000)."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE frequency scaling (`model.rope_scaling.type`: none or llama3)."""
     tie_embeddings: bool = True
     """Share the token embedding and the output projection (Press & Wolf, arXiv 1608.05859)."""
     dropout: float = 0.0
@@ -128,6 +175,8 @@ class ModelConfig:
     torch's dropout and SDPA's fused attention dropout (faster, but masks depend on the layout)."""
     bias: bool = True
     """Biases in linear layers and layer norms."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2, arXiv 2407.10671), for a model.bias=false model."""
     norm_eps: float = 1e-5
     """Layer-norm epsilon."""
     norm: Norm = "layernorm"
@@ -140,6 +189,10 @@ class ModelConfig:
     halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
     backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
     architecture, not a free saving (docs/memory.md)."""
+    preset: str = ""
+    """The shape of a model of the planner's catalog (`gpt2`, `llama3-8b`, `mixtral-8x7b`, ...; config/presets.py):
+    its values of the model.* keys, under those set explicitly (YAML or --set), so `plan --model NAME` and
+    `train --set model.preset=NAME` describe the same model; empty: none."""
 
 
 @dataclass
@@ -177,8 +230,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule)."""
     partition: str = "uniform"
     """How blocks are split into pipeline stages: `uniform`, `params` (balance parameter counts), `time`
-    (balance per-block times from a short profile; PipeDream's DP split, arXiv 1806.03377) or block counts
-    such as `2,3,3`."""
+    (balance per-block times from a short profile; PipeDream's DP split, arXiv 1806.03377), `ends` (the embedding
+    and the head count as one block each, so the first and last stages get one block fewer; Megatron-core's
+    account_for_embedding/loss_in_pipeline_split) or block counts such as `2,3,3`."""
     ep: int = 1
     """Expert-parallel degree: experts split over groups of ep consecutive data-parallel ranks."""
     timeout_s: float = 300.0
@@ -231,6 +285,18 @@ class ParallelConfig:
     ranks, partial softmax results combined exactly; each rank holds two of 2 x cp sequence chunks from opposite
     ends, so causal work is balanced) or `ulysses` (DeepSpeed-Ulysses, Jacobs et al. arXiv 2309.14509: all-to-all
     from sequence- to head-sharded around attention; heads divisible by cp)."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 (FSDP's option of that name): `true` releases a unit's gathered parameters after its forward and gathers
+    them again for its backward (the least memory; 1.5x data parallelism's traffic); `false` keeps them gathered from
+    its forward to the end of its backward (one all-gather per unit and micro-batch instead of two; all units
+    gathered at once at the end of the forward). Unset: true, except with parallel.pp > 1, where each stage keeps
+    its parameters gathered for the whole step (false is the only value there). Needs parallel.zero=3
+    (docs/data_parallel.md)."""
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """parallel.reshard_after_forward resolved: the value given, else true without and false with pp > 1."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
 
 ASYNC_KEYS = {"servers": "ps", "staleness": "ps", "ps_tolerate_loss": "ps", "hogwild_lock": "hogwild",
@@ -265,7 +331,22 @@ class TrainConfig:
     precision: Precision = "dtype"
     """`dtype`: parameters, activations and matmuls in train.dtype (bf16/fp16 keep fp32 masters, docs/precision.md);
     `autocast-bf16`: fp32 parameters, gradients and optimizer state, matmuls and attention in bf16 under
-    torch.autocast (needs train.dtype=fp32; the fast setting on GPUs, docs/gpu.md)."""
+    torch.autocast (needs train.dtype=fp32; the fast setting on GPUs, docs/gpu.md); `fp8`: the transformer blocks'
+    linear layers compute their three GEMMs in float8 with dynamic scaling (torchao; train.fp8_recipe), the rest
+    as autocast-bf16 does (train.dtype=fp32) or in bf16 (train.dtype=bf16) (docs/precision.md)."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """train.precision=fp8: how a tensor is scaled to float8 before a GEMM, from its current absolute maximum:
+    `tensorwise` (one scale per tensor; e4m3 for inputs and weights, e5m2 for output gradients; Micikevicius et al.,
+    arXiv 2209.05433) or `rowwise` (one scale per row along the GEMM's reduction dimension, rounded down to a power
+    of 2; e4m3 throughout)."""
+    fp8_layers: str = "blocks.*"
+    """train.precision=fp8: which linear layers of the transformer blocks run in FP8, as a comma list of name patterns
+    (`*` matches anything) over the plain model's names such as `blocks.3.mlp.fc`; `!pattern` excludes (e.g.
+    `blocks.*,!blocks.0.*`). The embedding, output layer, norms and attention stay bf16/fp32 (docs/precision.md)."""
+    fp8_gemm: Fp8Gemm = "auto"
+    """train.precision=fp8: `hardware` runs the scaled GEMMs on FP8 tensor cores (CUDA compute capability 8.9+:
+    Ada, Hopper, Blackwell), `emulate` dequantizes and multiplies in fp32 (same numerics, slower; every CPU, older
+    GPUs), `auto` is hardware on a GPU with FP8 and emulate on the CPU (a GPU without FP8 is refused at start)."""
     compile: bool = False
     """torch.compile each transformer block (after the tensor-parallel and recomputation passes, before data
     parallelism / ZeRO, as torchtitan orders them); docs/gpu.md lists what it combines with."""
@@ -342,7 +423,13 @@ class OptimConfig:
 @dataclass
 class MemoryConfig:
     recompute: str = "none"
-    """Activation recomputation: none, full (arXiv 1604.06174), selective (arXiv 2205.05198), every:k."""
+    """Activation checkpointing policy (docs/memory.md): `none`; `full` (each block a checkpoint that keeps its input,
+    Chen et al. arXiv 1604.06174); `every:k` (segments of k blocks, one input kept per segment: Chen's sqrt(n)
+    trade-off); `nth:k` (blocks 0, k, 2k, ... by global index are full checkpoints, the others keep everything:
+    torchtitan's selective layer); `ops:matmul`, `ops:attention`, `ops:matmul+attention` (each block a checkpoint that
+    also keeps the outputs of the listed op kinds and recomputes only the rest: torchtitan's selective op, through
+    torch's selective activation checkpointing); `attn-core` (only the attention core softmax(QK^T/sqrt(d))V is
+    recomputed: Korthikanti et al. arXiv 2205.05198; `selective` is its old name, still accepted)."""
     partition_checkpoints: bool = False
     """With tp > 1 keep each saved block input sharded across tp ranks (ZeRO-R, arXiv 1910.02054)."""
     offload_activations: bool = False

@@ -1,5 +1,6 @@
 """Sizes the model config implies, read by the model, the passes, the planner and validate() alike: the MLP hidden
-size (4C for GELU, LLaMA's rounding of 8C/3 for SwiGLU, arXiv 2002.05202 / 2302.13971), the config of a reversible
+size (4C for GELU, LLaMA's rounding of 8C/3 for SwiGLU, arXiv 2002.05202 / 2302.13971), the key/value heads of
+grouped-query attention (arXiv 2305.13245), the config of a reversible
 block's halves (RevNet, arXiv 1707.04585), the mixture-of-experts layers and expert capacity (GShard, arXiv
 2006.16668) and the chunk of ZeRO-Infinity's streamed optimizer step. Torch-free, like the rest of config/."""
 
@@ -22,6 +23,17 @@ def ffn_size(cfg: ModelConfig) -> int:
     if cfg.mlp == "swiglu":
         return 64 * math.ceil(8 * cfg.d_model / 3 / 64)
     return 4 * cfg.d_model
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    """Key/value heads: model.n_kv_heads, or n_heads when it is 0 (multi-head attention; grouped-query attention,
+    arXiv 2305.13245, when fewer)."""
+    return cfg.n_kv_heads or cfg.n_heads
+
+
+def is_gqa(cfg: ModelConfig) -> bool:
+    """Whether the attention shares key/value heads (separate `q` and `kv` projections instead of the fused `qkv`)."""
+    return kv_heads(cfg) != cfg.n_heads
 
 
 def half_config(cfg: ModelConfig) -> ModelConfig:

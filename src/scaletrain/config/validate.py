@@ -13,7 +13,7 @@ from collections.abc import Callable
 from scaletrain.config import rules
 from scaletrain.config.schema import Config
 from scaletrain.errors import ConfigError
-from scaletrain.guards import MAX_STEPS, non_finite_keys
+from scaletrain.guards import MAX_INT, MAX_STEPS, MIN_TIMEOUT_S, non_finite_keys, oversized_keys
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -43,6 +43,15 @@ def _inputs(cfg: Config, world_size: int | None) -> list[str]:
     """NaN and infinity in any float key, the documented upper bound on train.steps (guards.py), positive sizes."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     errors = [f"{', '.join(bad)} must be finite" for bad in [non_finite_keys(cfg)] if bad]
+    errors += oversized_keys(cfg)  # guards.py: before any rule multiplies them (10^30 layers would hang)
+    if not 0 <= t.seed <= MAX_INT:
+        errors.append(f"train.seed must be in [0, 2^63-1], got {t.seed}")
+    if 0 < p.timeout_s < MIN_TIMEOUT_S:
+        errors.append(f"parallel.timeout_s ({p.timeout_s:g}) is below the floor of {MIN_TIMEOUT_S:g} s: starting "
+                      "the process group and a collective on a busy machine take seconds")
+    if not m.norm_eps > 0:
+        errors.append(f"model.norm_eps must be positive (it keeps the normalisation from dividing by zero), got "
+                      f"{m.norm_eps}")
     if t.steps > MAX_STEPS:
         errors.append(f"train.steps ({t.steps:,}) is above the limit of {MAX_STEPS:,}")
     positive = [(f"model.{k}", getattr(m, k)) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")]

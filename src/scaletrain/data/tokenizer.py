@@ -70,7 +70,8 @@ class ByteTokenizer:
         tok.decoder = decoders.ByteLevel()
         out.mkdir(parents=True, exist_ok=True)
         tok.save(str(out / "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                  "eos_token": alphabet[0]}  # NUL ends documents: `train --init-from` the export keeps it
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
         return [out / "tokenizer.json", out / "tokenizer_config.json"]
 

@@ -63,33 +63,39 @@ def backend_of(ops: list[str]) -> tuple[str, str]:
 
 
 def probe_sdpa(device: torch.device, dtype: torch.dtype, heads: int, seq_len: int, head_dim: int,
-               dropout: float = 0.0, explicit: bool = False) -> AttentionRecord:
-    """Run one causal SDPA call (batch 1, inputs requiring grad, as in training) and record its kernel."""
+               dropout: float = 0.0, explicit: bool = False, kv_heads: int = 0) -> AttentionRecord:
+    """Run one causal SDPA call (batch 1, inputs requiring grad, as in training) and record its kernel; `kv_heads`
+    fewer than `heads` (grouped-query attention) calls it with enable_gqa, as the model does."""
     shape = (1, heads, seq_len, head_dim)
     name = str(dtype).removeprefix("torch.")
     if explicit:
         return AttentionRecord("explicit", "", str(device), name, shape, dropout)
     q = torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)  # values do not steer the choice
+    kv = q if not kv_heads or kv_heads == heads else \
+        torch.zeros((1, kv_heads, seq_len, head_dim), device=device, dtype=dtype, requires_grad=True)
     rec = _AttentionOps()
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad(), rec:  # dropout draws leave no trace
-        F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=dropout)
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, dropout_p=dropout, enable_gqa=kv is not q)
     backend, op = backend_of(rec.ops)
     return AttentionRecord(backend, op, str(device), name, shape, dropout)
 
 
 def probe_run(cfg, device: torch.device, param_dtype: torch.dtype) -> AttentionRecord:
-    """The record for a run config: per-rank heads under tensor parallelism, the autocast dtype if any."""
+    """The record for a run config: per-rank heads (and key/value heads) under tensor parallelism, the autocast
+    dtype if any."""
+    from scaletrain.config.sizes import kv_heads
     from scaletrain.device.dtypes import autocast_dtype
 
-    m = cfg.model
+    m, tp = cfg.model, cfg.parallel.tp
     dtype = autocast_dtype(cfg) or param_dtype
     explicit = m.dropout > 0 and m.dropout_impl == "global"
     dropout = m.dropout if m.dropout_impl == "torch" else 0.0
     p = cfg.parallel
-    heads, tokens = m.n_heads // p.tp, m.seq_len
+    kv = kv_heads(m) // min(tp, kv_heads(m))  # a key/value head copied on tp / kv ranks when tp is larger
+    heads, tokens = m.n_heads // tp, m.seq_len
     if p.cp > 1 and p.cp_mode == "ulysses":  # after its all-to-all a rank attends all tokens of 1/cp of the heads
-        heads //= p.cp
+        heads, kv = heads // p.cp, max(1, kv // p.cp)
     elif p.cp > 1:  # ring attention: blocks of a rank's chunks, with the flash kernel's op (explicit with dropout)
         tokens //= p.cp
-    return probe_sdpa(device, dtype, heads, tokens, m.d_model // m.n_heads, dropout, explicit)
+    return probe_sdpa(device, dtype, heads, tokens, m.d_model // m.n_heads, dropout, explicit, kv)

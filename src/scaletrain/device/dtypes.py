@@ -12,5 +12,8 @@ AUTOCAST_DTYPES = {"autocast-bf16": torch.bfloat16}  # train.precision -> the dt
 
 
 def autocast_dtype(cfg: Any) -> torch.dtype | None:
-    """The autocast compute dtype of the run, or None when it computes in train.dtype."""
+    """The autocast compute dtype of the run, or None when it computes in train.dtype (fp8 with train.dtype=fp32
+    runs autocast-bf16 around its FP8 layers, memory/fp8.py)."""
+    if cfg.train.precision == "fp8" and cfg.train.dtype == "fp32":
+        return torch.bfloat16
     return AUTOCAST_DTYPES.get(cfg.train.precision)

@@ -14,17 +14,19 @@ newest complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
-from scaletrain.errors import UserError
+from scaletrain.errors import Stopped, UserError
 
 LOG_DIR_ENV = "SCALETRAIN_LOG_DIR"
 
@@ -121,15 +123,62 @@ def signal_deaths(text: str) -> list[dict]:
     return out
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+"""What job schedulers (SLURM, Kubernetes) and a closed terminal send to stop a job: forwarded to the ranks."""
+STOP_GRACE_S = 60.0
+"""After forwarding a stop signal, how long the launcher waits for its process group before SIGKILL."""
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """While the launcher waits for its ranks: SIGTERM and SIGHUP raise `errors.Stopped` in the main thread (the
+    default action would kill the launcher alone and orphan torchrun and every rank, which train on)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    old = {name: signal.signal(getattr(signal, name), stop) for name in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for name, handler in old.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def stop_group(proc: subprocess.Popen, signum: int, grace_s: float = STOP_GRACE_S) -> None:
+    """Send `signum` to the process group `proc` leads (torchrun and what shares its group), wait up to `grace_s` for
+    its leader (torchrun stops its workers, which have sessions of their own), then SIGKILL the group."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run_torchrun(cmd: list[str], env: dict[str, str], launcher_log: Path) -> int:
-    """Run a torchrun command with its stderr in `launcher_log`; its exit code. Ctrl-C stops it and re-raises."""
-    with open(launcher_log, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stderr=log)
+    """Run a torchrun command with its stderr in `launcher_log`; its exit code. Ctrl-C, SIGTERM and SIGHUP are
+    forwarded to its process group (SIGINT as SIGTERM), waited for, and re-raised."""
+    import signal
+
+    with open(launcher_log, "w") as log, stop_signals():
+        proc = subprocess.Popen(cmd, env=env, stderr=log, process_group=0)  # its own group: the target of killpg
         try:
             return proc.wait()
+        except Stopped as e:
+            stop_group(proc, e.signum)
+            raise
         except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop_group(proc, signal.SIGTERM, 30)
             raise
 
 

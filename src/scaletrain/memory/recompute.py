@@ -148,16 +148,25 @@ class CheckpointHooks:
     """
 
     def __init__(self, tp_group: dist.ProcessGroup | None, offload: bool, stats: OffloadStats,
-                 arena: Arena | None = None):
+                 arena: Arena | None = None, partner: CheckpointHooks | None = None):
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.offload, self.stats = offload, stats
         self.arena = arena  # memory.contiguous: kept checkpoints live in its slots (memory/contiguous.py)
-        self.encoder = None
+        self.partner = partner  # hooks whose encoder these share (nth:k's offload-only hooks of the other blocks)
+        self._encoder = None
+
+    @property
+    def encoder(self) -> Any:
         """memory.compress with bf16 / int8: the engine's `ActivationCompressor` (set by `apply_compress_pass`).
         These hooks are innermost, so the compressor's own never see what they keep: they encode it with it
         first and partition / offload / hold the encoding, as one process keeps it encoded."""
+        return self.partner.encoder if self.partner is not None else self._encoder
+
+    @encoder.setter
+    def encoder(self, value: Any) -> None:
+        self._encoder = value
 
     @property
     def active(self) -> bool:
@@ -238,27 +247,50 @@ class _Checkpointed:
     and then puts both back, so routing noise is replayed exactly and nothing is counted twice.
     """
 
-    def __init__(self, fn: Callable, hooks: CheckpointHooks, modules: list[nn.Module] = ()):
+    def __init__(self, fn: Callable, hooks: CheckpointHooks, modules: list[nn.Module] = (),
+                 ops: frozenset[str] = frozenset()):
         self.fn, self.hooks = fn, hooks
         self.moes = [m for mod in modules for m in mod.modules() if isinstance(m, MoE)]
         # layout-independent dropout: its masks depend on the (step, micro-batch row) context of the forward
         # (nothing to replay when all its dropouts have p = 0; the checkpoint then needs no context_fn)
         self.dropout = next((c for mod in modules if (c := dropout_context(mod)) is not None and _drops(mod)), None)
+        self.ops = ops  # memory.recompute=ops:...: the op kinds whose outputs torch's selective checkpointing keeps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
-        extra = {"context_fn": self._contexts} if self.moes or self.dropout is not None else {}
+        extra = {"context_fn": self._contexts} if self.moes or self.dropout is not None or self.ops else {}
         with self.hooks.context():  # outermost for the checkpoint's own input saver, so it sees only the inputs
             return checkpoint(self.fn, *args, use_reentrant=False, **extra, **kwargs)
 
     def _contexts(self):
         """(forward, recompute) contexts for one checkpointed call. The recompute context may be entered more
-        than once (zero bubble's B and W passes each unpack the saved tensors), so it is a re-enterable object."""
+        than once (zero bubble's B and W passes each unpack the saved tensors), so it is a re-enterable object.
+        With an op policy, torch's selective-checkpoint dispatch modes run inside them (memory/op_policy.py)."""
         record = _RecordState(self)
         replay = _ReplayState(self)
         replay.record = record
-        return record, replay
+        if not self.ops:
+            return record, replay
+        from scaletrain.memory.op_policy import op_contexts
+
+        caching, cached = op_contexts(self.ops)
+        return _Nested(record, caching), _Nested(replay, cached)
+
+
+class _Nested:
+    """Context managers entered in order and left in reverse, as one (re-enterable when they are)."""
+
+    def __init__(self, *contexts: Any):
+        self.contexts = contexts
+
+    def __enter__(self):
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
 
 
 def _drops(module: nn.Module) -> bool:
@@ -366,13 +398,21 @@ def block_runs(module: nn.Module) -> list[list[nn.Module]]:
     block indices per chunk, blocks keyed by global index) has one run per chunk: an every:k segment
     must not span two chunks, which run at different times.
     """
+    return [[b for _, b in run] for run in indexed_block_runs(module)]
+
+
+def indexed_block_runs(module: nn.Module) -> list[list[tuple[int, nn.Module]]]:
+    """`block_runs` with each block's global index in the whole model (nth:k picks blocks by it, so a pipeline
+    stage checkpoints the blocks one process does)."""
     blocks = getattr(module, "blocks", None)
     if blocks is None:
         raise ConfigError(f"memory.recompute: {type(module).__name__} has no `blocks` to checkpoint")
     bounds = getattr(module, "bounds", None)
     if isinstance(blocks, nn.ModuleDict) and bounds is not None:
-        return [[blocks[str(i)] for i in range(lo, hi)] for lo, hi in bounds]
-    return [list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)]
+        return [[(i, blocks[str(i)]) for i in range(lo, hi)] for lo, hi in bounds]
+    if isinstance(blocks, nn.ModuleDict):
+        return [[(int(k) if k.isdigit() else i, b) for i, (k, b) in enumerate(blocks.items())]]
+    return [list(enumerate(blocks))]
 
 
 def apply_recompute(engine: Any, mem: Any, tp_group: Any = None) -> OffloadStats:
@@ -385,32 +425,46 @@ def apply_recompute(engine: Any, mem: Any, tp_group: Any = None) -> OffloadStats
     trainer as `mem_activations_host` when offloading).
     """
     mode = parse_recompute(mem.recompute)
-    tp_group = tp_group if mem.partition_checkpoints and mode.kind in ("full", "every") else None
+    tp_group = tp_group if mem.partition_checkpoints and mode.checkpoints_blocks else None
     stats = OffloadStats()
     arena = engine_arena(engine) if getattr(mem, "contiguous", False) else None
     hooks = CheckpointHooks(tp_group, mem.offload_activations, stats, arena)
     engine.checkpoint_hooks = hooks  # the compression pass gives them its encoder (memory/compress.py)
-    runs = block_runs(engine.module)
-    blocks = [b for run in runs for b in run]
-    if mode.kind == "selective":
+    runs = indexed_block_runs(engine.module)
+    if mode.kind == "attn-core":
         cores = [m for m in engine.module.modules() if callable(getattr(m, "attn_core", None))]
         if not cores:
-            raise ConfigError("memory.recompute=selective: the model has no attn_core to recompute")
+            raise ConfigError(f"memory.recompute={mem.recompute}: the model has no attn_core to recompute")
         for m in cores:
             m.attn_core = _Checkpointed(m.attn_core, hooks, [m])
-    elif mode.kind == "full":
-        for b in blocks:
-            b.forward = _Checkpointed(b.forward, hooks, [b])
     elif mode.kind == "every":
         for run in runs:
             for start in range(0, len(run), mode.k):
-                group = run[start:start + mode.k]
-                seg = _Segment(group, hooks)
-                for i, b in enumerate(group):
+                seg = _Segment([b for _, b in run[start:start + mode.k]], hooks)
+                for i, (_, b) in enumerate(run[start:start + mode.k]):
                     b.forward = functools.partial(seg.forward, i)
-    elif mem.offload_activations:  # none: offload everything the blocks save
-        for b in blocks:
-            b.forward = functools.partial(_offloaded, b.forward, hooks)
+    else:
+        if mode.kind == "ops":
+            check_op_policy(mem.recompute)
+        # what a block that is not a checkpoint saves is offloaded, never partitioned: it is not replicated over tp
+        plain = hooks if tp_group is None else CheckpointHooks(None, mem.offload_activations, stats, arena, hooks)
+        for index, b in (ib for run in runs for ib in run):
+            if mode.kind in ("full", "ops") or (mode.kind == "nth" and index % mode.k == 0):
+                b.forward = _Checkpointed(b.forward, hooks, [b], mode.ops)
+            elif mem.offload_activations:  # none (and nth's other blocks): offload everything the block saves
+                b.forward = functools.partial(_offloaded, b.forward, plain)
     if mem.offload_activations:
         add_memory_report(engine, lambda: {"mem_activations_host": stats.peak})
     return stats
+
+
+def check_op_policy(spec: str) -> None:
+    """memory.recompute=ops:... needs a torch whose selective checkpointing shows the policy each op's output."""
+    import inspect
+
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    if "op_output" not in inspect.signature(SelectiveCheckpointContext.__init__).parameters:
+        raise ConfigError(f"memory.recompute={spec} needs a torch whose selective activation checkpointing passes "
+                          f"each op's output to the policy (SelectiveCheckpointContext.op_output); torch "
+                          f"{torch.__version__} does not")

@@ -1,6 +1,7 @@
 """validate()'s rules for the memory savers and the numeric formats: recomputation (arXiv 1604.06174, 2205.05198),
 partitioned / offloaded checkpoints (ZeRO-R, arXiv 1910.02054), activation compression (Gist), contiguous arenas,
-the memory budget, mixed precision with loss scaling (arXiv 1710.03740) and autocast (arXiv 1905.12322).
+the memory budget, mixed precision with loss scaling (arXiv 1710.03740), autocast (arXiv 1905.12322) and FP8 training
+(arXiv 2209.05433; which layers convert: memory/fp8_layers.py).
 
 Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free.
 """
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 from scaletrain.config.parse import parse_modes, parse_recompute, parse_steps
 from scaletrain.config.rules import rule
-from scaletrain.config.schema import DTYPES, PRECISIONS, Config
+from scaletrain.config.schema import DTYPES, FP8_GEMMS, FP8_RECIPES, PRECISIONS, Config, TrainConfig, or_list
 from scaletrain.errors import ConfigError
+from scaletrain.memory.fp8_layers import filter_errors
 
 
 @rule("values")
@@ -39,10 +41,49 @@ def checkpoints(cfg: Config, world_size: int | None) -> list[str]:
             parse(value)
         except ConfigError as e:
             errors.append(str(e))
-    if mem.partition_checkpoints and not mem.recompute.lower().startswith(("full", "every:")):
-        errors.append(f"memory.partition_checkpoints needs memory.recompute full or every:k, got {mem.recompute!r}")
+    try:
+        blocks = parse_recompute(mem.recompute).checkpoints_blocks
+    except ConfigError:
+        blocks = True  # reported above
+    if mem.partition_checkpoints and not blocks:
+        errors.append(f"memory.partition_checkpoints needs memory.recompute full, every:k or nth:k (block "
+                      f"checkpoints to partition), got {mem.recompute!r}")
     if mem.partition_checkpoints and p.sequence_parallel:
         errors.append("memory.partition_checkpoints: with parallel.sequence_parallel block inputs are already split")
+    return errors
+
+
+@rule("combinations")
+def op_policy(cfg: Config, world_size: int | None) -> list[str]:
+    """memory.recompute=ops:... keeps its outputs in torch's selective-checkpoint cache (memory/op_policy.py): the
+    savers that work through saved-tensor hooks cannot reach it, and the cache allows one recomputation per forward."""
+    mem, p = cfg.memory, cfg.parallel
+    try:
+        mode = parse_recompute(mem.recompute)
+    except ConfigError:
+        return []
+    if mode.kind != "ops":
+        return []
+    try:
+        compress = bool(parse_modes(mem.compress))
+    except ConfigError:
+        compress = False  # reported by `checkpoints`
+    why = "the outputs it keeps are held by torch's selective-checkpoint cache, which saved-tensor hooks do not see"
+    errors = [f"memory.recompute={mem.recompute} with {key}={value} is not available: {why}"
+              for key, value, on in (("memory.offload_activations", mem.offload_activations, mem.offload_activations),
+                                     ("memory.compress", mem.compress, compress),
+                                     ("memory.contiguous", mem.contiguous, mem.contiguous)) if on]
+    if p.tp > 1 and p.tp_mode != "1d":
+        errors.append(f"memory.recompute={mem.recompute} with parallel.tp_mode={p.tp_mode} is not available: the grid "
+                      "layers' broadcasts write into a tensor the cache holds on the sending rank only, so the ranks "
+                      "would disagree on which collectives the recomputation runs again")
+    if cfg.train.compile:
+        errors.append(f"memory.recompute={mem.recompute} with train.compile=true is not available: the policy counts "
+                      "and tracks the kept outputs as the ops run, which a captured graph does not do")
+    if p.pp > 1 and p.schedule == "zb-h1":
+        errors.append(f"memory.recompute={mem.recompute} with parallel.schedule=zb-h1 is not available: zero bubble's "
+                      "input and weight passes recompute a checkpoint once each, and torch's selective checkpointing "
+                      "replays its saved outputs once (use full, every:k or nth:k)")
     return errors
 
 
@@ -69,6 +110,56 @@ def autocast(cfg: Config, world_size: int | None) -> list[str]:
                       "available: the MoE layer combines the experts' (bf16) outputs into a tensor of its input's "
                       "dtype and routes on logits autocast would round to bf16; use train.dtype=bf16")
     return errors
+
+
+FP8_KEYS = ("fp8_recipe", "fp8_layers", "fp8_gemm")
+"""The train.* keys that only train.precision=fp8 reads."""
+
+
+@rule("values")
+def fp8_values(cfg: Config, world_size: int | None) -> list[str]:
+    """train.fp8_recipe and train.fp8_gemm are in their sets (memory/fp8.py)."""
+    t = cfg.train
+    errors = []
+    if t.fp8_recipe not in FP8_RECIPES:
+        errors.append(f"train.fp8_recipe must be {or_list(FP8_RECIPES)}, got {t.fp8_recipe!r}")
+    if t.fp8_gemm not in FP8_GEMMS:
+        errors.append(f"train.fp8_gemm must be {or_list(FP8_GEMMS)}, got {t.fp8_gemm!r}")
+    return errors
+
+
+# train.precision=fp8 is refused with these settings: (condition on the config, the key, reason)
+FP8_REFUSED = (
+    (lambda c: c.train.dtype == "fp16", "train.dtype",
+     "fp16 needs loss scaling for the gradients, and the FP8 recipes scale each gradient tensor themselves; use "
+     "train.dtype=fp32 (autocast-bf16 around the FP8 layers) or bf16"),
+    (lambda c: c.train.dtype == "fp64", "train.dtype",
+     "the FP8 GEMMs dequantize and accumulate in fp32 (emulated) or on tensor cores, so nothing would be fp64; use "
+     "train.dtype=fp32 or bf16 (scaletrain verify: --dtype fp32 with a bf16-sized --rtol)"),
+    (lambda c: c.model.moe.experts > 0, "model.moe.experts",
+     "the experts' batched GEMMs are not converted to FP8 and their routing is not proven under FP8 rounding"),
+    (lambda c: c.parallel.tp_mode != "1d", "parallel.tp_mode",
+     "the grid's layers split weights along both dimensions and their FP8 scales are not reduced over the grid"),
+    (lambda c: c.model.reversible, "model.reversible",
+     "reversible blocks recompute their inputs in a custom backward that is not proven with FP8 layers"),
+    (lambda c: c.memory.contiguous, "memory.contiguous", "not proven equal to the single-process FP8 run"),
+    (lambda c: c.parallel.offload == "nvme", "parallel.offload",
+     "ZeRO-Infinity materialises its units from files, not proven with FP8 layers"),
+)
+
+
+@rule("combinations")
+def fp8(cfg: Config, world_size: int | None) -> list[str]:
+    """train.precision=fp8: the dtypes and layouts it works with, its layer filter (memory/fp8_layers.py); its keys
+    set without it would be ignored."""
+    t = cfg.train
+    if t.precision != "fp8":
+        default = TrainConfig()
+        stray = [f"train.{k}={getattr(t, k)}" for k in FP8_KEYS if getattr(t, k) != getattr(default, k)]
+        return [f"{', '.join(stray)} has no effect without train.precision=fp8"] if stray else []
+    errors = [f"train.precision=fp8 with {key}={_text(cfg, key)} is not available: {why}"
+              for applies, key, why in FP8_REFUSED if applies(cfg)]
+    return errors + filter_errors(cfg.model, t)
 
 
 @rule("combinations")
@@ -128,3 +219,11 @@ def compress_segments(cfg: Config, world_size: int | None) -> list[str]:
                 "the segments differ from one process's and recompute from other compressed inputs; choose "
                 "parallel.partition block counts that are multiples of k, or recompute full"]
     return []
+
+
+def _text(cfg: Config, dotted: str) -> str:
+    """A config value as the command line writes it (`true`, `2d`)."""
+    node: object = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return str(node).lower() if isinstance(node, bool) else str(node)

@@ -1,8 +1,10 @@
 """A plain decoder-only GPT (Radford et al. 2019, GPT-2; Vaswani et al., arXiv 1706.03762).
 
-Token + learned position embeddings (RoPE, arXiv 2104.09864, as an option), pre-norm blocks (LayerNorm, or
-RMSNorm as an option: model/norm.py), causal self-attention through `scaled_dot_product_attention`, GELU MLP
-(SwiGLU, arXiv 2002.05202, as an option), optional weight tying. There is no distributed code here: parallelism
+Token + learned position embeddings (RoPE, arXiv 2104.09864, with Llama 3's base and scaling as options:
+model/rope.py), pre-norm blocks (LayerNorm, or RMSNorm as an option: model/norm.py), causal self-attention through
+`scaled_dot_product_attention` (grouped-query, arXiv 2305.13245, as an option), GELU MLP (tanh-approximated GELU or
+SwiGLU, arXiv 2002.05202, as options), optional weight tying. The Llama / Mistral / Qwen2 families are these options
+together (interop/hf.py). There is no distributed code here: parallelism
 is applied by passes in `scaletrain.parallel` that swap or wrap these modules by name.
 
 Shapes: B batch, T sequence, C = d_model, nh heads, hs = C / nh head size, V vocabulary.
@@ -18,11 +20,12 @@ import torch.nn.functional as F
 
 from scaletrain.config import ModelConfig
 from scaletrain.config.sizes import ffn_size
-from scaletrain.model.block import Block, make_dropout, rope_tables
+from scaletrain.model.block import Block, make_dropout
 from scaletrain.model.dropout import DropoutContext, name_sites
 from scaletrain.model.init import gpt_rules, init_parameters
 from scaletrain.model.norm import make_norm
 from scaletrain.model.reversible import ReversibleBlock
+from scaletrain.model.rope import model_rope_tables
 
 
 def make_block(cfg: ModelConfig, layer: int, context: DropoutContext) -> nn.Module:
@@ -41,6 +44,17 @@ def block_width(cfg: ModelConfig) -> int:
 
 def head_size(cfg: ModelConfig) -> int:
     return block_width(cfg) // cfg.n_heads
+
+
+def rope_for(cfg: ModelConfig, T: int, device: torch.device,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The RoPE tables (cos, sin) of positions 0..T-1, or of the global `positions` (context parallelism), for the
+    blocks' heads (model.rope_theta and model.rope_scaling, model/rope.py), on `device`; None with learned positions.
+    The whole model and a pipeline stage compute them alike."""
+    if cfg.position != "rope":
+        return None
+    cos, sin = model_rope_tables(cfg, T, head_size(cfg), positions)
+    return cos.to(device), sin.to(device)
 
 
 class GPT(nn.Module):
@@ -66,10 +80,7 @@ class GPT(nn.Module):
         return torch.arange(T, device=device) if self.positions is None else self.positions.to(device)
 
     def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.cfg.position != "rope":
-            return None
-        cos, sin = rope_tables(T, head_size(self.cfg), positions=self.positions)
-        return cos.to(device), sin.to(device)
+        return rope_for(self.cfg, T, device, self.positions)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, V)."""

@@ -162,9 +162,11 @@ class Experts(nn.Module):
     """E expert MLPs (GELU or SwiGLU, no biases), weights stacked along dim 0 as (E, in, out); expert e's
     weights are `*_weight[e]` whatever the layout. Input and output (E, ..., C)."""
 
-    def __init__(self, experts: int, d_model: int, d_ff: int, swiglu: bool, dropout: float | nn.Module = 0.0):
+    def __init__(self, experts: int, d_model: int, d_ff: int, swiglu: bool, dropout: float | nn.Module = 0.0,
+                 activation: str = "gelu"):
         super().__init__()
         self.swiglu = swiglu
+        self.approximate = "tanh" if activation == "gelu_tanh" else "none"  # model.activation of the GELU experts
         self.n_total, self.expert_offset = experts, 0  # expert parallelism: the first local expert's id
         self.slot_ids: torch.Tensor | None = None  # global ids of the slots of this forward (global dropout)
         if swiglu:
@@ -182,7 +184,7 @@ class Experts(nn.Module):
         if self.swiglu:
             h = F.silu(torch.bmm(h, self.gate_weight)) * torch.bmm(h, self.up_weight)
         else:
-            h = F.gelu(torch.bmm(h, self.fc_weight))
+            h = F.gelu(torch.bmm(h, self.fc_weight), approximate=self.approximate)
         return torch.bmm(self._drop(h), self.proj_weight).view(x.shape)
 
     def _drop(self, h: torch.Tensor) -> torch.Tensor:
@@ -216,9 +218,9 @@ class MoE(nn.Module):
     """Drop-in replacement of a block's MLP: route, dispatch per group, run the experts, combine."""
 
     def __init__(self, d_model: int, d_ff: int, mlp: str, moe: MoEConfig, dropout: float = 0.0, layer: int = 0,
-                 make_dropout=None):
+                 make_dropout=None, activation: str = "gelu"):
         """`make_dropout(p, roles)` builds the dropout modules (nn.Dropout when None; the GPT passes its
-        layout-independent ones, model/dropout.py)."""
+        layout-independent ones, model/dropout.py); `activation` is the GELU experts' (model.activation)."""
         super().__init__()
         make = make_dropout or (lambda p, roles: nn.Dropout(p))
         self.cfg, self.layer, self.n_experts = moe, layer, moe.experts
@@ -226,7 +228,7 @@ class MoE(nn.Module):
         self.noise = (nn.Linear(d_model, moe.experts, bias=False)  # W_noise (Shazeer)
                       if moe.router == "topk" and moe.router_noise > 0 else None)
         self.experts = Experts(moe.experts, d_model, d_ff, mlp == "swiglu",
-                               make(moe.expert_dropout, ("expert", "slot", "feature")))
+                               make(moe.expert_dropout, ("expert", "slot", "feature")), activation)
         self.dropout = make(dropout, ("seq", "feature"))
         self.grad_scale = 1.0  # d(loss)/d(token-summed aux), set by the engine each step
         self.key = (0, 0, 0)  # (seed, step, next global row) of the random streams, set each step

@@ -1,5 +1,7 @@
-"""validate()'s rules for the model's keys (`model.*`, `model.moe.*`): the shapes a GPT can be built with, mixture of
-experts (GShard arXiv 2006.16668, Switch arXiv 2101.03961) and reversible blocks (RevNet arXiv 1707.04585).
+"""validate()'s rules for the model's keys (`model.*`, `model.moe.*`): the shapes a GPT can be built with, grouped-query
+attention (arXiv 2305.13245) and its tensor-parallel split, RoPE's base and Llama 3 scaling, the GELU variant and
+query/key/value biases, mixture of experts (GShard arXiv 2006.16668, Switch arXiv 2101.03961) and reversible blocks
+(RevNet arXiv 1707.04585).
 
 Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free.
 """
@@ -8,8 +10,19 @@ from __future__ import annotations
 
 from scaletrain.config.parse import parse_recompute
 from scaletrain.config.rules import rule
-from scaletrain.config.schema import DROPOUT_IMPLS, MLPS, NORMS, POSITIONS, ROUTERS, Config, or_list
-from scaletrain.config.sizes import ffn_size, half_config
+from scaletrain.config.schema import (
+    ACTIVATIONS,
+    DROPOUT_IMPLS,
+    MLPS,
+    NORMS,
+    POSITIONS,
+    ROPE_SCALING_TYPES,
+    ROUTERS,
+    Config,
+    RopeScalingConfig,
+    or_list,
+)
+from scaletrain.config.sizes import ffn_size, half_config, kv_heads
 from scaletrain.errors import ConfigError
 
 
@@ -39,6 +52,63 @@ def shape(cfg: Config, world_size: int | None) -> list[str]:
         errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.dropout_impl not in DROPOUT_IMPLS:
         errors.append(f"model.dropout_impl must be {or_list(DROPOUT_IMPLS)}, got {m.dropout_impl!r}")
+    return errors
+
+
+@rule("values")
+def attention(cfg: Config, world_size: int | None) -> list[str]:
+    """Key/value heads (grouped-query attention), RoPE base and scaling, the GELU variant (model/block.py)."""
+    m, r = cfg.model, cfg.model.rope_scaling
+    errors = []
+    if not 0 <= m.n_kv_heads <= m.n_heads:
+        errors.append(f"model.n_kv_heads must be between 0 (= model.n_heads) and model.n_heads ({m.n_heads}), "
+                      f"got {m.n_kv_heads}")
+    elif m.n_heads % kv_heads(m):
+        errors.append(f"model.n_heads ({m.n_heads}) is not divisible by model.n_kv_heads ({m.n_kv_heads}): each "
+                      "key/value head serves the same number of query heads")
+    if m.activation not in ACTIVATIONS:
+        errors.append(f"model.activation must be {or_list(ACTIVATIONS)}, got {m.activation!r}")
+    if not m.rope_theta > 0:
+        errors.append(f"model.rope_theta must be > 0, got {m.rope_theta}")
+    if r.type not in ROPE_SCALING_TYPES:
+        errors.append(f"model.rope_scaling.type must be {or_list(ROPE_SCALING_TYPES)}, got {r.type!r}")
+    elif r.type == "llama3":
+        if not (r.factor >= 1 and 0 < r.low_freq_factor < r.high_freq_factor
+                and r.original_max_position_embeddings > 0):
+            errors.append(f"model.rope_scaling (llama3) needs factor >= 1 ({r.factor}), 0 < low_freq_factor "
+                          f"({r.low_freq_factor}) < high_freq_factor ({r.high_freq_factor}) and "
+                          f"original_max_position_embeddings > 0 ({r.original_max_position_embeddings})")
+    else:
+        off = [f"model.rope_scaling.{k} ({getattr(r, k)})" for k, v in vars(RopeScalingConfig()).items()
+               if k != "type" and getattr(r, k) != v]
+        if off:
+            errors.append(f"{', '.join(off)} set with model.rope_scaling.type=none, which ignores it")
+    return errors
+
+
+@rule("combinations")
+def attention_combinations(cfg: Config, world_size: int | None) -> list[str]:
+    """What the attention variants are refused with: settings another key makes meaningless, and how the key/value
+    heads split over tensor parallelism (each rank holds whole heads; with tp > n_kv_heads each key/value head is
+    copied to the tp / n_kv_heads ranks whose query heads use it)."""
+    m, p = cfg.model, cfg.parallel
+    errors = []
+    if m.position != "rope" and (m.rope_theta != 10000.0 or m.rope_scaling.type != "none"):
+        errors.append(f"model.rope_theta ({m.rope_theta}) / model.rope_scaling.type ({m.rope_scaling.type}) set with "
+                      f"model.position={m.position}, which has no rotary embedding")
+    if m.activation != "gelu" and m.mlp != "gelu":
+        errors.append(f"model.activation={m.activation} with model.mlp={m.mlp}: the activation is the GELU MLP's "
+                      "(SwiGLU uses SiLU)")
+    if m.qkv_bias and m.bias:
+        errors.append("model.qkv_bias=true with model.bias=true: every linear layer has a bias already")
+    kv = kv_heads(m)
+    if kv != m.n_heads and p.tp > 1 and 0 < kv <= m.n_heads and m.n_heads % kv == 0:
+        if p.tp_mode != "1d":
+            errors.append(f"model.n_kv_heads ({m.n_kv_heads}) with parallel.tp_mode={p.tp_mode}: grouped-query "
+                          "attention is split by the 1d (Megatron) tensor parallelism only")
+        elif kv % p.tp and p.tp % kv:
+            errors.append(f"model.n_kv_heads ({m.n_kv_heads}) and parallel.tp ({p.tp}): one must divide the other "
+                          "(each rank holds whole key/value heads, or one head shared with tp / n_kv_heads ranks)")
     return errors
 
 
@@ -115,9 +185,9 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
         kind = parse_recompute(mem.recompute).kind
     except ConfigError:  # memory/rules.py reports the syntax error itself
         kind = "none"
-    if kind in ("full", "every"):
+    if kind in ("full", "every", "nth", "ops"):
         errors.append(f"memory.recompute={mem.recompute} with model.reversible: reversible blocks keep no "
-                      "activations for a checkpoint to drop (use none, or selective to bound the reverse pass)")
+                      "activations for a checkpoint to drop (use none, or attn-core to bound the reverse pass)")
     if mem.offload_activations:
         errors.append("memory.offload_activations with model.reversible: reversible blocks keep no activations to "
                       "offload")

@@ -50,6 +50,7 @@ from scaletrain.multinode import network, preflight
 from scaletrain.multinode.flight import T0, FlightRecorder, diagnose
 from scaletrain.multinode.heartbeat import ABORT, HANG, Heartbeat, Verdict, hb_key
 
+NETID_KEY = "scaletrain/netid/{attempt}/{rank}"  # this rank's network stack (network.net_identity)
 NET_KEY = "scaletrain/net/{attempt}/{rank}"  # before the per-job prefix exists: this rank's chosen address
 
 
@@ -135,10 +136,12 @@ class Job:
         choice = network.from_variable(var)
         if choice is None and nodes == 1:  # one machine: the library's own choice works
             return network.NetChoice("", "", "one node: the library's default")
+        if nodes > 1:  # published before any wait, so nodes that share a host never wait for each other
+            self.store.set(NETID_KEY.format(attempt=self.attempt, rank=self.rank), network.net_identity())
         if choice is None:
             choice = network.route_to(master)
             if nodes > 1 and network.is_loopback(choice.address):
-                choice = self._route_to_other_node(per_node, port, choice)
+                choice = self._same_host(per_node, choice) or self._route_to_other_node(per_node, port, choice)
         self.store.set(NET_KEY.format(attempt=self.attempt, rank=self.rank), choice.address)
         if nodes > 1:
             for v in network.SOCKET_VARS if self.device.type == "cuda" else ("GLOO_SOCKET_IFNAME",):
@@ -148,6 +151,21 @@ class Job:
                 sys.stderr.write(f"scaletrain: host {socket.gethostname()} ({ranks}): {var.split('_')[0].lower()} uses "
                                  f"{choice.interface} {choice.address} ({choice.reason})\n")
         return choice
+
+    def _same_host(self, per_node: int, mine: network.NetChoice) -> network.NetChoice | None:
+        """MASTER_ADDR is loopback here: when every node's first rank is in this network stack (agents that share a
+        host, e.g. `--rdzv-endpoint 127.0.0.1:PORT`), loopback is the interface; else None."""
+        firsts = range(0, self.world, per_node)
+        keys = [NETID_KEY.format(attempt=self.attempt, rank=r) for r in firsts]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except RuntimeError:
+            return None
+        me = network.net_identity()
+        if any(self.store.get(k).decode() != me for k in keys):
+            return None
+        return network.NetChoice(mine.interface, mine.address, f"{mine.reason}; all {len(keys)} nodes share this "
+                                 "host, so loopback reaches them")
 
     def _route_to_other_node(self, per_node: int, port: int, mine: network.NetChoice) -> network.NetChoice:
         """MASTER_ADDR is this host: route to the first rank of the next node instead."""

@@ -27,16 +27,18 @@ import sys
 from pathlib import Path
 
 from scaletrain.errors import UserError
+from scaletrain.guards import MAX_GPUS, bounded_int
 from scaletrain.multinode import network
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `train` options for several machines and for restarts."""
     g = p.add_argument_group("several machines and restarts (docs/multinode.md)")
-    g.add_argument("--nnodes", type=int, default=1, help="machines in the job: run the same command on each of them")
+    g.add_argument("--nnodes", type=bounded_int(1, MAX_GPUS), default=1,
+                   help="machines in the job: run the same command on each of them")
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="rendezvous: one of the nodes (the same HOST on all) and a free port, e.g. node1:29400")
-    g.add_argument("--restarts", type=int, default=0, metavar="N",
+    g.add_argument("--restarts", type=bounded_int(0, 10_000), default=0, metavar="N",
                    help="start the workers again up to N times after a failure; each restart resumes from the newest "
                         "complete checkpoint (torchrun's --max-restarts)")
 

@@ -145,3 +145,19 @@ def hostname_report() -> tuple[str, list[str]]:
     """(host name, the addresses it resolves to here): a loopback-only answer is Debian's 127.0.1.1 trap."""
     name = socket.gethostname()
     return name, resolve(name)
+
+
+def net_identity() -> str:
+    """Which network stack this process is in: the boot id and the network namespace. Two processes with the same
+    identity reach each other over loopback (nodes of one job that share a host, the way multi-node is first tried),
+    processes on other machines or in other namespaces do not."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        ns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        ns = "?"
+    return f"{boot}/{ns}"

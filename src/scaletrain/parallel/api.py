@@ -35,9 +35,12 @@ def data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, group: dis
 
 def zero(model: nn.Module, stage: int, group: dist.ProcessGroup | None = None, *, lr: float = 1e-3,
          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-         bucket_mb: float = 25.0, offload: str = "none", units=None) -> ZeroOptimizer:
+         bucket_mb: float = 25.0, offload: str = "none", units=None,
+         reshard_after_forward: bool = True) -> ZeroOptimizer:
     """ZeRO stage 1, 2 or 3 with AdamW over `group` (default: the whole job). Stage 3 shards by `units`
-    (default: the root plus every element of every nn.ModuleList)."""
+    (default: the root plus every element of every nn.ModuleList) and, with `reshard_after_forward=False`, keeps each
+    unit gathered from its forward to the end of its backward (FSDP's option; docs/data_parallel.md)."""
     group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
     return ZeroOptimizer(model, stage, group, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         bucket_mb=bucket_mb, offload=offload, reduce="mean", units=units)
+                         bucket_mb=bucket_mb, offload=offload, reduce="mean", units=units,
+                         reshard_after_forward=reshard_after_forward)

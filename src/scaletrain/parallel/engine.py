@@ -127,6 +127,7 @@ class Engine:
     activation_bytes: int = 0
     n_params: int = 0  # parameters of the whole (unsharded) model
     dropout: Any = None  # the model's DropoutContext (layout-independent dropout), set per micro-batch
+    fp8: Any = None  # train.precision=fp8: what the FP8 pass converted and its GEMM counters (parallel/fp8.py)
 
     def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns its share of the loss (detached)."""

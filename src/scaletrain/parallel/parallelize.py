@@ -1,7 +1,8 @@
 """Turn a config and a mesh into the Engine a rank trains with, by passes over the plain model.
 
 Order (DESIGN.md): build on meta -> materialise and init by (seed, name) -> apply_tp -> apply_ep -> apply_cp ->
-split_pp -> apply_recompute -> ... -> the optimizer (replicated, ZeRO, ZeRO-Infinity or expert parallelism's pair).
+split_pp -> apply_fp8 -> apply_recompute -> ... -> the optimizer (replicated, ZeRO, ZeRO-Infinity or expert
+parallelism's pair).
 Each pass lives in the module of its parallel dimension or memory technique and receives only the sub-configs and
 groups it needs; `build_engine` is the one place that reads the whole Config. The Engine and the optimizer interface
 are in `engine.py`.
@@ -54,6 +55,12 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         from scaletrain.parallel.pipeline.stage import split_pp
 
         split_pp(engine, m, p, t, mesh, comm, p.microbatches or cfg.grad_accum)  # this rank's stage(s), runner
+    if t.precision == "fp8":
+        from scaletrain.parallel.fp8 import apply_fp8
+
+        # the blocks' linear layers this rank holds (tp's included: after tp / ep / pp), before recompute, autocast
+        # and compile, whose wrappers must see the FP8 layers (torchtitan's order)
+        apply_fp8(engine, m, t, mesh, comm, device)
     if mem.recompute != "none" or mem.offload_activations:
         from scaletrain.memory.recompute import apply_recompute
 
@@ -66,15 +73,19 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         from scaletrain.memory.precision import apply_precision
 
         apply_precision(engine.module)  # layer norms in fp32; the optimizers keep fp32 masters
-    if t.precision == "autocast-bf16":
+    if t.precision == "autocast-bf16" or (t.precision == "fp8" and t.dtype == "fp32"):
         from scaletrain.memory.autocast import apply_autocast
 
-        apply_autocast(engine.module, device)  # fp32 parameters, bf16 matmuls and attention in the forward
+        apply_autocast(engine.module, device)  # fp32 parameters, bf16 matmuls and attention (fp8: around its layers)
     if t.compile:
         from scaletrain.parallel.compile import apply_compile
 
         apply_compile(engine)  # each block compiled, after tp / recompute, before dp / ZeRO (torchtitan's order)
     engine.optimizer = _optimizer(engine, cfg, mesh, comm, device)
+    if p.zero == 3 and p.offload != "nvme":
+        from scaletrain.parallel.zero_gather import report_gathered
+
+        report_gathered(engine)  # mem_params_gathered: the most ZeRO-3 parameter bytes gathered at once
     if mem.contiguous or mem.count_allocations:
         from scaletrain.memory.contiguous import apply_contiguous_and_probe
 

@@ -1,6 +1,6 @@
-"""validate()'s rules for the layout: ZeRO stages and offload (arXiv 1910.02054; ZeRO-Infinity arXiv 2104.07857),
-tensor parallelism, 1D (Megatron-LM, arXiv 1909.08053; sequence parallelism arXiv 2205.05198) and 2D / 2.5D / 3D
-(arXiv 2104.05343, 2105.14500, 2105.14450), and train.compile (`parallel/compile.py`).
+"""validate()'s rules for the layout: ZeRO stages, resharding after forward and offload (arXiv 1910.02054;
+ZeRO-Infinity arXiv 2104.07857), tensor parallelism, 1D (Megatron-LM, arXiv 1909.08053; sequence parallelism arXiv
+2205.05198) and 2D / 2.5D / 3D (arXiv 2104.05343, 2105.14500, 2105.14450), and train.compile (`parallel/compile.py`).
 
 Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free: the one
 torch import is that of `compile_backend_errors`, made only for a config with train.compile=true.
@@ -36,6 +36,27 @@ def offload(cfg: Config, world_size: int | None) -> list[str]:
     if p.offload == "params" and p.zero != 3:
         errors.append(f"parallel.offload=params needs parallel.zero=3, got parallel.zero={p.zero}")
     return errors
+
+
+@rule("combinations")
+def reshard_after_forward(cfg: Config, world_size: int | None) -> list[str]:
+    """parallel.reshard_after_forward is ZeRO-3's choice (parallel/zero.py); the pipeline and ZeRO-Infinity paths
+    each have one way of holding the gathered parameters."""
+    p = cfg.parallel
+    value = p.reshard_after_forward
+    if value is None:
+        return []
+    if p.zero != 3:
+        return [f"parallel.reshard_after_forward={str(value).lower()} needs parallel.zero=3, got parallel.zero="
+                f"{p.zero}: only ZeRO-3 gathers parameters for the forward, so there is nothing to release or keep"]
+    if value and p.pp > 1:
+        return [f"parallel.reshard_after_forward=true with parallel.pp ({p.pp}) > 1 is not available: pipeline stages "
+                "keep their ZeRO-3 parameters gathered for the whole step, as the schedule interleaves the "
+                "micro-batches' forwards and backwards (leave it unset or false)"]
+    if not value and p.offload == "nvme":
+        return ["parallel.reshard_after_forward=false with parallel.offload=nvme is not available: ZeRO-Infinity "
+                "streams each unit's parameters from files just in time and frees them after use"]
+    return []
 
 
 @rule("combinations")

@@ -240,6 +240,20 @@ def all_reduce_grad_hook(group, stats: CommStats | None) -> Callable[[torch.Tens
     return hook
 
 
+def sum_copies_hook(group, piece: int, pieces: int, stats: CommStats | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A tensor hook summing a parameter's gradient over the tp ranks holding copies of the same piece of it (grouped-
+    query attention with tp > n_kv_heads: each key/value head sits on tp / n_kv_heads ranks, each of which sees only
+    its own query heads' part of the gradient). One all-reduce over tp of a (pieces, *shape) buffer in which every
+    rank fills its piece's row: each row sums exactly the ranks of that piece."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        buf = grad.new_zeros((pieces, *grad.shape))
+        buf[piece] = grad
+        return all_reduce_(buf, group, stats)[piece]
+
+    return hook
+
+
 def mark_replicated(p: nn.Parameter, group, sequence_parallel: bool, stats: CommStats | None) -> None:
     """A parameter every tp rank holds in full: its gradient norm counts once (tp rank 0), and under
     sequence parallelism its per-shard gradients are summed over tp so all ranks stay identical."""
@@ -266,20 +280,41 @@ def _rows(full: torch.Tensor, rank: int, n: int, parts: int) -> torch.Tensor:
     return torch.cat([p.chunk(n, 0)[rank] for p in full.chunk(parts, 0)], 0)
 
 
+def copy_layout(n: int, shards: int) -> tuple[int, int]:
+    """(pieces, copies): a tensor cut into at most `shards` pieces over n tp ranks (`shards` 0: n pieces). With
+    n > shards, each piece sits on copies = n / shards consecutive ranks (rank r holds piece r // copies)."""
+    pieces = n if not shards or shards >= n else shards
+    if n % pieces:
+        raise UserError(f"tp ({n}) is not divisible by the {shards} pieces of a column-parallel layer")
+    return pieces, n // pieces
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = f(x) A_r^T + b_r: the weight split by output features, the output left split (gather_output
     is never needed in our blocks). `parts` > 1 keeps fused projections correct: for qkv (parts=3) rank r
-    holds [q_r; k_r; v_r], i.e. its heads of each of q, k and v."""
+    holds [q_r; k_r; v_r], i.e. its heads of each of q, k and v. `shards` caps the pieces: grouped-query
+    attention's kv (parts=2, shards=n_kv_heads) is split by key/value heads, and with tp > n_kv_heads each head
+    is copied on the tp / n_kv_heads ranks whose query heads use it, its gradient summed over them
+    (`sum_copies_hook`; the copies beyond the first do not count in the gradient norm)."""
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True, parts: int = 1,
-                 sequence_parallel: bool = False, stats: CommStats | None = None, device=None, dtype=None):
+                 shards: int = 0, sequence_parallel: bool = False, stats: CommStats | None = None, device=None,
+                 dtype=None):
         super().__init__()
         self.group, self.stats, self.sequence_parallel, self.parts = group, stats, sequence_parallel, parts
         n = group_size(group)
+        self.pieces, self.copies = copy_layout(n, shards)
+        self.piece = group_rank(group) // self.copies
         self.in_features, self.out_features = in_features, out_features
-        local = parts * _divide(out_features // parts, n, "column-parallel output features")
+        local = parts * _divide(out_features // parts, self.pieces, "column-parallel output features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
+        if self.copies > 1:
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    p.register_hook(sum_copies_hook(group, self.piece, self.pieces, stats))
+                    if group_rank(group) % self.copies:
+                        p._st_norm_owner, p._st_tp_copy = False, True  # the piece's first rank counts it
 
     @classmethod
     @torch.no_grad()
@@ -287,10 +322,9 @@ class ColumnParallelLinear(nn.Module):
         w = linear.weight
         m = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, parts=parts,
                 device=w.device, dtype=w.dtype, **kw)
-        r, n = group_rank(group), group_size(group)
-        m.weight.copy_(_rows(w, r, n, parts))
+        m.weight.copy_(_rows(w, m.piece, m.pieces, parts))
         if m.bias is not None:
-            m.bias.copy_(_rows(linear.bias, r, n, parts))
+            m.bias.copy_(_rows(linear.bias, m.piece, m.pieces, parts))
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -303,7 +337,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(f.apply(x, self.group, self.stats), self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}/{group_size(self.group)}, parts={self.parts}"
+        copies = f", copies={self.copies}" if self.copies > 1 else ""
+        return f"in={self.in_features}, out={self.out_features}/{self.pieces}, parts={self.parts}{copies}"
 
 
 class RowParallelLinear(nn.Module):

@@ -4,7 +4,10 @@ engine's pass for our GPT (`apply_tp`, with `gpt_plan`).
 A plan maps module names to a style; `*` stands for one path component (`blocks.*.attn.qkv`):
 
     Column(parts)     nn.Linear split by output features (Megatron-LM arXiv 1909.08053, Sec. 3: the first
-                      linear of the MLP, the fused q/k/v projection with parts=3)
+                      linear of the MLP, the fused q/k/v projection with parts=3); Column(parts, shards) cuts
+                      it into at most `shards` pieces, each copied on tp / shards ranks when tp is larger
+                      (grouped-query attention's key/value heads, arXiv 2305.13245: gradients summed over
+                      the copies)
     Row()             nn.Linear split by input features, after a Column (the MLP's and attention's output)
     VocabEmbedding()  nn.Embedding split over the vocabulary
     VocabHead()       the output nn.Linear split over the vocabulary; the logits stay split (use its loss_fn)
@@ -38,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scaletrain.config import ModelConfig
-from scaletrain.config.sizes import moe_layers
+from scaletrain.config.sizes import is_gqa, kv_heads, moe_layers
 from scaletrain.distributed.comm import CommStats, group_size
 from scaletrain.errors import UserError
 from scaletrain.parallel.tensor_parallel import (
@@ -47,6 +50,7 @@ from scaletrain.parallel.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
+    copy_layout,
     enter_hook,
     group_rank,
     mark_replicated,
@@ -57,6 +61,7 @@ from scaletrain.parallel.tensor_parallel import (
 @dataclass(frozen=True)
 class Column:
     parts: int = 1  # fused projections stacked along the output (q, k, v: 3), each split over tp
+    shards: int = 0  # at most this many pieces (0: tp); with tp > shards each piece sits on tp / shards ranks
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ def gpt_plan(cfg: ModelConfig) -> dict[str, Style]:
         # heads are split (attention-probability dropout per rank); it reads T from its input, so under
         # sequence parallelism the input is gathered at its entry (qkv still saves only the shard)
         "blocks.*.attn": Split(enter=True),
-        "blocks.*.attn.qkv": Column(parts=3),
+        **attention_plan(cfg),
         "blocks.*.attn.proj": Row(),
         "blocks.*.attn.resid_dropout": Replicated(),
         "blocks.*.ln2": Replicated(),
@@ -122,14 +127,25 @@ def gpt_plan(cfg: ModelConfig) -> dict[str, Style]:
     return plan
 
 
+def attention_plan(cfg: ModelConfig) -> dict[str, Style]:
+    """The attention's projections: the fused qkv split by heads (q, k, v each), or with grouped-query attention q
+    split by query heads and kv (k, v each) by key/value heads, each head copied on tp / n_kv_heads ranks when tp
+    exceeds n_kv_heads (rank r's query heads all use key/value head r // (tp / n_kv_heads))."""
+    if not is_gqa(cfg):
+        return {"blocks.*.attn.qkv": Column(parts=3)}
+    return {"blocks.*.attn.q": Column(), "blocks.*.attn.kv": Column(parts=2, shards=kv_heads(cfg))}
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """How a parameter is split: along `dim`, each of `parts` stacked blocks separately, the first `full`
-    entries real (the rest padding)."""
+    entries real (the rest padding). `copies` > 1: the tensor is cut into tp / copies pieces, each held by
+    `copies` consecutive tp ranks (a parameter's mark `_st_tp_shard` then names its piece and the piece count)."""
 
     dim: int
     parts: int = 1
     full: int | None = None
+    copies: int = 1
 
     def global_shape(self, local_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
         """The plain model's shape of a parameter whose shard on one of `n` ranks has `local_shape`."""
@@ -154,6 +170,7 @@ class ShardSpec:
         return flat.reshape(-1)
 
     def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        pieces = pieces[:: self.copies]  # one of each piece's copies
         if self.parts == 1:
             out = torch.cat(pieces, self.dim)
         else:
@@ -215,9 +232,11 @@ def _check(name: str, module: nn.Module, style: Style, n: int) -> None:
     want = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
     if not isinstance(module, want):
         raise UserError(f"tp plan: {name} is {type(module).__name__}, {type(style).__name__} needs {want.__name__}")
-    if isinstance(style, Column) and module.out_features % (style.parts * n):
-        raise UserError(f"tp plan: {name} has {module.out_features} output features, not divisible by "
-                        f"parts ({style.parts}) x tp ({n})")
+    if isinstance(style, Column):
+        pieces, _ = copy_layout(n, style.shards)
+        if module.out_features % (style.parts * pieces):
+            raise UserError(f"tp plan: {name} has {module.out_features} output features, not divisible by "
+                            f"parts ({style.parts}) x {pieces} pieces (tp {n})")
     if isinstance(style, Row) and module.in_features % n:
         raise UserError(f"tp plan: {name} has {module.in_features} input features, not divisible by tp ({n})")
 
@@ -225,8 +244,9 @@ def _check(name: str, module: nn.Module, style: Style, n: int) -> None:
 def _parallel_layer(module: nn.Module, style: Style, group, kw: dict, tied: nn.Parameter | None):
     """The parallel layer for a dense one, and the split of its parameters by attribute name."""
     if isinstance(style, Column):
-        new = ColumnParallelLinear.from_dense(module, group, parts=style.parts, **kw)
-        return new, {"weight": ShardSpec(0, style.parts), "bias": ShardSpec(0, style.parts)}
+        new = ColumnParallelLinear.from_dense(module, group, parts=style.parts, shards=style.shards, **kw)
+        spec = ShardSpec(0, style.parts, copies=new.copies)
+        return new, {"weight": spec, "bias": spec}
     if isinstance(style, Row):
         return RowParallelLinear.from_dense(module, group, **kw), {"weight": ShardSpec(1)}
     if isinstance(style, VocabEmbedding):
@@ -267,7 +287,8 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, Style], group, *, sequence_p
                 old, p = getattr(module, attr, None), getattr(new, attr, None)
                 if p is None:
                     continue
-                p._st_tp_shard = (spec, group_rank(group), n)  # where the shard sits in the plain tensor
+                # where the shard sits in the plain tensor: piece rank // copies of n / copies
+                p._st_tp_shard = (spec, group_rank(group) // spec.copies, n // spec.copies)
                 converted[id(old)] = (p, spec)
                 result.specs[f"{name}.{attr}"] = spec
             parent, _, child = name.rpartition(".")

@@ -53,6 +53,7 @@ from scaletrain.optim import config_hyper, optimizer_spec, state_elements
 from scaletrain.parallel.data_parallel import bucket_params
 from scaletrain.parallel.engine import EngineOptimizer
 from scaletrain.parallel.norms import clip_coefficient, is_norm_owner, squared_norm
+from scaletrain.parallel.zero_gather import GatherMeter
 
 preserve_version = torch.autograd._unsafe_preserve_version_counter
 """Context manager: writes into a tensor inside it do not bump its version counter (a gathered ZeRO-3 buffer that
@@ -132,7 +133,7 @@ class ZeroOptimizer(EngineOptimizer):
                  comm: CommStats | None = None, units: Iterable[nn.Module] | None = None,
                  world_norm: bool = True, optimizer: str = "adamw", hyper: dict | None = None,
                  tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None,
-                 params: list[nn.Parameter] | None = None, gather: str = "unit"):
+                 params: list[nn.Parameter] | None = None, gather: str = "unit", reshard_after_forward: bool = True):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         spec = optimizer_spec(optimizer)
@@ -165,6 +166,10 @@ class ZeroOptimizer(EngineOptimizer):
         if gather not in ("unit", "step"):
             raise ValueError(f"gather must be unit or step, got {gather!r}")
         self.gather_per_step = stage == 3 and gather == "step"
+        # per unit: release after the forward and gather again for the backward (true), or keep the gathered
+        # parameters from the forward until the unit's gradients are reduced (false: FSDP's reshard_after_forward)
+        self.reshard_after_forward = reshard_after_forward
+        self.gathered = GatherMeter()  # the gathered parameter bytes alive now and at most (mem_params_gathered)
         if stage == 3:
             self._setup_stage3(module, params, units)
         else:
@@ -197,7 +202,8 @@ class ZeroOptimizer(EngineOptimizer):
         return cls(module, par.zero, mesh.group(dim), weight_decay=optim.weight_decay, bucket_mb=par.bucket_mb,
                    offload=par.offload, comm=comm, optimizer=optim.name, hyper=config_hyper(optim, lr),
                    tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim in ("edp", "edp_cp") else None,
-                   params=params, gather="step" if par.pp > 1 else "unit")
+                   params=params, gather="step" if par.pp > 1 else "unit",
+                   reshard_after_forward=par.reshards_after_forward)
 
     def _param_pieces(self, tp_group: dist.ProcessGroup | None = None) -> list[dict]:
         """Every parameter, in the same order on every rank, with this rank's piece of it (maybe empty). Under
@@ -301,11 +307,13 @@ class ZeroOptimizer(EngineOptimizer):
 
     def _release(self, g: FlatGroup) -> None:
         g.full.untyped_storage().resize_(0)
+        self.gathered.drop(g)
 
     def _gather(self, g: FlatGroup, async_op: bool) -> None:
         if g.full.untyped_storage().nbytes() > 0 or g.pending is not None:
             return
         g.full.untyped_storage().resize_(g.full.numel() * g.full.element_size())
+        self.gathered.add(g, g.full.numel() * g.full.element_size())
         src = g.param_shard.to(self.device, non_blocking=True)
         if self.n == 1:
             with preserve_version(g.full):
@@ -357,6 +365,8 @@ class ZeroOptimizer(EngineOptimizer):
                 return output
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+                if not self.reshard_after_forward:
+                    return output  # kept gathered for the backward; released when the unit's gradients are reduced
                 out.register_hook(self._make_pre_backward(i))  # re-gather just before this unit's backward
             self._release(g)
             return output

@@ -33,9 +33,10 @@ def tp_placement(p: torch.Tensor, tp_group: Any) -> tuple[tuple[int, ...], torch
     element or None when the copy is the whole parameter, whether this rank's statistics count). A parameter
     split over tensor parallelism carries `_st_tp_shard` (set by `parallel.tp_plan.apply_tp_plan`), a stack of
     experts split over expert parallelism `_st_ep_shard` (`parallel.experts.apply_ep`); a parameter replicated
-    over tp counts on tp rank 0 only."""
+    over tp counts on tp rank 0 only, a copied piece (`_st_tp_copy`) on the first rank holding it."""
     shard = getattr(p, "_st_tp_shard", None) or getattr(p, "_st_ep_shard", None)
     replica = getattr(p, "_st_tp_replicated", False) and tp_group is not None and dist.get_rank(tp_group) > 0
+    replica = replica or getattr(p, "_st_tp_copy", False)  # a copied key/value head (tp > n_kv_heads)
     if shard is not None:
         spec, rank, n = shard
         idx = spec.global_index(tuple(p.shape), rank, n).to(p.device)

@@ -56,6 +56,9 @@ def planned_resident(cfg) -> dict[str, int]:
         units = [n * -(-sum(p.numel() for p in g) // n) for g in group_params(module, 3, cfg.parallel.bucket_mb)]
         e = run_memory._TORCH[cfg.train.dtype].itemsize
         out["working"] = working_bytes(units, e, 4 if cfg.train.dtype in run_memory.LOW else e)
+        gathered = out.pop("params_gathered", None)
+        if gathered is not None:  # the exact gathered peak (parallel.reshard_after_forward) for two gathered units
+            out["working"] += gathered - sum(sorted(units, reverse=True)[:2]) * e
     return out
 def _gib(parts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / GIB:.3f}" for k, v in parts.items())

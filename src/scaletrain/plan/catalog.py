@@ -5,15 +5,9 @@ exactly, FLOPs and activation bytes. It covers our own GPT (`scaletrain.model.gp
 Megatron-LM's scaling series, Llama 2/3 (RMSNorm, SwiGLU, grouped-query attention, untied head) and a
 mixture-of-experts example.
 
-Sources:
-- GPT-2: Radford et al. 2019 (sizes as released: 124M, 355M, 774M, 1.5B).
-- GPT-3: Brown et al., arXiv 2005.14165, Table 2.1 (vocab 50257, context 2048). Two rows of that table
-  are internally inconsistent (1.3B: 24 heads of 128 for d_model 2048; 13B: d_model 5140); we use 16
-  heads and d_model 5120 so that heads divide d_model.
-- Megatron-LM scaling series: Narayanan et al., arXiv 2104.04473, Table 1 (vocab 51200, seq 2048).
-- Korthikanti et al., arXiv 2205.05198, Table 3 (22B).
-- Llama 2: Touvron et al., arXiv 2307.09288; Llama 3: Grattafiori et al., arXiv 2407.21783, Table 3.
-- Mixtral 8x7B: Jiang et al., arXiv 2401.04088, Table 1.
+The models and their sources are the presets of `config/presets.py` (the table `model.preset=NAME` reads, so
+`plan --model NAME` plans the model `train --set model.preset=NAME` trains), turned into specs by
+`from_model_config`; mixture-of-experts presets are planned dropless (capacity factor x k slots per token).
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from scaletrain.config.presets import ALIASES, PRESETS, preset_model
 from scaletrain.config.schema import MLPS, or_list
 from scaletrain.errors import UserError
 
@@ -44,6 +39,8 @@ class ModelSpec:
     tie_embeddings: bool = True
     bias: bool = True
     """Biases in linear layers and norms (LayerNorm weight+bias; without bias one weight vector)."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projections only (Qwen2) in a bias-free model."""
     n_experts: int = 0
     """Mixture-of-experts: experts per MoE layer (0 = dense). Expert MLPs are bias-free (ours, Switch,
     Mixtral) and stacked per layer; the router is Linear(d_model, n_experts) without bias."""
@@ -64,6 +61,13 @@ class ModelSpec:
     and MLP of width d_model / 2 on the two halves of the stream, nothing stored per layer, each layer's forward
     run again in backward."""
     source: str = ""
+
+    def __hash__(self) -> int:  # the cost model caches per model: hash the fields once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def width(self) -> int:
@@ -130,60 +134,15 @@ def check_model(m: ModelSpec) -> ModelSpec:
     return m
 
 
-def _gpt3(name: str, layers: int, d: int, heads: int) -> ModelSpec:
-    return ModelSpec(name, layers, d, heads, 50257, 2048, dropout=True,
-                     source="Brown et al., arXiv 2005.14165, Table 2.1")
-
-
-def _megatron(name: str, heads: int, d: int, layers: int) -> ModelSpec:
-    return ModelSpec(name, layers, d, heads, 51200, 2048, dropout=True,
-                     source="Narayanan et al., arXiv 2104.04473, Table 1")
-
-
-_LLAMA = dict(mlp="swiglu", position="rope", tie_embeddings=False, bias=False)
-
-MODELS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in (
-        ModelSpec("gpt2", 12, 768, 12, 50257, 1024, dropout=True, source="Radford et al. 2019"),
-        ModelSpec("gpt2-medium", 24, 1024, 16, 50257, 1024, dropout=True, source="Radford et al. 2019"),
-        ModelSpec("gpt2-large", 36, 1280, 20, 50257, 1024, dropout=True, source="Radford et al. 2019"),
-        ModelSpec("gpt2-xl", 48, 1600, 25, 50257, 1024, dropout=True, source="Radford et al. 2019"),
-        _gpt3("gpt3-125m", 12, 768, 12),
-        _gpt3("gpt3-350m", 24, 1024, 16),
-        _gpt3("gpt3-760m", 24, 1536, 16),
-        _gpt3("gpt3-1.3b", 24, 2048, 16),
-        _gpt3("gpt3-2.7b", 32, 2560, 32),
-        _gpt3("gpt3-6.7b", 32, 4096, 32),
-        _gpt3("gpt3-13b", 40, 5120, 40),
-        _gpt3("gpt3-175b", 96, 12288, 96),
-        _megatron("megatron-1.7b", 24, 2304, 24),
-        _megatron("megatron-3.6b", 32, 3072, 30),
-        _megatron("megatron-7.5b", 32, 4096, 36),
-        _megatron("megatron-18b", 48, 6144, 40),
-        _megatron("megatron-39b", 64, 8192, 48),
-        _megatron("megatron-76b", 80, 10240, 60),
-        _megatron("megatron-146b", 96, 12288, 80),
-        _megatron("megatron-310b", 128, 16384, 96),
-        _megatron("megatron-530b", 128, 20480, 105),
-        _megatron("megatron-1t", 160, 25600, 128),
-        ModelSpec("megatron-22b", 48, 6144, 64, 51200, 2048, dropout=True,
-                  source="Korthikanti et al., arXiv 2205.05198, Table 3"),
-        ModelSpec("llama2-7b", 32, 4096, 32, 32000, 4096, d_ff=11008, source="arXiv 2307.09288", **_LLAMA),
-        ModelSpec("llama2-13b", 40, 5120, 40, 32000, 4096, d_ff=13824, source="arXiv 2307.09288", **_LLAMA),
-        ModelSpec("llama2-70b", 80, 8192, 64, 32000, 4096, d_ff=28672, n_kv_heads=8,
-                  source="arXiv 2307.09288", **_LLAMA),
-        ModelSpec("llama3-8b", 32, 4096, 32, 128256, 8192, d_ff=14336, n_kv_heads=8,
-                  source="arXiv 2407.21783, Table 3", **_LLAMA),
-        ModelSpec("llama3-70b", 80, 8192, 64, 128256, 8192, d_ff=28672, n_kv_heads=8,
-                  source="arXiv 2407.21783, Table 3", **_LLAMA),
-        ModelSpec("llama3-405b", 126, 16384, 128, 128256, 8192, d_ff=53248, n_kv_heads=8,
-                  source="arXiv 2407.21783, Table 3", **_LLAMA),
-        ModelSpec("mixtral-8x7b", 32, 4096, 32, 32000, 4096, d_ff=14336, n_kv_heads=8, n_experts=8,
-                  top_k=2, source="Jiang et al., arXiv 2401.04088, Table 1", **_LLAMA),
-    )
-}
-ALIASES = {"gpt2-small": "gpt2", "gpt3": "gpt3-175b", "mt-nlg-530b": "megatron-530b"}
+def _catalog() -> dict[str, ModelSpec]:
+    """The catalog: one ModelSpec per preset of config/presets.py (the same table `model.preset` reads)."""
+    out = {}
+    for name, preset in PRESETS.items():
+        spec = from_model_config(preset_model(name), name)
+        if spec.n_experts:  # planned dropless (capacity factor x k slots per token, unrounded)
+            spec = dataclasses.replace(spec, group_tokens=0)
+        out[name] = dataclasses.replace(spec, source=preset.source)
+    return out
 
 
 def get_model(name: str) -> ModelSpec:
@@ -210,5 +169,9 @@ def from_model_config(mc, name: str = "config") -> ModelSpec:
         bias=mc.bias, dropout=mc.dropout > 0, n_experts=mc.moe.experts,
         top_k=(1 if mc.moe.router == "switch" else mc.moe.top_k) if mc.moe.experts else 1,
         moe_every=mc.moe.every, capacity_factor=mc.moe.capacity_factor, group_tokens=mc.moe.group_tokens,
-        reversible=getattr(mc, "reversible", False),
+        reversible=getattr(mc, "reversible", False), n_kv_heads=getattr(mc, "n_kv_heads", 0),
+        qkv_bias=getattr(mc, "qkv_bias", False),
     ))
+
+
+MODELS: dict[str, ModelSpec] = _catalog()

@@ -14,6 +14,7 @@ from scaletrain.plan.analytic.memory import optimizer_bytes
 from scaletrain.plan.analytic.params import active_params, param_counts, total_params
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.trust import TRUST, VALIDATED_ZERO3_DP, coverage_notes, trusted  # noqa: F401 (re-exported)
 
 GiB = float(1 << 30)
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -22,7 +23,7 @@ TIME_LABELS = {
     "ep_comm": "expert all-to-all", "cp_comm": "context-parallel communication",
     "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
     "dp_comm": "data-parallel communication", "optimizer": "optimizer step", "offload": "offload transfers",
-    "loader": "data loading", "sync": "step synchronisation",
+    "loader": "data loading", "sync": "step synchronisation", "stragglers": "waiting for the slowest GPU",
 }
 
 
@@ -31,6 +32,15 @@ def gib(x: float) -> str:
 
 
 MEM_LEGEND = "p/g/o/a/b = parameters / gradients / optimizer states / activations / buffers, per GPU"
+
+
+def verdict(best: Estimate, other: Estimate) -> str:
+    """The sentence on whether a predicted speed-up of `best` over `other` is beyond the planner's error."""
+    gain = other.step_time_s / best.step_time_s - 1
+    if trusted(best, other):
+        return f"{gain:.0%} faster, beyond the planner's held-out error of ±{TRUST:.0%}"
+    return (f"{gain:.0%} faster, inside the planner's held-out error of ±{TRUST:.0%}: the planner cannot tell"
+            " them apart (choose by memory, simplicity or a measurement)")
 
 
 def memory_unit(values: list[float]) -> tuple[str, float]:
@@ -53,18 +63,19 @@ def in_unit(x: float, size: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def table(cands: list[Estimate], cluster: Cluster, title: str):
+def table(cands: list[Estimate], cluster: Cluster, title: str, baseline: Estimate | None = None):
     from rich.table import Table
 
     unit, size = memory_unit([c.memory[k] for c in cands for k in MEM_KEYS])
     t = Table(title=title, show_lines=False, caption=MEM_LEGEND)
-    for col in ("#", "layout", "fits", f"mem {unit} (p/g/o/a/b)", f"total {unit}", "step s", "tokens/s", "MFU",
-                "bubble", "dominant"):
+    for col in ("#", "layout", "fits", f"mem {unit} (p/g/o/a/b)", f"total {unit}", f"step s (±{TRUST:.0%})",
+                "tokens/s", "MFU", "bubble", "dominant"):
         t.add_column(col, justify="right" if col not in ("layout", "dominant") else "left")
     for i, c in enumerate(cands, 1):
         mem = "/".join(in_unit(c.memory[k], size) for k in MEM_KEYS)
         fits = "yes" if c.fits else f"no (+{gib(c.over_by)} GiB)"
-        t.add_row(str(i), c.layout.short(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
+        mark = "yours" if baseline is not None and c is baseline else str(i)
+        t.add_row(mark, c.label(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
                   f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}", f"{c.bubble_fraction:.1%}",
                   TIME_LABELS.get(c.dominant, c.dominant))
     return t
@@ -73,14 +84,14 @@ def table(cands: list[Estimate], cluster: Cluster, title: str):
 def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> str:
     """Why `best` beats `other`: the time components that differ most, in plain words."""
     if not other.fits and best.fits:
-        return (f"{best.layout.short()} is the fastest layout that fits; {other.layout.short()} would need "
+        return (f"{best.label()} is the fastest layout that fits; {other.label()} would need "
                 f"{gib(other.over_by)} GiB more than the {gib(cluster.gpu.memory_bytes)} GiB per GPU.")
     ratio = other.step_time_s / best.step_time_s
     if ratio < 1.005:
         saved = other.memory["total"] - best.memory["total"]
-        return (f"{best.layout.short()} and the runner-up {other.layout.short()} take the same time per step "
-                f"({best.step_time_s:.3g} s)" + (f"; the best needs {gib(saved)} GiB less memory per GPU."
-                                                  if saved > 0 else "."))
+        return (f"{best.label()} and the runner-up {other.label()} take the same time per step "
+                f"({best.step_time_s:.3g} s, ±{TRUST:.0%})" + (f"; the best needs {gib(saved)} GiB less memory per GPU."
+                                                                if saved > 0 else "."))
     diffs = sorted(((other.time_breakdown.get(k, 0) - best.time_breakdown.get(k, 0), k)
                     for k in set(best.time_breakdown) | set(other.time_breakdown)), reverse=True)
     parts = []
@@ -89,7 +100,7 @@ def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> 
             continue
         o, b = other.time_breakdown[key], best.time_breakdown[key]
         parts.append(f"{TIME_LABELS[key]} {b:.3g} s vs {o:.3g} s")  # best first, as in the headline
-    text = (f"{best.layout.short()} is {ratio:.2f}x faster than the runner-up {other.layout.short()}"
+    text = (f"{best.label()} is {ratio:.2f}x faster than the runner-up {other.label()}"
             f" ({best.step_time_s:.3g} s vs {other.step_time_s:.3g} s per step)")
     text += ": " + "; ".join(parts) + "." if parts else "."
     bl, ol = best.layout, other.layout
@@ -110,6 +121,8 @@ def explain(best: Estimate, other: Estimate, m: ModelSpec, cluster: Cluster) -> 
         notes.append(f"recompute {bl.recompute} vs {ol.recompute}")
     if notes:
         text += " " + "; ".join(notes) + "."
+    if not trusted(best, other):
+        text += f" The difference is inside the planner's held-out error of ±{TRUST:.0%}: it cannot tell them apart."
     return text
 
 
@@ -126,6 +139,7 @@ def to_json(m: ModelSpec, cluster: Cluster, train: Training, cands: list[Estimat
                      "attention": train.attention, "optimizer": train.optimizer,
                      "optimizer_bytes_per_param": sum(optimizer_bytes(m, train))},
         "candidates": [c.to_dict() for c in cands],
+        "held_out_error": TRUST,
     }
 
 
@@ -138,7 +152,7 @@ def memory_png(cands: list[Estimate], capacity: float, path: str | Path, title: 
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cands) + 2), 4.5))
-    labels = [f"#{i}\n" + c.layout.short().replace(" ", "\n", 3) for i, c in enumerate(cands, 1)]
+    labels = [f"#{i}\n" + c.label().replace(" ", "\n", 3) for i, c in enumerate(cands, 1)]
     bottom = [0.0] * len(cands)
     for key in MEM_KEYS:
         vals = [c.memory[key] / GiB for c in cands]

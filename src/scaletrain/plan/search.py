@@ -21,29 +21,35 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, fields
 
-from scaletrain.config.schema import CP_MODES, TP_MODES
+from scaletrain.config.schema import CP_MODES, CP_UNSUPPORTED_RECOMPUTE, TP_MODES
 from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import UserError
+from scaletrain.guards import MAX_GPUS, short
 from scaletrain.plan.analytic.estimate import Estimate, estimate
 from scaletrain.plan.analytic.inputs import (
     DEFAULT_ASSUMPTIONS,
     OFFLOAD,
-    RECOMPUTE,
     SCHEDULES,
     Assumptions,
     Layout,
     Training,
-    recompute_kind,
+    recompute_policy,
 )
+from scaletrain.plan.analytic.stages import PARTITIONS
 from scaletrain.plan.analytic.tp_nd import grid
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
+from scaletrain.plan.trust import rank_key
 
 LAYOUT_FIELDS = {f.name: f.type for f in fields(Layout)}
+SEARCHED_RECOMPUTE = ("none", "full", "ops:matmul+attention")
+"""The checkpointing policies the search tries; `attn-core` too with standard attention (with flash attention the
+kernel already recomputes the core: it would save nothing). every:k and nth:k are evaluated when asked for."""
 
 
 def parse_layout(text: str) -> dict:
-    """`"dp=8,tp=8,recompute=selective,sequence_parallel=true"` -> {field: value}; UserError if bad."""
+    """`"dp=8,tp=8,recompute=selective,sequence_parallel=true"` -> {field: value}; UserError if bad. Block counts
+    of `partition` continue over the commas: `"pp=4,partition=7,8,8,7"`."""
     out: dict = {}
     if not text:
         return out
@@ -51,27 +57,37 @@ def parse_layout(text: str) -> dict:
         item = item.strip()
         if not item:
             continue
+        if "=" not in item and item.isdigit() and str(out.get("partition", "x")).replace(",", "").isdigit():
+            out["partition"] += f",{item}"
+            continue
         if "=" not in item:
             raise UserError(f"--layout expects key=value pairs, got {item!r}")
         key, raw = (x.strip() for x in item.split("=", 1))
-        key = {"mb": "micro_batch", "sp": "sequence_parallel", "v": "virtual_stages"}.get(key, key)
+        key = {"mb": "micro_batch", "sp": "sequence_parallel", "v": "virtual_stages",
+               "reshard": "reshard_after_forward"}.get(key, key)
         if key not in LAYOUT_FIELDS:
             raise UserError(f"--layout: unknown field {key!r} (known: {', '.join(LAYOUT_FIELDS)})")
+        if key in out:  # tp=8,tp=4 kept the last one silently
+            raise UserError(f"--layout names {key} twice ({key}={out[key]} and {key}={raw}); give it once")
         if key in ("tp_mode", "cp_mode"):
             allowed = TP_MODES if key == "tp_mode" else CP_MODES
             if raw not in allowed:
                 raise UserError(f"--layout: {key} must be one of {', '.join(allowed)}, got {raw!r}")
             out[key] = raw
             continue
-        if key == "sequence_parallel":
+        if key in ("sequence_parallel", "reshard_after_forward"):
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise UserError(f"--layout: sequence_parallel must be true or false, got {raw!r}")
+                raise UserError(f"--layout: {key} must be true or false, got {raw!r}")
             out[key] = raw.lower() in ("true", "1", "yes")
         elif key == "recompute":
             try:
-                recompute_kind(raw)
+                out[key] = recompute_policy(raw).spec
             except UserError as e:
                 raise UserError(f"--layout: {e}") from None
+        elif key == "partition":
+            if raw not in PARTITIONS and not raw.isdigit():
+                raise UserError(f"--layout: partition must be one of {', '.join(PARTITIONS)} or block counts like"
+                                f" 7,8,8,7; got {raw!r}")
             out[key] = raw
         elif key in ("schedule", "offload"):
             allowed = {"schedule": SCHEDULES, "offload": OFFLOAD}[key]
@@ -85,6 +101,8 @@ def parse_layout(text: str) -> dict:
                 raise UserError(f"--layout: {key} must be an integer, got {raw!r}") from None
             if out[key] < (0 if key == "zero" else 1):
                 raise UserError(f"--layout: {key} must be >= {0 if key == 'zero' else 1}, got {raw}")
+            if out[key] > MAX_GPUS:
+                raise UserError(f"--layout: {key} ({short(out[key], 30)}) is above the limit of {MAX_GPUS:,}")
     return out
 
 
@@ -119,7 +137,7 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
     for mode, tp, depth, rows, cp, cp_mode in _tp_cp_choices(m, gpu, n_gpus, fixed):
         grid_mode = mode != "1d"
         for pp in _options(fixed, "pp", divisors(n_gpus // (tp * cp)) if n_gpus % (tp * cp) == 0 else []):
-            if n_gpus % (tp * pp * cp) or m.n_layers % pp or (pp > 1 and mode in ("2.5d", "3d")):
+            if n_gpus % (tp * pp * cp) or m.n_layers < pp or (pp > 1 and mode in ("2.5d", "3d")):
                 continue
             dp = n_gpus // (tp * pp * cp)
             if "dp" in fixed and fixed["dp"] != dp:
@@ -133,34 +151,38 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
                            if m.n_experts else [1])
             zeros = _options(fixed, "zero", [0, 1] if grid_mode else [0, 1, 2, 3])
             sps = _options(fixed, "sequence_parallel", [True, False] if tp > 1 and not grid_mode else [False])
-            scheds: list[tuple[str, int]] = []
+            scheds: list[tuple[str, int, str]] = []
             if pp == 1:
-                scheds = [(fixed.get("schedule", "1f1b"), fixed.get("virtual_stages", 1))]
+                scheds = [(fixed.get("schedule", "1f1b"), fixed.get("virtual_stages", 1), "uniform")]
             else:
                 names = _options(fixed, "schedule", ["1f1b", "interleaved"] + ([] if grid_mode else ["zb-h1"]))
                 for name in names:
-                    if name == "interleaved":
-                        vs = _options(fixed, "virtual_stages",
-                                      [v for v in (2, 4, 8) if m.n_layers % (pp * v) == 0])
-                        scheds += [(name, v) for v in vs]
-                    elif fixed.get("virtual_stages", 1) == 1:
-                        scheds.append((name, 1))
-            # with flash attention the attention core is already recomputed in backward: `selective`
-            # only adds time, so it is evaluated when asked for
-            recs = _options(fixed, "recompute", [r for r in RECOMPUTE
-                                                 if r != "selective" or train.attention == "standard"])
+                    if name == "interleaved":  # chunks of equal size, or ends' (Megatron's)
+                        vs = _options(fixed, "virtual_stages", [v for v in (2, 4, 8) if _partitions(
+                            m, {}, pp * v, grid_mode, balance=False)])
+                    else:
+                        vs = [1] if fixed.get("virtual_stages", 1) == 1 else []
+                    scheds += [(name, v, part) for v in vs
+                               for part in _partitions(m, fixed, pp * v, grid_mode, balance=name != "interleaved")]
+            recs = _options(fixed, "recompute", SEARCHED_RECOMPUTE + (("attn-core",) if train.attention == "standard"
+                                                                      else ()))
             offs = _options(fixed, "offload", list(offload))
-            for ep, mb, zero, sp, (sched, v), rec, off in itertools.product(
+            for ep, mb, zero, sp, (sched, v, part), rec, off in itertools.product(
                     eps, mbs, zeros, sps, scheds, recs, offs):
-                if off == "params" and zero != 3:
+                if off in ("params", "nvme") and zero != 3:
                     continue
                 if sched == "interleaved" and (per_rank // mb) % pp:
                     continue
-                if cp > 1 and sched == "zb-h1" and rec.split(":")[0] in ("full", "every"):
+                if cp > 1 and (rec.split(":")[0] in CP_UNSUPPORTED_RECOMPUTE or sched == "zb-h1" and rec.split(
+                        ":")[0] in ("full", "every")):
                     continue  # refused by validate() (parallel/context/rules.py): W recomputes the ring per group
-                out.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec,
-                                  schedule=sched, virtual_stages=v, sequence_parallel=sp, offload=off,
-                                  tp_mode=mode, tp_depth=depth, cp=cp, cp_mode=cp_mode))
+                # ZeRO-3 without pipelining: also the units kept gathered from forward to backward (FSDP's option)
+                reshards = _options(fixed, "reshard_after_forward", [None, False] if zero == 3 and pp == 1 and
+                                    off != "nvme" else [None])
+                out += [Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec, schedule=sched,
+                               virtual_stages=v, sequence_parallel=sp, offload=off, tp_mode=mode, tp_depth=depth,
+                               cp=cp, cp_mode=cp_mode, partition=part, reshard_after_forward=keep)
+                        for keep in reshards]
     return out
 
 
@@ -191,6 +213,23 @@ def _tp_cp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tup
                     continue
                 out.append((mode, tp, depth, rows, cp, cp_mode))
     return out
+
+
+def _partitions(m: ModelSpec, fixed: dict, n_stages: int, grid_mode: bool, balance: bool = True) -> list[str]:
+    """The partitions to try for `n_stages` stages: `uniform` when the layers divide; `ends` when layers + 2 divide
+    (Megatron's stages that count the embedding and the loss as a layer; also tried beside `uniform`); otherwise
+    `params` (PipeDream's balance over parameter counts, the engine's) when `balance`."""
+    if "partition" in fixed:
+        return [fixed["partition"]]
+    L = m.n_layers
+    if L < n_stages or (grid_mode and L % n_stages):
+        return []
+    if grid_mode or n_stages == 1:
+        return ["uniform"]
+    out = ["uniform"] if L % n_stages == 0 else []
+    if (L + 2) % n_stages == 0 and L + 2 >= 2 * n_stages:  # >= 1 block on the first and the last stage
+        out.append("ends")
+    return out or (["params"] if balance else [])
 
 
 def _tp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple[str, int, int, int]]:
@@ -224,7 +263,10 @@ def search(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixed: dict | N
     result = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, ("none",))
     if not any(c.fits for c in result.candidates) and "offload" not in fixed:
         for offload in (("optimizer", "params"), ("nvme",)):  # host memory first, then NVMe (ZeRO-Infinity)
-            more = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload)
+            try:
+                more = _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload)
+            except UserError:  # e.g. a fixed zero < 3 leaves no parameter or NVMe offload to try: the misses stand
+                continue
             if any(c.fits for c in more.candidates):
                 more.offload_needed = True
                 more.evaluated += result.evaluated
@@ -251,7 +293,7 @@ def _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload) -> SearchResult:
             unfit.append(est)
     if not fit and not unfit:
         raise UserError(errors[0])
-    fit.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
+    fit.sort(key=rank_key)
     unfit.sort(key=lambda e: e.over_by)
     for est in unfit[:keep_unfit]:  # time for the closest misses, so the table can show it
         full = estimate(m, gpu, train, est.layout, a)
@@ -262,8 +304,8 @@ def _run(m, gpu, n_gpus, train, fixed, a, keep_unfit, offload) -> SearchResult:
 def _no_layout_reason(m: ModelSpec, n_gpus: int, train: Training, fixed: dict) -> str:
     if "tp" in fixed and m.n_heads % fixed["tp"]:
         return f"heads ({m.n_heads}) is not divisible by tp ({fixed['tp']})"
-    if "pp" in fixed and m.n_layers % fixed["pp"]:
-        return f"layers ({m.n_layers}) is not divisible by pp ({fixed['pp']})"
+    if "pp" in fixed and m.n_layers < fixed["pp"]:
+        return f"layers ({m.n_layers}) are fewer than pp ({fixed['pp']})"
     if "dp" in fixed and train.global_batch % fixed["dp"]:
         return f"global batch ({train.global_batch}) is not divisible by dp ({fixed['dp']})"
     return (f"no layout of {n_gpus} GPUs fits the constraints (layers {m.n_layers}, heads {m.n_heads},"

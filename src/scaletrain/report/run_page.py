@@ -77,6 +77,12 @@ def summary(run: RunData, peak: Peak | None, flops: float) -> Section:
         rows.append(["peak memory per rank (max over ranks)", f"{max(peaks) / MiB:,.1f} MiB"])
     skipped = sum(1 for r in run.rows if r.get("skipped"))
     rows.append(["skipped steps (logged)", str(skipped)])
+    fp8 = next((x["fp8"] for x in reversed(run.sessions()) if "fp8" in x), None)
+    if fp8 is not None:  # train.precision=fp8: what ran in float8 (run_info.json, written by the ranks)
+        from scaletrain.memory.fp8_layers import describe
+
+        rows.append(["FP8 layers", f"{describe(fp8['layers'], run.cfg.model)} ({fp8['recipe']} scaling, "
+                                   f"{fp8['gemm']} GEMMs); embeddings, output layer, norms and attention in bf16/fp32"])
     return s.add(Table(["", "value"], rows, id="summary-table"))
 
 

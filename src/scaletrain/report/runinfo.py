@@ -88,10 +88,13 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def record_run_info(out: Path, rank: int, device: torch.device, launcher: str) -> None:
-    """Append this invocation to OUT/run_info.json (collective; rank 0 writes)."""
+def record_run_info(out: Path, rank: int, device: torch.device, launcher: str, fp8: dict | None = None) -> None:
+    """Append this invocation to OUT/run_info.json (collective; rank 0 writes). `fp8` (train.precision=fp8): this
+    rank's recipe, GEMM kind and FP8 layers (parallel/fp8.py); the session keeps them with every rank's layers."""
     me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
           "device_name": device_name(device)}
+    if fp8 is not None:
+        me["fp8_layers"] = list(fp8["layers"])
     ranks = gather(me)
     if rank != 0:
         return
@@ -104,7 +107,17 @@ def record_run_info(out: Path, rank: int, device: torch.device, launcher: str) -
             sessions = []  # an unreadable file from a killed write: start the list again
     sessions.append({"command": user_command(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                      "launcher": launcher, "world_size": len(ranks), "ranks": ranks, "versions": versions()})
+    if fp8 is not None:  # the layers that ran in FP8 on any rank, in model order (pipeline stages hold a part each)
+        layers = {n for r in ranks for n in r.pop("fp8_layers")}
+        sessions[-1]["fp8"] = {**fp8, "layers": sorted(layers, key=_block_order)}
     _write_json(path, {"sessions": sessions})
+
+
+def _block_order(name: str) -> tuple[int, int]:
+    """`blocks.3.mlp.fc` -> (3, its place in a block: attention's layers first, then the MLP's)."""
+    _, i, rel = name.split(".", 2)
+    order = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.gate", "mlp.up", "mlp.proj")
+    return int(i), order.index(rel) if rel in order else len(order)
 
 
 def record_rank_memory(out: Path, rank: int, step: int, local: dict[str, Any], peak: int) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import ctypes
+import io
 import json
 import math
 from collections.abc import Iterator
@@ -113,19 +114,21 @@ def _number(text: str, column: str, line: int, path: Path) -> float:
 
 def read_csv(path: Path) -> Points:
     """Points from a CSV with columns params, tokens, flops, loss and optionally run."""
+    from scaletrain.guards import read_input
+
+    text = read_input(path, "RUNS", "CSV file")  # guards.py: FIFOs, not UTF-8, a spreadsheet's byte-order mark
+    reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = [h.strip() for h in reader.fieldnames or []]
-            missing = [c for c in REQUIRED_COLUMNS if c not in header]
-            if missing:
-                raise UserError(
-                    f"{path}: missing column(s) {', '.join(missing)} (need {', '.join(REQUIRED_COLUMNS)};"
-                    f" found {', '.join(header) or 'no header'})"
-                )
-            rows = [{k.strip(): v for k, v in row.items() if k is not None} for row in reader]
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not a text CSV file") from None
+        header = [h.strip() for h in reader.fieldnames or []]
+        missing = [c for c in REQUIRED_COLUMNS if c not in header]
+        if missing:
+            raise UserError(
+                f"{path}: missing column(s) {', '.join(missing)} (need {', '.join(REQUIRED_COLUMNS)};"
+                f" found {', '.join(header) or 'no header'})"
+            )
+        rows = [{k.strip(): v for k, v in row.items() if k is not None} for row in reader]
+    except csv.Error as e:
+        raise UserError(f"{path}: not a CSV file ({e})") from None
     values = {c: [] for c in REQUIRED_COLUMNS}
     runs = []
     for line, row in enumerate(rows, start=2):
@@ -201,10 +204,12 @@ def read_run_dirs(root: Path, smooth: int = 10) -> Points:
 
 def load_points(path: str | Path) -> Points:
     """A CSV file or a folder of run outputs."""
-    p = Path(path)
+    from scaletrain.guards import check_path
+
+    p = check_path(path, "RUNS")
     if p.is_dir():
         return read_run_dirs(p)
-    if not p.is_file():
+    if not p.exists():
         raise UserError(f"runs not found: {p} (give a CSV file or a folder of scaletrain runs)")
     return read_csv(p)
 

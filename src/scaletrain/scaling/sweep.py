@@ -232,6 +232,24 @@ def make_plan(minutes: float, levels: int, sizes: int, seed: int, flops: float |
                          min_steps)
 
 
+SWEEP_MARKER = ".scaletrain-sweep"
+"""File that marks a folder as a scaling sweep (written before its plan)."""
+
+
+def _saved_plan(path: Path) -> dict | None:
+    """The sweep's saved plan, None if there is none; a plan.json that is not one is refused (not overwritten)."""
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict) or not isinstance(saved.get("runs"), list):
+            raise ValueError("no list of runs")
+        return saved
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) else str(e).split(":")[0]
+        raise UserError(f"{path} is not a sweep plan ({reason}); move it away to plan the sweep again") from None
+
+
 def run_sweep(out: Path, minutes: float = 10.0, levels: int = 3, sizes: int = 5, seed: int = 1234,
               flops: float | None = None, min_steps: int = MIN_STEPS, log=_log) -> dict:
     """Plan (or reuse the plan in OUT/plan.json), train every run, fit; returns the summary written to
@@ -247,7 +265,8 @@ def run_sweep(out: Path, minutes: float = 10.0, levels: int = 3, sizes: int = 5,
     plan_path = out / "plan.json"
     key = {"minutes": minutes, "levels": levels, "sizes": sizes, "seed": seed, "flops": flops,
            "min_steps": min_steps}
-    saved = json.loads(plan_path.read_text()) if plan_path.exists() else None
+    saved = _saved_plan(plan_path)
+    (out / SWEEP_MARKER).write_text("this folder is a scaletrain scaling sweep (scaling sweep --out continues it)\n")
     if saved is not None and saved.get("key") == key:
         runs = [PlannedRun(**r) for r in saved["runs"]]
         c0 = saved["c0"]
@@ -292,9 +311,10 @@ def run_sweep(out: Path, minutes: float = 10.0, levels: int = 3, sizes: int = 5,
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from scaletrain.guards import check_output_dir, parse_positive
+    from scaletrain.guards import check_own_dir, parse_positive
 
-    check_output_dir(args.out, "--out")  # a folder that cannot be written fails here, not after the first run
+    # a folder that cannot be written fails here, not after the first run; a user's folder is never overwritten
+    check_own_dir(args.out, "--out", SWEEP_MARKER, "scaling sweep", legacy=("plan.json", "runs"))
     flops = parse_positive(args.flops, "--flops") if args.flops is not None else None
     with _torch_threads(1):
         summary = run_sweep(Path(args.out), args.minutes, args.levels, args.sizes, args.seed, flops)

@@ -38,14 +38,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import CheckpointError, UserError
+from scaletrain.errors import CheckpointError, DiskFull, UserError
 from scaletrain.train import ckpt_index
 from scaletrain.train.checkpoint_dirs import (
     COMPLETE,
     DCP_FORMAT,
     RANK_FORMAT,
+    check_root,
+    complete_checkpoints,
     format_of,
     fsync_dir,
+    incomplete_checkpoints,
     latest,
     prune,
     step_dir,
@@ -265,12 +268,38 @@ class Saver:
         self._barrier()
         from scaletrain.train import dcp_io  # torch.distributed.checkpoint: imported when a checkpoint is written
 
-        dcp_io.save_entries(tmp, entries, self.group)  # collective; rank 0 writes index.json before it returns
+        try:
+            dcp_io.save_entries(tmp, entries, self.group)  # collective; rank 0 writes index.json before it returns
+            if self.rank == 0:
+                publish(tmp, final, {**meta, "format": FORMAT, "step": step})
+        except (OSError, RuntimeError) as e:
+            if not disk_full(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial save: give the space back
+            before = latest(self.root)
+            kept = f"; the earlier checkpoint {before} is intact" if before is not None else ""
+            raise DiskFull(f"cannot write checkpoint step {step} into {self.root}: the disk is full "
+                           f"({shutil.disk_usage(self.root).free / 2**20:,.1f} MiB free){kept}") from None
         if self.rank == 0:
-            publish(tmp, final, {**meta, "format": FORMAT, "step": step})
             prune(self.root, self.keep)
         self._barrier()
         return final
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether a failed write ran out of space: ENOSPC/EDQUOT anywhere in the chain, or torch's writer's words for
+    a short write ("unexpected pos", it does not keep the errno)."""
+    import errno
+
+    e: BaseException | None = error
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "unexpected pos" in text or "Disk quota exceeded" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
@@ -285,9 +314,33 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     fsync_dir(final.parent)
 
 
+def usable_latest(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint whose markers and meta.json read back, and a note for each newer one that was
+    passed over (incomplete: no COMPLETE; or unreadable: the reason). A CheckpointError when checkpoints exist but
+    none is usable, or when `root` is not a folder: the run stops rather than start again from step 0."""
+    check_root(root)
+    notes, found = [], None
+    for directory in reversed(complete_checkpoints(root)):
+        try:
+            read_meta(directory)
+        except CheckpointError as e:
+            notes.append(str(e))
+            continue
+        found = directory
+        break
+    newer = [d for d in incomplete_checkpoints(root) if found is None or d.name > found.name]
+    notes = [f"{d} is incomplete (no {COMPLETE} marker: an interrupted save?)" for d in newer] + notes
+    if found is None and notes:
+        raise CheckpointError(f"{notes[0]}, and there is no earlier complete checkpoint to resume from; move "
+                              f"{root} away to start over (nothing was changed)")
+    return found, notes
+
+
 def find_checkpoint(path: str | Path, note: bool = True) -> Path:
     """The checkpoint `path` names: itself, a run's newest, or the newest of a folder of runs (said on stderr)."""
-    p = Path(path)
+    from scaletrain.guards import check_path
+
+    p = check_path(path, "the run")  # long parts, link loops, dangling links: one line
     if not p.is_dir():
         raise UserError(f"{p} is not a scaletrain run, a checkpoint or a folder of runs (not a directory)")
     if (p / COMPLETE).exists() or (p / META).exists() or any(p.glob("rank*.pt")):

@@ -39,6 +39,24 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted((d for d in dirs if (d / COMPLETE).exists()), key=lambda d: d.name)
 
 
+def check_root(root: Path) -> None:
+    """Refuse a run whose `checkpoints` is not a folder (a file put there): starting from step 0 would overwrite the
+    run's config.yaml and metrics.jsonl, and the first save would fail."""
+    if root.exists() and not root.is_dir():
+        from scaletrain.errors import CheckpointError
+
+        raise CheckpointError(f"{root} is a file, not the run's folder of checkpoints; move it away to resume or start "
+                              "over (nothing was changed)")
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """`step_N` folders (not `.tmp`) without COMPLETE: a save interrupted after its rename, or a damaged copy."""
+    if not root.is_dir():
+        return []
+    return sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")
+                   and not d.name.endswith(".tmp") and not (d / COMPLETE).exists()), key=lambda d: d.name)
+
+
 def latest(root: Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None

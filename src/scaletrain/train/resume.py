@@ -146,7 +146,7 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
     """Resume `trainer` from the newest complete checkpoint in its output directory (if any) and record the
     resume; a fresh start writes the run's config.yaml, and with `init_from` (a Hugging Face directory) starts
     from its weights. Returns the checkpoint resumed from."""
-    found = ckpt.latest(trainer.ckpt_root)
+    found, _ = ckpt.usable_latest(trainer.ckpt_root)  # the launcher named what it passes over (runner.check_run)
     cfg, world = trainer.cfg, trainer.mesh.world_size
     diffs: dict[str, tuple[Any, Any]] = {}
     meta: dict[str, Any] = {}

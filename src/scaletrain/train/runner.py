@@ -36,9 +36,12 @@ def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: b
 
 def check_run(out: Path, cfg: Config, world: int, reshard: bool, init_from: str | Path | None = None) -> None:
     """Before launching: refuse (CheckpointError) if the newest checkpoint in `out` cannot be resumed by `cfg`."""
+    ckpt.check_root(Path(out) / "checkpoints")  # a file there: refused before anything is overwritten
     if cfg.parallel.sync != "bsp":  # per-rank checkpoints of the asynchronous runners (docs/async.md)
         check_async_run(Path(out), cfg, reshard, init_from)
         return
-    found = ckpt.latest(Path(out) / "checkpoints")
+    found, notes = ckpt.usable_latest(Path(out) / "checkpoints")  # stops on a file or only incomplete ones
+    for note in notes:
+        print(f"note: {note}; resuming from {found}, the newest complete checkpoint", flush=True)
     if found is not None:
         check_compatible(found, ckpt.read_meta(found), cfg, world, reshard)

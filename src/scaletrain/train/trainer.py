@@ -246,6 +246,8 @@ class Trainer:
             row.update(self.resident.end(self.device, step))
         row.update(moe)
         row.update(noise)
+        if self.engine.fp8 is not None:  # train.precision=fp8: its layers, and the float8 GEMMs this rank ran
+            row.update(self.engine.fp8.step_fields())
         return row
 
     def _noise_scale(self, grad_norm: float, scale: float, expert_sq: float = 0.0) -> dict[str, float]:

@@ -56,7 +56,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "offload": ("none", "optimizer", "params", "nvme"),
     "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw"),
     "sequence_parallel": (False, True),
-    "recompute": ("none", "full", "selective", "every:2"),
+    "recompute": ("none", "full", "attn-core", "every:2", "nth:2", "ops:matmul"),
     "partition_checkpoints": (False, True),
     "offload_activations": (False, True),
     "compress": ("none", "bf16", "int8"),
@@ -74,6 +74,12 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "contiguous": (False, True),
     "cp": (1, 2),
     "cp_mode": ("ring", "ulysses"),
+    "kv_heads": (0, 2, 1),
+    "rope_scaling": ("none", "llama3"),
+    "activation": ("gelu", "gelu_tanh"),
+    "qkv_bias": (False, True),
+    "reshard_after_forward": (None, False),
+    "precision": ("dtype", "fp8"),
 }
 GRID = ("dp", "tp", "pp", "cp")  # the dimensions whose product is the number of processes
 WORLD_SIZES = (1, 2, 4, 8)
@@ -171,6 +177,13 @@ def config(layout: Layout) -> Config:
     mem.offload_activations = layout["offload_activations"]
     mem.compress = layout["compress"]
     mem.contiguous = layout["contiguous"]
+    m.n_kv_heads, m.activation = layout["kv_heads"], layout["activation"]
+    if layout["rope_scaling"] == "llama3":  # Llama 3.1's RoPE; a short original context, so every band is scaled
+        m.rope_theta, m.rope_scaling.type, m.rope_scaling.original_max_position_embeddings = 500000.0, "llama3", 16
+    if layout["qkv_bias"]:  # Qwen2: biases on q, k and v only
+        m.bias, m.qkv_bias = False, True
+    p.reshard_after_forward = layout["reshard_after_forward"]
+    t.precision = layout["precision"]  # fp8: the tensorwise recipe, emulated on the CPU
     return c
 
 
@@ -180,7 +193,7 @@ def reference_config(layout: Layout) -> Config:
     c = config(layout)
     p, default = c.parallel, Config().parallel
     for name in ("dp", "tp", "pp", "ep", "zero", "offload", "schedule", "virtual_stages", "sequence_parallel",
-                 "partition", "tp_mode", "cp", "cp_mode"):
+                 "partition", "tp_mode", "reshard_after_forward", "cp", "cp_mode"):
         setattr(p, name, getattr(default, name))
     c.memory.partition_checkpoints = False
     c.memory.contiguous = False  # bit-identical either way; with zero < 2 and no recompute it has nothing to hold
@@ -240,8 +253,13 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     the latter a block recomputation; parameter and nvme offload need ZeRO-3 (nvme also tp = pp = ep = 1 and
     AdamW) and optimizer offload ZeRO >= 1; 2D tensor parallelism needs a 2 x 2 grid (tp = 4) of a dense AdamW
     model without the 1d memory savers; reversible blocks keep no activations to recompute, offload or compress;
-    contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3); Ulysses needs
-    cp > 1, and cp > 1 the 1d tensor parallelism."""
+    contiguous arenas need something to hold (a recomputation, offloaded activations or ZeRO-2/3); the op-level
+    recomputation policy keeps its outputs where hooks cannot reach (no offload, compression, arenas, partitioned
+    checkpoints, 2d grid or zero bubble); keeping ZeRO-3 parameters gathered needs ZeRO-3 without nvme offload; FP8
+    needs fp32 or bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload;
+    grouped-query attention is split by the 1d tensor parallelism only; RoPE scaling needs RoPE and the tanh GELU the
+    GELU MLP; Ulysses needs cp > 1, and cp > 1 the 1d tensor parallelism and a block or attn-core recomputation
+    policy (not nth:k or ops:...)."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -254,25 +272,37 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             for dim, value in (("sequence_parallel", False), ("offload", "none"), ("moe", "dense"), ("ep", 1),
                                ("optimizer", "adamw"), ("partition_checkpoints", False), ("compress", "none"),
                                ("offload_activations", False), ("reversible", False), ("contiguous", False),
-                               ("cp", 1)):
+                               ("cp", 1), ("kv_heads", 0)):
                 want(dim, value)
             if v["zero"] >= 2:
                 want("zero", 1)
             if v["schedule"] in ("zb-h1", "2bw"):
                 want("schedule", "1f1b")
         if v["reversible"]:  # model/reversible.py: nothing saved for a checkpoint, an offload or a codec
-            if v["recompute"] in ("full", "every:2"):
-                want("recompute", "selective")
+            if v["recompute"] in ("full", "every:2", "nth:2", "ops:matmul"):
+                want("recompute", "attn-core")
             for dim, value in (("offload_activations", False), ("compress", "none")):
                 want(dim, value)
             if v["schedule"] == "zb-h1":
                 want("schedule", "1f1b")
+        if v["precision"] == "fp8":  # memory/rules.py: fp32 or bf16 parameters, the dense 1d-parallel model
+            if v["dtype"] in ("fp64", "fp16"):
+                want("dtype", "fp32")
+            for dim, value in (("moe", "dense"), ("ep", 1), ("tp_mode", "1d"), ("reversible", False),
+                               ("contiguous", False)):
+                want(dim, value)
+            if v["offload"] == "nvme":
+                want("offload", "none")
         if v["contiguous"] and v["recompute"] == "none" and not v["offload_activations"] and v["zero"] < 2:
-            want("recompute", "selective" if v["reversible"] else "full")
+            want("recompute", "attn-core" if v["reversible"] else "full")
         if v["offload"] == "nvme":  # ZeRO-Infinity: one dp group of the plain model, AdamW streamed
             for dim in ("tp", "pp", "ep"):  # first: a fixed value that needs tp or pp > 1 wins (validate() says why)
                 want(dim, 1)
             want("optimizer", "adamw")
+        if v["rope_scaling"] != "none":  # RoPE's scaling needs RoPE; the tanh GELU the GELU MLP
+            want("position", "rope")
+        if v["activation"] != "gelu":
+            want("mlp", "gelu")
         if v["ep"] > 1:
             if v["moe"] == "dense":
                 want("moe", "topk")
@@ -282,8 +312,18 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("pp", 2)
         if (v["sequence_parallel"] or v["partition_checkpoints"]) and v["tp"] == 1:
             want("tp", 2)
-        if v["partition_checkpoints"] and v["recompute"] not in ("full", "every:2"):
+        if v["partition_checkpoints"] and v["recompute"] not in ("full", "every:2", "nth:2"):
             want("recompute", "full")
+        if v["recompute"] == "ops:matmul":  # memory/rules.py: torch's selective-checkpoint cache is out of their reach
+            for dim, value in (("offload_activations", False), ("compress", "none"), ("contiguous", False),
+                               ("tp_mode", "1d"), ("partition_checkpoints", False)):
+                want(dim, value)
+            if v["schedule"] == "zb-h1":
+                want("schedule", "1f1b")
+        if v["reshard_after_forward"] is False:  # a ZeRO-3 choice; ZeRO-Infinity streams its units
+            want("zero", 3)
+            if v["offload"] == "nvme":
+                want("offload", "none")
         if v["offload"] in ("params", "nvme") and v["zero"] != 3:
             want("zero", 3)
         if v["offload"] == "optimizer" and v["zero"] == 0:
@@ -292,6 +332,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("cp", 2)
         if v["cp"] > 1:  # what context parallelism does not compose with (validate() says why)
             want("tp_mode", "1d")
+            if v["recompute"] in ("nth:2", "ops:matmul"):
+                want("recompute", "full")
         for dim in GRID:  # over the world limit: halve what nobody asked for (a 2d grid keeps tp = 4)
             if dim == "tp" and v["tp_mode"] == "2d":
                 continue
@@ -449,6 +491,15 @@ MEANING = {
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
     "cp": "`parallel.cp` (context parallelism: every sequence split over cp ranks)",
     "cp_mode": "`parallel.cp_mode` (`ring`: ring attention, 2 x cp load-balanced chunks; `ulysses`: all-to-all)",
+    "kv_heads": "`model.n_kv_heads` of the 4 heads (0: multi-head; 2: grouped-query, copied when tp = 4; 1: "
+                "multi-query)",
+    "rope_scaling": "`model.rope_scaling.type` (`llama3`: with `model.rope_theta=500000`, original context 16)",
+    "activation": "`model.activation` (`gelu_tanh`: GPT-2's tanh GELU)",
+    "qkv_bias": "`model.qkv_bias` with `model.bias=false` (Qwen2's biases on q, k, v only)",
+    "reshard_after_forward": "`parallel.reshard_after_forward` (`None`: unset, true without pp; `False`: ZeRO-3 "
+                             "keeps gathered parameters from forward to backward)",
+    "precision": "`train.precision` (`fp8`: the blocks' linear layers in float8, tensorwise recipe, emulated; compared "
+                 "with the fp8 tolerances)",
 }
 
 

@@ -30,6 +30,11 @@ TOLERANCE = {
     "fp32": Tolerance(loss=1.4e-4, grad_norm=1.5e-3, params=3.4e-3),
     "bf16": Tolerance(loss=3.8e-3, grad_norm=4.7e-2, params=0.1),
     "fp16": Tolerance(loss=2.9e-3, grad_norm=0.16, params=3.8e-2),
+    # train.precision=fp8 layouts (the `precision` dimension), whatever their dtype: 3x the largest over 22 FP8
+    # layouts of 4 processes (the 11 of the 4-process covering set and 11 variants of its widest one; docs/verify.md).
+    # Layouts without tp were exact to fp32 rounding; with tp a bf16 difference moves a tensorwise scale and every
+    # float8 rounding after it, which SM3's sign-like first steps amplify (the gradient-norm value comes from SM3)
+    "fp8": Tolerance(loss=7.5e-3, grad_norm=1.3, params=0.18),
 }
 
 

@@ -8,7 +8,7 @@ Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py 
 from __future__ import annotations
 
 from scaletrain.config.rules import rule
-from scaletrain.config.schema import CP_MODES, Config, or_list
+from scaletrain.config.schema import CP_MODES, CP_UNSUPPORTED_RECOMPUTE, Config, or_list
 
 
 @rule("values")
@@ -77,10 +77,14 @@ def cp_refusals(cfg: Config) -> list[str]:
     if t.log_noise_scale:
         errors.append(f"train.log_noise_scale {why}: a rank's micro-batch gradient holds only its part of each "
                       "sequence, not a small-batch sample")
-    if p.pp > 1 and p.schedule == "zb-h1" and cfg.memory.recompute.split(":")[0] in ("full", "every"):
+    policy = cfg.memory.recompute.split(":")[0]
+    if policy in CP_UNSUPPORTED_RECOMPUTE:
+        errors.append(f"memory.recompute={cfg.memory.recompute} {why}: the policy's checkpoints around the ring's and "
+                      "Ulysses' messages are not modelled nor tested (use none, attn-core, full or every:k)")
+    elif p.pp > 1 and p.schedule == "zb-h1" and policy in ("full", "every"):
         errors.append(f"parallel.schedule=zb-h1 with memory.recompute={cfg.memory.recompute} {why}: zero bubble's "
                       "weight pass recomputes a checkpointed block once per weight group, sending the block's cp "
-                      "messages again each time (use selective recomputation or another schedule)")
+                      "messages again each time (use attn-core recomputation or another schedule)")
     if p.pp > 1 and p.partition == "time":
         errors.append(f"parallel.partition=time {why}: its profile runs one rank's blocks alone, and their attention "
                       "needs the cp peers (use uniform, params or block counts)")

@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from scaletrain.config.schema import PARTITION_KINDS, SCHEDULES
+from scaletrain.errors import ConfigError
+from scaletrain.parallel.pipeline.balance import ends
 from scaletrain.parallel.pipeline.schedules import (
     Action,
     Op,
@@ -290,7 +292,8 @@ def validate_pipeline(n_layers: int, p: int, v: int, m: int, schedule: str, part
     """Plain-language problems with these pipeline settings (empty list when they are fine).
 
     `partition` is parallel.partition: `uniform` needs equal chunks; `params`/`time` need at least one
-    block per chunk; explicit counts ("2,3,3") must have pp x virtual_stages positive entries summing to n_layers.
+    block per chunk, `ends` one more on the first and the last; explicit counts ("2,3,3") must have
+    pp x virtual_stages positive entries summing to n_layers.
     """
     if schedule not in SCHEDULES:
         return [f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"]
@@ -299,10 +302,16 @@ def validate_pipeline(n_layers: int, p: int, v: int, m: int, schedule: str, part
         try:
             counts = [int(x) for x in partition.split(",")]
         except ValueError:
-            return [f"parallel.partition must be uniform, params, time or block counts like 2,3,3; got {partition!r}"]
+            return [f"parallel.partition must be uniform, params, time, ends or block counts like 2,3,3;"
+                    f" got {partition!r}"]
         if len(counts) != p * v or sum(counts) != n_layers or min(counts) < 1:
             errors.append(f"parallel.partition ({partition}) must list parallel.pp ({p}) x parallel.virtual_stages"
                           f" ({v}) = {p * v} positive block counts summing to model.n_layers ({n_layers})")
+    elif partition == "ends" and n_layers >= p * v:
+        try:
+            ends(n_layers, p * v)
+        except ConfigError as e:
+            errors.append(str(e))
     elif partition != "uniform":
         if n_layers < p * v:
             errors.append(f"model.n_layers ({n_layers}) is fewer than parallel.pp ({p}) x"

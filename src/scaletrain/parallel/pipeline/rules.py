@@ -16,7 +16,7 @@ def partition_syntax(cfg: Config, world_size: int | None) -> list[str]:
     """parallel.partition is a way or block counts even without pipeline stages (with pp > 1, `schedule` says it)."""
     part = cfg.parallel.partition
     if cfg.parallel.pp == 1 and part not in PARTITION_KINDS and not all(x.strip().isdigit() for x in part.split(",")):
-        return [f"parallel.partition must be uniform, params, time or block counts like 2,3,3; got {part!r}"]
+        return [f"parallel.partition must be uniform, params, time, ends or block counts like 2,3,3; got {part!r}"]
     return []
 
 

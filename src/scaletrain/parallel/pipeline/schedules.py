@@ -314,6 +314,15 @@ def _insert_comms(slots_per_rank: list[Slots], p: int, v: int) -> list[list[Acti
     return out
 
 
+def compute_order(name: str, p: int, m: int, v: int = 1) -> list[list[Compute]]:
+    """Per rank, the compute actions (op, microbatch, chunk) of schedule `name` in order, without the sends and
+    receives `build_schedule` adds (what the planner's memory walk needs). ValueError as `build_schedule`."""
+    errors = schedule_constraints(name, p, m, v)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return [[c for slot in slots for c in slot] for slots in _BUILDERS[name](p, m, v)]
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Per-rank ordered action lists of schedule `name` for p ranks, m microbatches, v chunks per rank.
 

@@ -107,12 +107,9 @@ class PipelineStages(nn.Module):
         return x, boundary
 
     def _rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.cfg.position != "rope":
-            return None
-        from scaletrain.model.gpt import head_size, rope_tables
+        from scaletrain.model.gpt import rope_for
 
-        cos, sin = rope_tables(T, head_size(self.cfg), positions=self.positions)
-        return cos.to(device), sin.to(device)
+        return rope_for(self.cfg, T, device, self.positions)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -120,7 +117,7 @@ class PipelineStages(nn.Module):
 
 def resolve_partition(model_cfg: ModelConfig, par: ParallelConfig, micro_batch: int, model: nn.Module,
                       how: str | part.Partition | None = None) -> part.Partition:
-    """The partition to use: `uniform` (default), `params`, `time`, explicit "2,3,3", or a Partition
+    """The partition to use: `uniform` (default), `params`, `time`, `ends`, explicit "2,3,3", or a Partition
     (`how`, else `par.partition`).
 
     `time` profiles `model` on micro-batches of `micro_batch` sequences on global rank 0 and broadcasts, so every
@@ -135,6 +132,8 @@ def resolve_partition(model_cfg: ModelConfig, par: ParallelConfig, micro_batch: 
         result = part.uniform(L, S, part.param_costs(model_cfg))
     elif how == "params":
         result = part.balance(part.param_costs(model_cfg), S)
+    elif how == "ends":
+        result = part.ends(L, S, part.param_costs(model_cfg))
     elif how == "time":
         costs = [part.profile_costs(model, micro_batch)] if _rank() == 0 else [None]
         if dist.is_initialized():
@@ -144,7 +143,7 @@ def resolve_partition(model_cfg: ModelConfig, par: ParallelConfig, micro_batch: 
         try:
             blocks = tuple(int(x) for x in str(how).split(","))
         except ValueError:
-            raise ConfigError(f"pipeline partition must be uniform, params, time or block counts like 2,3,3;"
+            raise ConfigError(f"pipeline partition must be uniform, params, time, ends or block counts like 2,3,3;"
                               f" got {how!r}") from None
         result = part.Partition(blocks)
     if len(result.blocks) != S or sum(result.blocks) != L or min(result.blocks) < 1:

@@ -95,7 +95,7 @@ def recomputed_forwards(cfg: Config) -> tuple[int, int]:
     from scaletrain.config.parse import parse_recompute
 
     kind = parse_recompute(cfg.memory.recompute).kind
-    return int(kind in ("full", "every")) + int(bool(cfg.model.reversible)), int(kind == "selective")
+    return int(kind in ("full", "every")) + int(bool(cfg.model.reversible)), int(kind == "attn-core")
 
 
 def step_bytes(cfg: Config, layers: int | None = None) -> CpStepBytes:

@@ -22,13 +22,13 @@ from scaletrain.plan.analytic.inputs import (
     Assumptions,
     Layout,
     Training,
-    recompute_kind,
+    recompute_policy,
 )
-from scaletrain.plan.analytic.memory import optimizer_bytes, rank_memory
-from scaletrain.plan.analytic.params import stage_params
-from scaletrain.plan.analytic.step_time import step_cost
+from scaletrain.plan.analytic.memory import optimizer_bytes, rank_activation_bytes, rank_memory
+from scaletrain.plan.analytic.stages import Stages, check_partition, rank_params, run_length, split, stages_of
+from scaletrain.plan.analytic.step_time import block_time_costs, step_cost
 from scaletrain.plan.catalog import ModelSpec
-from scaletrain.plan.hardware import GPU
+from scaletrain.plan.hardware import CATALOG, GPU
 
 
 @dataclass
@@ -45,10 +45,19 @@ class Estimate:
     bubble_fraction: float = 0.0
     comm_bytes: dict[str, float] = field(default_factory=dict)
     time_breakdown: dict[str, float] = field(default_factory=dict)
+    stage_blocks: tuple[int, ...] = ()
+    """Blocks per pipeline stage, in model order (pp x virtual_stages of them)."""
+    notes: tuple[str, ...] = ()
+    """What the prediction assumed that a user should know (printed under the table, `notes` in --json)."""
 
     @property
     def fits(self) -> bool:
         return self.memory["total"] <= self.capacity
+
+    def label(self) -> str:
+        """The layout in short, with the blocks per stage when they differ (`dp64 tp8 pp16 ... ends [7,8x14,7]`)."""
+        text = self.layout.short()
+        return text + f" [{run_length(self.stage_blocks)}]" if len(set(self.stage_blocks)) > 1 else text
 
     @property
     def over_by(self) -> float:
@@ -75,6 +84,8 @@ class Estimate:
             "time_breakdown_s": self.time_breakdown,
             "microbatches": self.microbatches,
             "dominant_cost": self.dominant,
+            "blocks_per_stage": list(self.stage_blocks),
+            "notes": list(self.notes),
         }
 
 
@@ -97,18 +108,33 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
     elif m.kv_heads % lay.tp and lay.tp % m.kv_heads:
         raise UserError(f"kv heads ({m.kv_heads}) and tp ({lay.tp}) do not divide each other")
     chunks = lay.pp * lay.virtual_stages
-    if m.n_layers % chunks:
+    if lay.partition != "uniform" and lay.tp_mode != "1d":
+        raise UserError(f"partition={lay.partition} with tp_mode={lay.tp_mode}: the grid modes split the layers"
+                        " uniformly")
+    if lay.partition == "uniform" and m.n_layers % chunks:
         raise UserError(f"layers ({m.n_layers}) is not divisible by pp ({lay.pp}) x virtual_stages"
-                        f" ({lay.virtual_stages}) = {chunks}")
+                        f" ({lay.virtual_stages}) = {chunks} (partition=ends, params, time or block counts split"
+                        " them unevenly)")
+    check_partition(lay.partition, m.n_layers, chunks)
     if lay.zero not in (0, 1, 2, 3):
         raise UserError(f"zero must be 0, 1, 2 or 3, got {lay.zero}")
-    recompute_kind(lay.recompute)
+    recompute_policy(lay.recompute)
     if lay.schedule not in SCHEDULES:
         raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, got {lay.schedule!r}")
     if lay.offload not in OFFLOAD:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD)}, got {lay.offload!r}")
     if lay.offload in ("params", "nvme") and lay.zero != 3:
-        raise UserError(f"offload={lay.offload} needs zero=3")
+        raise UserError(f"offload={lay.offload} needs zero=3 (the optimizer states alone: offload=optimizer, any zero)")
+    if lay.reshard_after_forward is not None:
+        value = str(lay.reshard_after_forward).lower()
+        if lay.zero != 3:
+            raise UserError(f"reshard_after_forward={value} needs zero=3, got zero={lay.zero}")
+        if lay.reshard_after_forward and lay.pp > 1:
+            raise UserError(f"reshard_after_forward=true with pp ({lay.pp}) > 1: a pipeline stage keeps its ZeRO-3"
+                            " parameters gathered for the whole step")
+        if not lay.reshard_after_forward and lay.offload == "nvme":
+            raise UserError("reshard_after_forward=false with offload=nvme: ZeRO-Infinity streams each unit's"
+                            " parameters from files just in time")
     if lay.virtual_stages > 1 and lay.schedule != "interleaved":
         raise UserError(f"virtual_stages ({lay.virtual_stages}) > 1 needs schedule=interleaved")
     if lay.ep > 1 and (not m.n_experts or m.n_experts % lay.ep or lay.dp % lay.ep):
@@ -129,13 +155,46 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
              n_gpus: int | None = None, memory_only: bool = False) -> Estimate:
     """Memory, time and communication of one layout. Raises UserError for impossible layouts."""
     mbs = check_layout(m, train, lay, n_gpus)
+    if train.dtype == "fp8" and not gpu.fp8_flops:
+        raise UserError(f"--dtype fp8 needs FP8 tensor cores: {gpu.name} has none ({', '.join(FP8_GPUS)} have)")
     if lay.tp_mode == "2.5d":  # the same bytes and times as 2d with d times the dp (tp_nd.as_2d)
         return replace(estimate(m, gpu, train, tp_nd.as_2d(lay), a, n_gpus, memory_only), layout=lay)
-    # 2d / 3d (tp_nd.py): their parameters per rank
-    first, last = tp_nd.stage_params(m, lay) if lay.tp_mode != "1d" else stage_params(m, lay)
-    memory = rank_memory(m, train, lay, a, first, last, mbs)
-    est = Estimate(lay, mbs, memory, gpu.memory_bytes)
+    st = pipeline_stages(m, gpu, train, lay, a)
+    if lay.tp_mode != "1d":  # 2d / 3d (tp_nd.py): their parameters per rank (middle ranks counted as the first)
+        first, last = tp_nd.stage_params(m, lay)
+        ranks = [first] * (lay.pp - 1) + [last]
+    else:
+        ranks = rank_params(m, lay, st)
+    memory = rank_memory(m, train, lay, a, ranks, rank_activation_bytes(m, train, lay, mbs, st), mbs)
+    est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks,
+                   notes=layout_notes(train, lay, gpu))
     if memory_only:
         return est
     k, _ = optimizer_bytes(m, train)
-    return replace(est, **vars(step_cost(m, gpu, train, lay, a, first, last, mbs, k)))
+    cost = step_cost(m, gpu, train, lay, a, ranks, st, mbs, k)
+    return replace(est, **{**vars(cost), "notes": est.notes + cost.notes})
+
+
+FP8_GPUS = tuple(name for name, g in CATALOG.items() if g.fp8_flops)
+
+
+def layout_notes(train: Training, lay: Layout, gpu: GPU | None = None) -> tuple[str, ...]:
+    """Sentences on what a layout's setting does under these training settings, where it may surprise."""
+    notes = []
+    if train.dtype == "fp8" and gpu is not None:
+        notes.append(f"FP8: the blocks' linear layers run their three GEMMs at {gpu.fp8_flops / 1e12:,.0f} TFLOP/s"
+                     f" FP8 peak x {gpu.fp8_gemm_efficiency:.2f}, with dynamic tensorwise scaling (casts, tp scale"
+                     " all-reduces, FP8 ZeRO-3 gathers); attention, embeddings, head and experts in bf16; MFU is"
+                     " against the bf16 peak")
+    if recompute_policy(lay.recompute).kind == "attn-core" and train.attention == "flash":
+        notes.append("recompute=attn-core with flash attention saves no memory (the kernel keeps only its output and"
+                     " log-sum-exp) and runs the attention forward again: it only costs time")
+    return tuple(notes)
+
+
+def pipeline_stages(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions) -> Stages:
+    """The blocks of every stage under the layout's partition (`stages.split`); `time` balances this model's per-block,
+    embedding and head times on this GPU."""
+    n = lay.pp * lay.virtual_stages
+    costs = block_time_costs(m, gpu, train, lay, a) if lay.partition == "time" and n > 1 else None
+    return stages_of(m, split(m, lay.partition if n > 1 else "uniform", n, costs), lay.pp, lay.virtual_stages)

@@ -8,29 +8,75 @@ paper's K = 12 optimizer bytes per parameter for Adam (Rajbhandari et al., arXiv
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from scaletrain.config.schema import OFFLOADS, RECOMPUTE_KINDS
+from scaletrain.config.schema import OFFLOADS
 from scaletrain.config.schema import SCHEDULES as _SCHEDULES
 from scaletrain.errors import UserError
 from scaletrain.optim.registry import OPTIMIZERS as OPTIMIZER_SPECS
 
-RECOMPUTE = tuple(k for k in RECOMPUTE_KINDS if k != "every")  # and every:k (segments of k blocks, arXiv 1604.06174)
+RECOMPUTE_OPS = ("matmul", "attention")
+"""The op kinds `ops:<kinds>` keeps the outputs of (the engine's memory.recompute=ops:..., memory/op_policy.py)."""
+RECOMPUTE_ALIASES = {"selective": "attn-core"}
+"""Old names: `selective` is Korthikanti's attention-core policy."""
+RECOMPUTE = ("none", "full", "attn-core")  # and every:k, nth:k, ops:<kinds> (`recompute_policy`)
+RECOMPUTE_FORMS = ("none, full, every:k, nth:k (k >= 1), ops:<kinds> (" + ", ".join(RECOMPUTE_OPS) +
+                   ", joined by +) or attn-core (old name: selective)")
 
 
-def recompute_kind(spec: str) -> tuple[str, int]:
-    """("none" | "selective" | "full", k): `every:k` recomputes like `full` but keeps one input per k
-    blocks (k = 1 for the others)."""
-    if spec.startswith("every:"):
-        try:
-            k = int(spec.split(":", 1)[1])
-        except ValueError:
-            k = 0
+@dataclass(frozen=True)
+class Recompute:
+    """An activation-checkpointing policy, with the engine's names (memory.recompute, docs/memory.md):
+
+    - `none`: every block keeps what its backward needs;
+    - `full`: every block is a checkpoint keeping its input and runs its forward again in backward (Chen et al.,
+      arXiv 1604.06174);
+    - `every:k`: segments of k blocks are checkpoints, one input kept per segment (Chen's sqrt(n) trade-off);
+    - `nth:k`: blocks 0, k, 2k, ... (global index) are full checkpoints, the others keep everything (torchtitan's
+      selective layer activation checkpointing);
+    - `ops:<kinds>`: every block is a checkpoint that also keeps the outputs of the listed op kinds (`matmul`: the
+      linear layers; `attention`: the fused attention kernel's output and log-sum-exp) and recomputes only the rest
+      (torchtitan's selective op, torch's selective activation checkpointing);
+    - `attn-core`: only the attention core softmax(QK^T/sqrt(d))V is recomputed (Korthikanti et al., arXiv 2205.05198
+      "selective"); with flash attention it saves nothing - the kernel keeps only its output and log-sum-exp."""
+
+    kind: str
+    k: int = 1
+    ops: frozenset[str] = frozenset()
+
+    @property
+    def spec(self) -> str:
+        if self.kind in ("every", "nth"):
+            return f"{self.kind}:{self.k}"
+        if self.kind == "ops":
+            return "ops:" + "+".join(o for o in RECOMPUTE_OPS if o in self.ops)
+        return self.kind
+
+    def checkpointed(self, block: int) -> bool:
+        """Whether block `block` (global index) is a checkpoint that runs its forward again in backward."""
+        return self.kind in ("full", "every", "ops") or (self.kind == "nth" and block % self.k == 0)
+
+
+@functools.lru_cache(maxsize=128)
+def recompute_policy(spec: str) -> Recompute:
+    """A layout's `recompute` -> Recompute; UserError naming the value otherwise. `every:1` and `nth:1` are `full`."""
+    s = RECOMPUTE_ALIASES.get(spec.strip().lower(), spec.strip().lower())
+    if s in RECOMPUTE:
+        return Recompute(s)
+    head, sep, rest = s.partition(":")
+    if sep and head in ("every", "nth"):
+        k = int(rest) if rest.isdigit() else 0
         if k >= 1:
-            return "full", k
-    if spec in RECOMPUTE:
-        return spec, 1
-    raise UserError(f"recompute must be one of {', '.join(RECOMPUTE)} or every:k, got {spec!r}")
+            return Recompute("full") if k == 1 else Recompute(head, k)
+    if sep and head == "ops":
+        kinds = {o.strip() for o in rest.replace(",", "+").split("+")} - {""}
+        bad = sorted(kinds - set(RECOMPUTE_OPS)) or ([] if kinds else ["(none)"])
+        if bad:
+            raise UserError(f"recompute={spec}: op kind {', '.join(bad)} is not one of {', '.join(RECOMPUTE_OPS)}"
+                            " (join several with +, e.g. ops:matmul+attention)")
+        return Recompute("ops", ops=frozenset(kinds))
+    raise UserError(f"recompute must be {RECOMPUTE_FORMS}, got {spec!r}")
 
 
 SCHEDULES = ("1f1b", *(s for s in _SCHEDULES if s != "1f1b"))  # the config's, 1F1B (the default) listed first
@@ -42,6 +88,7 @@ DTYPES = {
     "fp16": (2, 2, 2, 12),
     "fp32": (4, 4, 4, 8),  # plain Adam in fp32: m + v
     "fp64": (8, 8, 8, 16),
+    "fp8": (2, 2, 2, 12),  # FP8 GEMMs in the blocks' linear layers, the rest as bf16 mixed precision (step_time.py)
 }
 
 
@@ -88,6 +135,19 @@ class Layout:
     """Context parallelism: each sequence split over cp ranks (plan/analytic/context.py)."""
     cp_mode: str = "ring"
     """`ring` (ring attention, arXiv 2310.01889) or `ulysses` (all-to-all, arXiv 2309.14509)."""
+    partition: str = "uniform"
+    """How the blocks split into pp x virtual_stages stages: uniform, params, time, ends or block counts "7,8,8,7"
+    (plan/analytic/stages.py; the engine's `parallel.partition`)."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 (FSDP's option, the engine's parallel.reshard_after_forward): true releases a unit's gathered
+    parameters after its forward and gathers them again for its backward; false keeps them from its forward to the
+    end of its backward (one all-gather per unit and microbatch, all units gathered at the end of the forward).
+    Unset: true, except with pp > 1, where a stage stays gathered for the whole step (false)."""
+
+    @property
+    def reshards(self) -> bool:
+        """reshard_after_forward resolved: the value given, else true without and false with pp > 1."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
     @property
     def world(self) -> int:
@@ -96,7 +156,8 @@ class Layout:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute",
                                                "schedule", "virtual_stages", "sequence_parallel", "offload",
-                                               "tp_mode", "tp_depth", "cp", "cp_mode")}
+                                               "tp_mode", "tp_depth", "cp", "cp_mode", "partition",
+                                               "reshard_after_forward")}
 
     def short(self) -> str:
         mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth})" if self.tp_depth > 1
@@ -106,9 +167,12 @@ class Layout:
             s += f" cp{self.cp}" + ("(ulysses)" if self.cp_mode == "ulysses" else "")
         if self.ep > 1:
             s += f" ep{self.ep}"
-        s += f" z{self.zero} mb{self.micro_batch} {self.recompute}"
+        s += f" z{self.zero}" + ("-keep" if self.zero == 3 and self.pp == 1 and not self.reshards else "")
+        s += f" mb{self.micro_batch} {self.recompute}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            if self.partition != "uniform":
+                s += f" {self.partition}"
         if self.sequence_parallel:
             s += " sp"
         if self.offload != "none":
@@ -130,8 +194,13 @@ class Assumptions:
     """HBM bytes moved by the element-wise work of a forward pass per byte of activations it stores
     (each stored tensor written once and read once); backward moves twice that."""
     hbm_efficiency: float = 0.8
-    tp_overlap: float = 0.0
-    """Fraction of backward tp communication hidden behind weight-gradient GEMMs."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel communication overlapped with its GEMMs (`--tp-overlap`; Megatron's tp-comm-overlap, PyTorch's
+    async TP): with sequence parallelism each all-gather / reduce-scatter is decomposed into tp chunks exchanged
+    while the GEMM that consumes or produces it runs on the others (Wang et al., ASPLOS 2023, "Overlap
+    communication with dependent computation via decomposition"; Flux, arXiv 2406.06858), so one chunk's transfer
+    stays exposed and the rest only where the collective outlasts its GEMM (`step_time.tp_exposed`). Off: every tp
+    collective exposed. The all-reduces of tp without sequence parallelism are exposed either way."""
     fragmentation: float = 0.05
     """Allocator fragmentation allowance, a fraction of everything else (ZeRO-R's M_D)."""
     reserved_bytes: float = 1.0 * (1 << 30)
@@ -152,6 +221,11 @@ class Assumptions:
     DeepSpeed ZeRO-3 up to v0.4 (the runs of arXiv 2104.04473 Table 2): one all-gather per weight behind a
     device synchronise, so only the next weight's gather hides behind the current compute; weights are
     gathered again for the recomputed forward, and each gradient reduce-scatter is waited for."""
+    gpu_speed_spread: float = 0.05
+    """Spread (fastest to slowest) of the sustained speed of the GPUs of one 8-GPU node: "5% and higher differences
+    on an 8-gpu node" (silicon lottery, cooling; S. Bekman, ml-engineering, compute/accelerator/README.md). A
+    synchronous step waits for the slowest of its N GPUs: its compute takes sigma x E[max of N standard normals]
+    longer, with sigma = spread / E[range of 8] (`step_time.straggler_factor`). 0 turns it off."""
     zero3_link_bw: float | None = None
     """Per-GPU bandwidth (bytes/s) ZeRO-3's collectives reach over a dp group that spans nodes; None = a
     ring over all the node's NICs (`group_link`). Set it from a measurement of your implementation."""

@@ -1,7 +1,8 @@
 """Parameter counts of a model, in total, active per token and per rank of a layout.
 
 Exact from the dimensions: the form of Narayanan et al. (Megatron-LM 2021, arXiv 2104.04473) eq. 2,
-P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh)), generalised to SwiGLU, grouped-query attention, untied heads,
+P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh)), generalised to SwiGLU, grouped-query attention (arXiv 2305.13245; its
+key/value projection split over at most n_kv_heads tp ranks), query/key/value biases (Qwen2), untied heads,
 bias-free norms and experts (GShard arXiv 2006.16668, Switch arXiv 2101.03961: E bias-free expert MLPs per
 MoE layer, k active plus the router); split over tp (Megatron-LM, arXiv 1909.08053), pp stages and ep ranks.
 Also the factored statistics Adafactor (arXiv 1804.04235) and SM3 (arXiv 1901.11150) keep per parameter.
@@ -10,7 +11,7 @@ Also the factored statistics Adafactor (arXiv 1804.04235) and SM3 (arXiv 1901.11
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scaletrain.plan.analytic.inputs import Layout
 from scaletrain.plan.catalog import ModelSpec
@@ -21,7 +22,8 @@ class ParamCounts:
     embedding: int
     position: int
     layer_tp: float
-    """Per layer, split over tp: attention and dense-MLP matrices and column-parallel biases."""
+    """Per layer, split over tp: attention and dense-MLP matrices and column-parallel biases (grouped-query
+    attention's key/value projections are `layer_kv`)."""
     layer_rep: float
     """Per layer, replicated over tp: norms, row-parallel biases, the router."""
     layer_expert: float
@@ -33,23 +35,34 @@ class ParamCounts:
     """Untied output projection (0 when tied to the embedding)."""
     tensors: int
     """Number of parameter tensors (AdamW keeps one `step` scalar per tensor)."""
+    layer_kv: float = 0.0
+    """Per layer, grouped-query attention's key/value projection (weight and bias): split over at most `kv_heads`
+    tp ranks, each key/value head copied on tp / kv_heads ranks when tp is larger (parallel/tp_plan.py)."""
+    kv_heads: int = 1
 
     @property
     def per_layer(self) -> int:
-        return self.layer_tp + self.layer_rep + self.layer_expert
+        return self.layer_tp + self.layer_kv + self.layer_rep + self.layer_expert
+
+    def layer_per_rank(self, t: int, ep: int = 1) -> float:
+        """Per layer on one rank of t tensor-parallel (and ep expert-parallel) ranks."""
+        return self.layer_tp / t + self.layer_kv / min(t, self.kv_heads) + self.layer_rep + self.layer_expert / ep
 
 
 @functools.lru_cache(maxsize=256)
 def param_counts(m: ModelSpec) -> ParamCounts:
     d, h, f, b = m.d_model, m.width, m.ffn, int(m.bias)  # stream and block widths (h < d: reversible blocks)
+    bq = int(m.bias or m.qkv_bias)  # biases of q, k and v
     kv = m.kv_heads * m.head_dim
-    qkv = h * (h + 2 * kv) + b * (h + 2 * kv)
+    gqa = m.kv_heads != m.n_heads  # q and a fused kv projection (k, v), instead of the fused qkv
+    kv_proj = (h * 2 * kv + bq * 2 * kv) if gqa else 0
+    qkv = h * (h + 2 * kv) + bq * (h + 2 * kv) - kv_proj
     proj_w, proj_b = h * h, b * h
     norm = h * (1 + b)
     n_mats = 3 if m.mlp == "swiglu" else 2
     mlp_tp = n_mats * h * f + b * (n_mats - 1) * f  # column-parallel biases split with their matrix
     mlp_rep = b * h  # the down-projection bias
-    tensors_attn = 2 * (1 + b) + 2 * (1 + b)  # qkv, proj, ln1, ln2 (weight [+ bias])
+    tensors_attn = (1 + gqa) * (1 + bq) + (1 + b) + 2 * (1 + b)  # qkv (or q, kv), proj, ln1, ln2 (weight [+ bias])
     tensors_mlp = n_mats * (1 + b)
     L, Lm = m.n_layers, m.n_moe_layers
     dense = (qkv + proj_w + mlp_tp, proj_b + 2 * norm + mlp_rep, 0)
@@ -60,7 +73,8 @@ def param_counts(m: ModelSpec) -> ParamCounts:
     position = m.seq_len * d if m.position == "learned" else 0
     head = 0 if m.tie_embeddings else m.vocab_size * d
     tensors = 1 + (position > 0) + tensors_layers + (1 + b) + (head > 0)
-    return ParamCounts(m.vocab_size * d, position, layer_tp, layer_rep, layer_expert, d * (1 + b), head, tensors)
+    return ParamCounts(m.vocab_size * d, position, layer_tp, layer_rep, layer_expert, d * (1 + b), head, tensors,
+                       kv_proj, m.kv_heads)
 
 
 def total_params(m: ModelSpec) -> int:
@@ -97,7 +111,7 @@ def stage_params(m: ModelSpec, lay: Layout) -> tuple[StageParams, StageParams]:
     """Parameters held by one rank of the first and of the last pipeline stage."""
     c = param_counts(m)
     t, lps = lay.tp, m.n_layers / lay.pp
-    layers = lps * (c.layer_tp / t + c.layer_rep)
+    layers = lps * (c.layer_per_rank(t) - c.layer_expert)
     expert = lps * c.layer_expert / lay.ep  # experts replicated over tp (docs/moe.md)
     emb = c.embedding / t  # vocabulary-parallel embedding
     first = layers + emb + c.position
@@ -122,3 +136,17 @@ def factored_statistics(m: ModelSpec) -> float:
     position = m.seq_len + d if m.position == "learned" else 0
     rows_cols = m.n_layers * layer + (m.vocab_size + d) * (1 + (not m.tie_embeddings)) + position
     return rows_cols / total_params(m)
+
+
+@functools.lru_cache(maxsize=256)
+def block_kinds(m: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
+    """The model with only dense blocks and with only MoE blocks: the per-block numbers of each kind."""
+    if not m.n_experts:
+        return m, m
+    return replace(m, n_experts=0), replace(m, moe_every=1)
+
+
+def layer_kind_counts(m: ModelSpec, moe: bool) -> tuple[float, float, float]:
+    """(split over tp, replicated over tp, experts) parameters of one dense block, or of one MoE block."""
+    c = param_counts(block_kinds(m)[moe])
+    return c.layer_tp, c.layer_rep, c.layer_expert

@@ -11,7 +11,7 @@ from scaletrain.plan.analytic.comm import MeasuredLink, gather_time, overlap_eff
 def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: float, block_f: float,
                        block_b: float, embed_f: float, head_f: float, head_b: float, embed_b: float, n: int,
                        link: tuple[float, float] | MeasuredLink, style: str = "prefetch",
-                       block_r: float = 0.0) -> float:
+                       block_r: float = 0.0, reshard: bool = True) -> float:
     """Communication time ZeRO-3 adds to one microbatch beyond its compute (Rajbhandari et al., arXiv
     1910.02054 Sec. 7.2.2; the schedule of our `parallel.zero` and of FSDP, arXiv 2304.11277 Sec. 3.3).
 
@@ -31,6 +31,9 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
     the backward a block whose forward is recomputed (`block_r` of its `block_b` seconds) is gathered
     before the recomputation and again before its backward (the recomputed forward releases it), and the
     compute waits for each block's gradient reduce-scatter before it goes on.
+
+    `reshard=False` (FSDP's reshard_after_forward=False): the units stay gathered from their forward to the end of
+    their backward, so the backward gathers nothing (one all-gather per unit and microbatch).
     """
     if n <= 1:
         return 0.0
@@ -67,10 +70,13 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
             tc += launch_g
         tc += block_f
     tc += head_f
-    tc = issue(tc, g_root)  # backward: the root again (released after the forward), the last block prefetched
-    if L:
-        ready[L - 1] = issue(tc, g[L - 1])
-        tc += launch_g
+    if reshard:  # backward: the root again (released after the forward), the last block prefetched
+        tc = issue(tc, g_root)
+        if L:
+            ready[L - 1] = issue(tc, g[L - 1])
+            tc += launch_g
+    else:
+        ready = [0.0] * L  # still gathered from the forward
     tc += head_b
     per_tensor = style == "per-tensor"
     for i in reversed(range(L)):
@@ -78,7 +84,7 @@ def zero3_exposed_time(root_bytes: float, block_bytes: list[float], grad_ratio: 
         if per_tensor and block_r > 0:  # gathered again behind the recomputation
             again = issue(tc, g[i])
             tc = max(tc + block_r, again)
-        if i > 0:
+        if i > 0 and reshard:
             ready[i - 1] = issue(tc, g[i - 1])
             tc += launch_g
         tc += block_b - (block_r if per_tensor else 0.0)

@@ -31,8 +31,8 @@ def expert_rank(par: ParallelConfig, r: int) -> int:
 
 def cp_core_extra(s: dict, explicit: bool, recompute: str) -> int:
     """Bytes per token the attention core keeps beyond the single-process count: Ulysses' output all-to-all copy
-    (not with the explicit dropout core, whose output is not kept, nor under selective recomputation)."""
-    if s["ulysses"] and not explicit and recompute != "selective":
+    (not with the explicit dropout core, whose output is not kept, nor under attn-core recomputation)."""
+    if s["ulysses"] and not explicit and recompute != "attn-core":
         return s["c"] * s["e"]
     return 0
 

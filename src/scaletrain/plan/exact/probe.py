@@ -178,18 +178,19 @@ class RunProbe:
 
             self.hooks.append(p.register_post_accumulate_grad_hook(hook))
 
-    def _optimizer_shapes(self) -> list[tuple[int, ...]]:
-        """Shapes of the tensors this rank's optimizer steps: whole parameters (ZeRO 0) or the pieces of
-        the fullest rank's shard (ZeRO 1-3, `parallel.zero`'s grouping)."""
+    def _optimizer_pieces(self) -> list[tuple[tuple[int, ...], int, int]]:
+        """(whole shape, a, b) of the tensors this rank's optimizer steps: whole parameters (ZeRO 0, [0, numel)) or
+        the flat ranges [a, b) of each parameter that the fullest rank's shard holds (ZeRO 1-3, `parallel.zero`'s
+        grouping)."""
         cfg = self.cfg
         module = run_memory.engine_module_on_meta(cfg, 0)
         params = [p for p in module.parameters() if p.requires_grad]
         if cfg.parallel.zero == 0:
-            return [tuple(p.shape) for p in params]
+            return [(tuple(p.shape), 0, p.numel()) for p in params]
         from scaletrain.parallel.zero import group_params
 
         n = cfg.parallel.dp
-        shapes: list[tuple[int, ...]] = []
+        pieces: list[tuple[tuple[int, ...], int, int]] = []
         for group in group_params(module, cfg.parallel.zero, cfg.parallel.bucket_mb):
             numel = sum(p.numel() for p in group)
             shard = max(1, math.ceil(numel / n))
@@ -197,24 +198,37 @@ class RunProbe:
             for p in group:  # rank 0's pieces
                 a, b = max(off, 0), min(off + p.numel(), shard)
                 if a < b:
-                    shapes.append((b - a,))
+                    pieces.append((tuple(p.shape), a - off, b - off))
                 off += p.numel()
-        return shapes
+        return pieces
 
     def _build_optimizer(self, seed: int) -> None:
-        from scaletrain.optim import build_optimizer, config_hyper
+        """The optimizer the engine steps, over this rank's tensors: the configured one on whole parameters (ZeRO 0)
+        or on the shard's flat pieces (element-wise ones under ZeRO), or `zero_factored.ShardedFactored` over the
+        pieces (Adafactor / SM3 under ZeRO; its statistics' all-reduces are not timed here)."""
+        from scaletrain.optim import build_optimizer, config_hyper, optimizer_spec
 
         cfg = self.cfg
         low = cfg.train.dtype in run_memory.LOW
         dtype = torch.float32 if low else run_memory._TORCH[cfg.train.dtype]
         g = torch.Generator().manual_seed(seed + 1)
-        shapes = self._optimizer_shapes()
+        pieces = self._optimizer_pieces()
+        whole = cfg.parallel.zero == 0
+        shapes = [shape if whole else (b - a,) for shape, a, b in pieces]
         self.opt_params = [nn.Parameter(torch.randn(s, generator=g, dtype=dtype) * 0.02) for s in shapes]
         for p in self.opt_params:
             p.grad = torch.randn(p.shape, generator=g, dtype=dtype) * 1e-3
-        name = cfg.optim.name if cfg.parallel.zero == 0 else "adamw"
-        self.opt = build_optimizer(name, [{"params": self.opt_params, "weight_decay": cfg.optim.weight_decay}],
-                                   **config_hyper(cfg.optim, cfg.train.lr))
+        hyper = config_hyper(cfg.optim, cfg.train.lr)
+        if not whole and optimizer_spec(cfg.optim.name).factored:
+            from scaletrain.parallel.zero_factored import DEFAULTS, ShardedFactored
+
+            views = [{"shape": shape, "a": a, "b": b, "x": p.data, "grad": p.grad, "dtype": dtype,
+                      "device": p.device, "contribute": True} for (shape, a, b), p in zip(pieces, self.opt_params)]
+            self.opt = ShardedFactored(cfg.optim.name, views, None, {**DEFAULTS[cfg.optim.name], **hyper},
+                                       cfg.optim.weight_decay)
+        else:
+            self.opt = build_optimizer(cfg.optim.name, [{"params": self.opt_params,
+                                                         "weight_decay": cfg.optim.weight_decay}], **hyper)
         self.low_params = [torch.empty(s, dtype=run_memory._TORCH[cfg.train.dtype]) for s in shapes] if low else []
 
     def _build_loader(self) -> None:

@@ -50,6 +50,7 @@ from scaletrain.plan.exact.cp_memory import (
     loader_ids_bytes,
     loader_targets_bytes,
 )
+from scaletrain.plan.exact.gathered import gathered_param_bytes
 
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW = ("bf16", "fp16")
@@ -64,7 +65,7 @@ def _shard_tp_on_meta(model: nn.Module, cfg: Config, t: int) -> None:
     Parameters are replaced under the same attribute names, so registration order, and hence the ZeRO
     buckets and the optimizer's parameter list, are those of the real pass. All tp ranks get equal shapes
     (the vocabulary is padded to a multiple of t)."""
-    from scaletrain.parallel.tensor_parallel import padded_vocab
+    from scaletrain.parallel.tensor_parallel import copy_layout, padded_vocab
     from scaletrain.parallel.tp_plan import Column, Row, VocabEmbedding, VocabHead, gpt_plan, resolve_plan
 
     converted: dict[int, nn.Parameter] = {}
@@ -80,9 +81,10 @@ def _shard_tp_on_meta(model: nn.Module, cfg: Config, t: int) -> None:
 
     for name, style in resolve_plan(model, gpt_plan(cfg.model)):
         mod = model.get_submodule(name)
-        if isinstance(style, Column):
-            swap(mod, "weight", (mod.out_features // t, mod.in_features))
-            swap(mod, "bias", (mod.out_features // t,))
+        if isinstance(style, Column):  # grouped-query kv: at most n_kv_heads pieces, copied when tp is larger
+            pieces = copy_layout(t, style.shards)[0]
+            swap(mod, "weight", (mod.out_features // pieces, mod.in_features))
+            swap(mod, "bias", (mod.out_features // pieces,))
         elif isinstance(style, Row):
             swap(mod, "weight", (mod.out_features, mod.in_features // t))
         elif isinstance(style, VocabEmbedding):
@@ -120,6 +122,8 @@ def pipeline_partition(cfg: Config):
         return part.balance(part.param_costs(cfg.model), S)
     if how == "uniform":
         return part.uniform(L, S)
+    if how == "ends":
+        return part.ends(L, S)
     return part.Partition(tuple(int(x) for x in str(how).split(",")))
 
 
@@ -275,18 +279,22 @@ def model_state_bytes_per_stage(cfg: Config) -> list[dict[str, int]]:
 
 
 def _sizes(cfg: Config) -> dict:
-    from scaletrain.config.sizes import ffn_size
+    from scaletrain.config.sizes import ffn_size, kv_heads
 
     m, par, dtype = cfg.model, cfg.parallel, cfg.train.dtype
     t = par.tp
     low = dtype in LOW
     e = _TORCH[dtype].itemsize
+    nkv, hd = kv_heads(m), m.d_model // m.n_heads
     cp = par.cp if par.cp > 1 else 1  # context parallelism: a rank holds T / cp positions of every sequence
     return dict(
         n=cfg.train.micro_batch * m.seq_len // cp, T=m.seq_len, Tl=m.seq_len // cp, cp=cp,
         ring=cp > 1 and par.cp_mode == "ring", ulysses=cp > 1 and par.cp_mode == "ulysses",
         c=m.d_model, f=ffn_size(m), nh=m.n_heads,
-        hd=m.d_model // m.n_heads, t=t, sp=par.sequence_parallel and t > 1, e=e, low=low,
+        hd=hd, t=t, sp=par.sequence_parallel and t > 1, e=e, low=low,
+        # grouped-query attention (q and kv projections): the key (and value) width as the division by t sees it,
+        # kv heads x hd x t / min(t, kv heads) (a kv head is copied on t / kv heads ranks when t is larger)
+        gqa=nkv != m.n_heads, kv=nkv * hd * t // min(t, nkv),
         e32=4 if low else e,  # layer-norm inputs and statistics, attention log-sum-exp, loss: fp32 when low
         bias=int(m.bias), V=m.vocab_size, Vt=(t * math.ceil(m.vocab_size / t)) // t,
         autocast=cfg.train.precision == "autocast-bf16",
@@ -302,22 +310,35 @@ def autocast_layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     the projection's input), the MLP's 2f (GELU) or 4f (SwiGLU); the flash kernel's log-sum-exp in fp32 (nh).
     Per block and micro-batch the bf16 copy of every weight that autocast caches for the forward (attention 4c²,
     MLP 2cf or 3cf). RoPE: rotated q and k plus the projection's input copy (3c) and the cos/sin tables, in bf16.
+    Grouped-query attention: q and kv outputs (c + 2kv) for the qkv output, one more cast of the input (q and kv
+    each cast it), the weights' copies 2c² + 2kv·c for 4c², RoPE's extra `_rope_extra`.
     Full / every:k recomputation keeps the fp32 block input only."""
     s = _sizes(cfg)
-    n, c, f, nh = s["n"], s["c"], s["f"], s["nh"]
+    n, c, f, nh, gqa, kv = s["n"], s["c"], s["f"], s["nh"], s["gqa"], s["kv"]
     if recompute in ("full", "every"):
         return n * c * 4
     swiglu = cfg.model.mlp == "swiglu"
-    casts = 3 if swiglu else 2
+    casts = (3 if swiglu else 2) + gqa  # grouped-query attention: q and kv cast the input each
     replicated = n * (2 * c * 4 + 4 * 4 + casts * c * 2)
-    core = 3 * c * 2 + c * 2 + (0 if recompute == "selective" else nh * 4)
+    core = (c + 2 * kv if gqa else 3 * c) * 2 + c * 2 + (0 if recompute == "attn-core" else nh * 4)
     split = n * (core + (4 if swiglu else 2) * f * 2)
-    weights = 2 * (4 * c * c + (3 if swiglu else 2) * c * f)
+    weights = 2 * ((2 * c + 2 * kv if gqa else 4 * c) * c + (3 if swiglu else 2) * c * f)
     total = replicated + split + weights
     if cfg.model.position == "rope":
-        extra = 2 if recompute == "selective" else 3
-        total += n * extra * c * 2 + 2 * s["T"] * s["hd"] * 2
+        total += n * _rope_extra(s, False, recompute) * 2 + 2 * s["T"] * s["hd"] * 2
     return total
+
+
+def _rope_extra(s: dict, dropout: bool, recompute: str) -> int:
+    """Elements per token (split over tp) that RoPE adds to a block's saved tensors: the rotated q and k and the
+    projection's input, now a copy of the attention output (rotated q is contiguous per head) unless selective
+    recomputation drops the latter; with grouped-query attention the q projection's output is no longer saved (only
+    the rotation reads it), while the kv output still is (v is a view of it). With the math kernel or the explicit
+    attention (dropout) the rotated q and k replace what was saved anyway: nothing."""
+    if dropout and recompute != "attn-core":
+        return 0
+    copy = 0 if recompute == "attn-core" else s["c"]
+    return s["kv"] + copy if s["gqa"] else 2 * s["c"] + copy
 
 
 def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
@@ -328,12 +349,14 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
       replicated: ln1 and ln2 inputs (2c; fp32 copies under bf16/fp16, FP32LayerNorm), their mean and
       rstd (4, fp32 under bf16/fp16), the qkv and MLP inputs (2c; with sp the shards the column layers
       keep, Korthikanti Sec. 4.2.2);
-      split over tp: the qkv output (3c: q, k, v are views of it), the attention output (c, also the
-      projection's input), the log-sum-exp of the flash kernel (nh; fp32 under bf16/fp16), the MLP's
+      split over tp: the qkv output (3c: q, k, v are views of it; grouped-query attention: the q and kv outputs,
+      c + 2 kv, kv = n_kv_heads x hd, a copied kv head counted on each rank holding it), the attention output (c,
+      also the projection's input), the log-sum-exp of the flash kernel (nh; fp32 under bf16/fp16), the MLP's
       2f (GELU: fc output and GELU output) or 4f (SwiGLU: gate, SiLU, up, product).
     Per block and microbatch under bf16/fp16: the fp32 copies of the two norms' weights (and biases).
-    RoPE: rotated q and k plus the projection's input, now a copy (3c per token, split), and the cos/sin
-    tables cast to the activation dtype, (T x hd/2) x 4 (in fp64 the shared float64 tables instead,
+    RoPE: rotated q and k plus the projection's input, now a copy (3c per token, split; `_rope_extra` for
+    grouped-query attention and selective recomputation), and the cos/sin tables cast to the activation dtype,
+    (T x hd/2) x 4 (in fp64 the shared float64 tables instead,
     counted once per stage forward, `rope_table_bytes`). Dropout > 0 switches the CPU attention to the
     math kernel, which saves scaled copies of q, k, v (3c), the probabilities, their mask and the dropped
     probabilities (3 nh T per token; fp32 under bf16/fp16) and no log-sum-exp; the two residual dropouts
@@ -348,6 +371,7 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     if s["autocast"]:
         return autocast_layer_saved_bytes(cfg, recompute)
     n, c, f, nh, t, e, e32 = s["n"], s["c"], s["f"], s["nh"], s["t"], s["e"], s["e32"]
+    qkv = c + 2 * s["kv"] if s["gqa"] else 3 * c  # the projections' outputs q, k, v are views of
     rep = t if s["sp"] else 1
     if recompute in ("full", "every"):
         if cfg.memory.offload_activations:
@@ -361,18 +385,18 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     glob = cfg.model.dropout_impl == "global"  # layout-independent masks: bool, explicit attention
     mask = 1 if glob else e  # bytes per element of a saved dropout mask (torch's CPU dropout keeps x's dtype)
     # ring attention applies its dropout masks inside its blocks and keeps what a flash kernel keeps (cp_memory.py)
-    explicit = dropout and glob and recompute != "selective" and not s["ring"]
+    explicit = dropout and glob and recompute != "attn-core" and not s["ring"]
     if explicit:
         # explicit attention: q, k, v (views of the qkv output, 3c), the probabilities, their bool mask and the
         # dropped probabilities (nh T each); the causal mask (T x T bool, per block, below); projection input (c)
         core = 3 * c * e + nh * s["T"] * (2 * e + 1) + c * e
-    elif dropout and recompute != "selective" and not s["ring"]:
+    elif dropout and recompute != "attn-core" and not s["ring"]:
         # math kernel (fp32 under bf16/fp16): scaled q, k and v copies (3c), the probabilities, their
         # dropout mask and the dropped probabilities (3 nh T); no log-sum-exp; the projection's input is
         # a copy of the output (c)
         core = 3 * c * e32 + 3 * nh * s["T"] * e32 + c * e
     else:
-        core = 3 * c * e + c * e + (0 if recompute == "selective" else nh * e32)
+        core = qkv * e + c * e + (0 if recompute == "attn-core" else nh * e32)
     core += cp_core_extra(s, explicit, recompute)
     replicated = n * (2 * c * e32 + 4 * e32 + 2 * c * e) // rep
     split = n * (core + mlp * e) // t
@@ -381,19 +405,15 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
         total += 2 * (1 + s["bias"]) * c * 4
     if dropout:
         total += n * 2 * c * mask // rep  # the masks of the two residual dropouts
-    if cfg.model.position == "rope":  # rotated q and k; the attention output is then a separate tensor
-        # from the projection's input (a copy: rotated q is contiguous per head), unless selective
-        # recomputation drops the former; with the math kernel (dropout) the rotated q and k are only
-        # scaled into copies, so only the cast tables remain (the products save the constant operand);
-        # the explicit attention's products save the rotated q and k in place of copies of the views (no extra)
-        extra = 0 if dropout and recompute != "selective" and not s["ring"] else \
-            2 if recompute == "selective" else cp_rope_extra(s, 3)
-        tables = 0 if e == 8 else 2 * s["Tl"] * s["hd"] * e
-        total += n * extra * c * e // t + tables
+    if cfg.model.position == "rope":  # rotated q and k, the projection's input a copy (`_rope_extra`); the cos/sin
+        tables = 0 if e == 8 else 2 * s["Tl"] * s["hd"] * e  # tables cast to the activations' dtype (this rank's)
+        # ring attention runs the flash kernel's blocks even with dropout; Ulysses keeps no extra (cp_memory.py)
+        rope = _rope_extra(s, dropout and not s["ring"], recompute)
+        total += n * (rope if recompute == "attn-core" else cp_rope_extra(s, rope)) * e // t + tables
     if cfg.memory.offload_activations:
         # recompute none: every saved tensor with autograd history goes to the host; the norms' statistics
         # and the log-sum-exp (outputs without a gradient) and the rope tables stay
-        lse = 0 if dropout or recompute == "selective" else nh * e32
+        lse = 0 if dropout or recompute == "attn-core" else nh * e32
         return n * 4 * e32 // rep + n * lse // t + (tables if cfg.model.position == "rope" else 0)
     return total
 
@@ -487,18 +507,64 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
     return total - dense_mlp
 
 
-def _block_bytes(cfg: Config, lo: int, hi: int) -> int:
-    """Saved bytes of blocks lo..hi-1 for one microbatch (MoE blocks counted as such)."""
+def op_kept_bytes(cfg: Config, moe: bool = False) -> int:
+    """What recompute=ops:<kinds> keeps in torch's selective-checkpoint cache for one block and microbatch beyond
+    the block input (memory/op_policy.py): the outputs of its matmuls and / or fused attention kernels.
+
+    `matmul`, per token (n per microbatch; t = tp): the column-parallel outputs (qkv 3c, the MLP's f or SwiGLU's 2f)
+    split over t; the two row-parallel outputs, c each and whole (the partial sums, all-reduced in place or
+    reduce-scattered into another tensor; under sp still the full sequence); with dropout in training the unfused
+    attention's q kᵀ (nh T) and its product with v (c), split over t: in the activation dtype with the
+    layout-independent masks, in fp32 or wider with torch's math kernel. Autocast-bf16: every matmul output in bf16.
+    An MoE block replaces the MLP's (its f or 2f, and c) by the router's logits (n x E, fp32 or wider; n / t tokens
+    per rank under sp) and the experts' batched matmuls: hidden (E, G K, F) once (GELU) or twice (SwiGLU) and the
+    output (E, G K, C). `attention` (dropout 0): the fused kernel's output (c) and log-sum-exp (nh; fp32 under
+    bf16/fp16), split over t."""
     from scaletrain.config.parse import parse_recompute
+    from scaletrain.config.sizes import capacity
+
+    ops = parse_recompute(cfg.memory.recompute).ops
+    s, m = _sizes(cfg), cfg.model
+    n, c, f, nh, t, e32 = s["n"], s["c"], s["f"], s["nh"], s["t"], s["e32"]
+    e = 2 if s["autocast"] else s["e"]
+    mlp = 2 * f if m.mlp == "swiglu" else f
+    dropout = m.dropout > 0
+    total = 0
+    if "matmul" in ops:
+        total += n * (3 * c // t + c) * e  # qkv, the attention's projection
+        if dropout:  # unfused attention: scores and their product with v
+            total += n * (nh * s["T"] + c) // t * (e if m.dropout_impl == "global" else e32)
+        if moe:
+            E, S = m.moe.experts, m.moe.group_tokens
+            tokens = n // t if s["sp"] else n
+            G, k = tokens // S, 1 if m.moe.router == "switch" else m.moe.top_k
+            K = capacity(S, E, k, m.moe.capacity_factor)
+            total += tokens * E * max(e, 4) + E * G * K * (mlp + c) * e
+        else:
+            total += n * (mlp // t + c) * e  # the MLP's column and row layers
+    if "attention" in ops and not dropout:
+        total += n * (c * e + nh * e32) // t
+    return total
+
+
+def _block_bytes(cfg: Config, lo: int, hi: int) -> int:
+    """Saved bytes of blocks lo..hi-1 (global indices) for one microbatch (MoE blocks counted as such)."""
+    from scaletrain.config.parse import parse_recompute
+    from scaletrain.config.sizes import is_moe_layer
 
     mode = parse_recompute(cfg.memory.recompute)
     if mode.kind == "every":
         return math.ceil((hi - lo) / mode.k) * layer_saved_bytes(cfg, "every")
+    moe = [_experts(cfg) > 0 and is_moe_layer(cfg.model, i) for i in range(lo, hi)]
+    if mode.kind == "ops":
+        return (hi - lo) * layer_saved_bytes(cfg, "full") + sum(op_kept_bytes(cfg, x) for x in moe)
+    if mode.kind == "nth":  # blocks 0, k, 2k, ... are full checkpoints, the others keep everything
+        kept = [i % mode.k != 0 for i in range(lo, hi)]
+        return sum(layer_saved_bytes(cfg, "none") + (moe_layer_extra_bytes(cfg) if x else 0) if keep
+                   else layer_saved_bytes(cfg, "full") for keep, x in zip(kept, moe))
     total = (hi - lo) * layer_saved_bytes(cfg, mode.kind)
-    if mode.kind != "full" and _experts(cfg):
-        from scaletrain.config.sizes import is_moe_layer
-
-        total += sum(is_moe_layer(cfg.model, i) for i in range(lo, hi)) * moe_layer_extra_bytes(cfg)
+    if mode.kind != "full" and any(moe):
+        total += sum(moe) * moe_layer_extra_bytes(cfg)
     return total
 
 
@@ -511,7 +577,7 @@ def chunk_saved_bytes(cfg: Config, stage: int, lo: int, hi: int) -> int:
     if cfg.model.reversible:
         return reversible_chunk_bytes(cfg, last) + outside_saved_bytes(cfg, first, last, tied_copy)
     return _block_bytes(cfg, lo, hi) + outside_saved_bytes(cfg, first, last, tied_copy) + \
-        rope_table_bytes(cfg)
+        rope_table_bytes(cfg, lo, hi)
 
 
 def reversible_chunk_bytes(cfg: Config, last: bool) -> int:
@@ -526,16 +592,17 @@ def reversible_chunk_bytes(cfg: Config, last: bool) -> int:
     return s["n"] * s["c"] * s["e"] // (s["t"] if s["sp"] else 1)
 
 
-def rope_table_bytes(cfg: Config) -> int:
+def rope_table_bytes(cfg: Config, lo: int = 0, hi: int = 1) -> int:
     """RoPE's float64 cos/sin tables (T x hd/2 each), computed once per forward of a stage and saved
-    as such in fp64 (no cast), shared by every block; block checkpoints (full / every:k) do not keep them."""
+    as such in fp64 (no cast), shared by every block of blocks lo..hi-1 that is not a checkpoint; block checkpoints
+    (full, every:k, ops:..., nth:k's blocks 0, k, 2k, ...) do not keep them."""
     from scaletrain.config.parse import parse_recompute
 
-    if cfg.model.position != "rope":
+    if cfg.model.position != "rope" or _sizes(cfg)["e"] != 8:
         return 0
-    s = _sizes(cfg)
-    if s["e"] == 8 and parse_recompute(cfg.memory.recompute).kind in ("none", "selective"):
-        return 8 * s["Tl"] * (cfg.model.d_model // cfg.model.n_heads)
+    mode = parse_recompute(cfg.memory.recompute)
+    if mode.kind in ("none", "attn-core") or (mode.kind == "nth" and any(i % mode.k for i in range(lo, hi))):
+        return 8 * _sizes(cfg)["Tl"] * (cfg.model.d_model // cfg.model.n_heads)
     return 0
 
 
@@ -573,11 +640,13 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
 
 
 def predicts_activations(cfg: Config) -> bool:
-    """Whether `activation_bytes` models this run: not with activation compression or torch.compile, not under
-    autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random routing or
-    expert dropout (their extra saved tensors are not counted)."""
+    """Whether `activation_bytes` models this run: not with activation compression, FP8 layers or torch.compile, not
+    under autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random
+    routing or expert dropout (their extra saved tensors are not counted)."""
     if cfg.memory.compress != "none":
         return False
+    if cfg.train.precision == "fp8":
+        return False  # the FP8 layers' saved tensors are not modelled here (the planner's FP8 term: plan/analytic)
     if cfg.train.compile:
         return False  # inductor's fused kernels save other tensors than eager ops
     m, mem = cfg.model, cfg.memory
@@ -598,7 +667,7 @@ def implementation_activation_bytes(m: ModelSpec, batch: int, elem: int) -> floa
     cfg = Config(model=ModelConfig(
         n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, vocab_size=m.vocab_size,
         d_ff=m.d_ff, mlp=m.mlp, position=m.position, tie_embeddings=m.tie_embeddings, bias=m.bias,
-        dropout=0.1 if m.dropout else 0.0))
+        dropout=0.1 if m.dropout else 0.0, n_kv_heads=m.n_kv_heads, qkv_bias=m.qkv_bias))
     cfg.train.dtype = {4: "fp32", 8: "fp64", 2: "bf16"}[elem]
     cfg.train.micro_batch = cfg.train.global_batch = batch
     loader_batch = 8 * batch * (m.seq_len + 1)  # the trainer's ids are views of it; here ids are targets
@@ -616,6 +685,10 @@ def predict_run(cfg: Config) -> dict:
     """
     states = model_state_bytes(cfg)
     out = {f"plan_mem_{k}": int(v) for k, v in states.items()}
+    gathered = gathered_param_bytes(cfg, [engine_module_on_meta(cfg, r) for r in range(cfg.parallel.pp)]) \
+        if cfg.parallel.zero == 3 else None
+    if gathered is not None:
+        out["plan_mem_params_gathered"] = gathered
     if predicts_activations(cfg):
         out["plan_mem_activations"] = int(activation_bytes(cfg))
     return out

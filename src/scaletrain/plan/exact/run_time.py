@@ -42,7 +42,7 @@ from scaletrain.parallel.pipeline.simulate import simulate
 from scaletrain.plan.analytic import offload_costs
 from scaletrain.plan.analytic.comm import MeasuredLink, allreduce_time, gather_time, overlap_efficiency
 from scaletrain.plan.analytic.flops import step_flops
-from scaletrain.plan.analytic.inputs import recompute_kind
+from scaletrain.plan.analytic.inputs import recompute_policy
 from scaletrain.plan.analytic.zero3 import zero3_exposed_time
 from scaletrain.plan.catalog import from_model_config
 from scaletrain.plan.exact import run_memory
@@ -253,7 +253,7 @@ def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tu
 def apply_to_estimate(est, cfg: Config, step: StepTime, peak_flops: float) -> None:
     """Put the run's predicted step time (and what follows from it) into a planner `Estimate`."""
     tokens = cfg.train.global_batch * cfg.model.seq_len
-    model_f, hw_f = step_flops(from_model_config(cfg.model), tokens, recompute_kind(est.layout.recompute)[0])
+    model_f, hw_f = step_flops(from_model_config(cfg.model), tokens, recompute_policy(est.layout.recompute))
     n = cfg.world_size
     est.step_time_s = step.step_time_s
     est.tokens_per_s = tokens / step.step_time_s

@@ -55,16 +55,16 @@ def layer_saved_bytes(cfg, recompute: str = "none") -> int:
     m = cfg.model
     mlp = (4 if m.mlp == "swiglu" else 2) * f
     dropout = m.dropout > 0
-    explicit = dropout and recompute != "selective"  # the global dropout's explicit attention
+    explicit = dropout and recompute != "attn-core"  # the global dropout's explicit attention
     if explicit:
         core = 3 * c * e + nh * T * (2 * e + 1) + c * e
     else:
-        core = 3 * c * e + c * e + (0 if recompute == "selective" else nh * e32)
+        core = 3 * c * e + c * e + (0 if recompute == "attn-core" else nh * e32)
     total = 2 * _norm_bytes(s) + n * (2 * c * e + core + mlp * e) + (T * T if explicit else 0)
     if dropout:
         total += n * 2 * c  # the two residual dropouts' bool masks
     if m.position == "rope":  # the rotated q and k; with the flash kernel the projection's input is a copy too
-        extra = 2 if explicit or recompute == "selective" else 3
+        extra = 2 if explicit or recompute == "attn-core" else 3
         total += n * extra * c * e + (0 if e == 8 else 2 * T * s["hd"] * e)
     return total
 

@@ -1,0 +1,188 @@
+"""The planner against published GPU runs it was not built on (issue 31): development rows, looked at while the
+calibration of plan/analytic was being found, and held-out rows, written down with the error bound below before
+the planner was run on them. docs/planner-validation.md section 1b prints both tables (`python
+tests/test_plan_published.py`).
+
+Every row: the model's exact dimensions, the layout and batch the source states, the metric it reports (tokens/s per
+GPU, model or hardware TFLOP/s per GPU, MFU) and the source (paper table, repository path, documentation page).
+Where a source is silent the row says what we assumed (`note`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scaletrain.plan.analytic.estimate import estimate
+from scaletrain.plan.analytic.inputs import Assumptions, Layout, Training
+from scaletrain.plan.catalog import ModelSpec, get_model
+from scaletrain.plan.hardware import get_gpu
+
+HELD_OUT_BOUND = (0.35, 0.15)
+"""Stated before the held-out rows were predicted: every row within 35%, the mean |error| within 15%."""
+
+_MPT = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
+        "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+
+
+def mpt(size: str, seq: int) -> ModelSpec:
+    """llm-foundry's benchmark MPT: GELU x4, learned positions, biases, tied embeddings, vocabulary 50368 (the
+    NumParams column of the benchmark table is this count exactly)."""
+    layers, d, heads = _MPT[size]
+    return ModelSpec(f"mpt-{size}", layers, d, heads, 50368, seq, bias=True)
+
+
+def nemo_gpt3(layers: int, d: int, heads: int) -> ModelSpec:
+    """NeMo's GPT-3 configs (NeMo-Megatron-Launcher conf/training/gpt3): GELU x4, learned positions, biases, tied
+    embeddings, vocabulary 50257, sequence 2048."""
+    return ModelSpec(f"gpt3-nemo-{layers}x{d}", layers, d, heads, 50257, 2048, bias=True)
+
+
+MPT_SRC = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
+TT_A100_SRC = "pytorch/torchtitan docs/performance.md (64 A100 80GB, FSDP2; commit 0413364)"
+TT_H100_SRC = "pytorch/torchtitan docs/performance.md Tables 1, 3 (Grand Teton H100 96GB HBM2e 500W, FSDP2)"
+NEMO_SRC = "NeMo Framework 24.09 performance summary, pretraining at FP8 on DGX-H100"
+LLAMA3_SRC = "Llama 3 paper, arXiv 2407.21783, Table 4"
+MTNLG_SRC = "MT-NLG, arXiv 2201.11990 Sec. 2.4"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    source: str
+    model: ModelSpec
+    gpu: str
+    gpus: int
+    global_batch: int
+    layout: Layout
+    metric: str
+    """tokens/s/GPU, model TFLOP/s, hardware TFLOP/s, MFU (%)."""
+    published: float
+    dtype: str = "bf16"
+    attention: str = "flash"
+    dp_overlap: bool = True
+    tp_overlap: bool = False
+    note: str = ""
+
+
+def _fsdp(n: int, mb: int, ga: int, rec: str) -> Layout:
+    return Layout(dp=n, zero=3, micro_batch=mb, recompute=rec)
+
+
+DEV_ROWS = [
+    # deep pipelines on thousands of GPUs (A100 80GB, Selene): DeepSpeed pipeline + Megatron tensor parallelism,
+    # batch 1920 x 2048, 8-way tensor and 35-way pipeline parallelism, micro-batch 1, full recomputation
+    *(Row(MTNLG_SRC, ModelSpec("mt-nlg-530b", 105, 20480, 128, 50272, 2048, dropout=True), "a100-80gb", n, 1920,
+          Layout(dp=n // 280, tp=8, pp=35, micro_batch=1, recompute="full"), "hardware TFLOP/s", pub,
+          attention="standard", dp_overlap=False) for n, pub in ((2240, 126), (2800, 121), (3360, 113))),
+    # Llama 3 405B: TP 8, CP 1, PP 16, 126 layers (the first and last stage one layer fewer), 16M tokens of 8192;
+    # interleaved schedule (its V is not stated: 2 assumed), micro-batch 1, no recomputation assumed
+    *(Row(LLAMA3_SRC, get_model("llama3-405b"), "h100-80gb", n, 2048,
+          Layout(dp=n // 128, tp=8, pp=16, micro_batch=1, sequence_parallel=True, schedule="interleaved",
+                 virtual_stages=2, partition="ends"), "model TFLOP/s", pub, note="V = 2, no recomputation assumed")
+      for n, pub in ((8192, 430), (16384, 400))),
+    # small models on H100: torchtitan Llama 3.1 8B, FSDP, local batch 2, selective op checkpointing
+    *(Row(TT_H100_SRC, get_model("llama3-8b"), "h100-96gb", n, 2 * n, _fsdp(n, 2, 1, "ops:matmul+attention"),
+          "tokens/s/GPU", pub, note="selective op AC read as ops:matmul+attention (torchtitan recomputes every "
+          "other matmul too)") for n, pub in ((8, 5762), (128, 5605))),
+    # MPT on H100 and A100 80GB (FULL_SHARD, bf16): the rows looked at while modelling
+    *(Row(MPT_SRC, mpt(size, seq), gpu, n, mb * ga * n, _fsdp(n, mb, ga, "full" if ac else "none"), "MFU", mfu)
+      for size, seq, n, gpu, mfu, mb, ga, ac in (
+          ("7b", 2048, 8, "h100-80gb", 46.44, 6, 1, False), ("7b", 2048, 8, "a100-80gb", 64.23, 6, 2, False),
+          ("13b", 2048, 64, "h100-80gb", 39.86, 2, 1, False), ("3b", 2048, 64, "h100-80gb", 40.8, 6, 3, False),
+          ("1b", 2048, 8, "h100-80gb", 41.82, 14, 1, False), ("1b", 2048, 8, "a100-80gb", 59.86, 14, 4, False),
+          ("760m", 2048, 8, "a100-80gb", 56.85, 24, 2, False), ("30b", 2048, 8, "a100-80gb", 55.3, 3, 21, True),
+          ("30b", 2048, 32, "h100-80gb", 43.92, 14, 3, True), ("70b", 2048, 64, "h100-80gb", 42.57, 8, 4, True),
+          ("70b", 2048, 64, "a100-80gb", 53.33, 8, 4, True), ("125m", 2048, 8, "a100-80gb", 44.79, 40, 2, False))),
+]
+
+HELD_OUT = [
+    # torchtitan on 64 A100 80GB, FSDP2 (1D), sequence 8192 (Llama 3) / 4096 (Llama 2)
+    *(Row(TT_A100_SRC, get_model(name), "a100-80gb", 64, lbs * 64, _fsdp(64, lbs, 1, rec), "tokens/s/GPU", wps,
+          note="selective layer = nth:2, selective op = ops:matmul+attention")
+      for name, lbs, rec, wps in (
+          ("llama3-8b", 1, "nth:2", 2904), ("llama3-8b", 1, "ops:matmul+attention", 2973),
+          ("llama3-70b", 1, "full", 331), ("llama2-13b", 2, "none", 2162), ("llama2-13b", 2, "nth:2", 1914),
+          ("llama2-13b", 2, "ops:matmul+attention", 1904), ("llama2-70b", 1, "ops:matmul+attention", 355),
+          ("llama2-70b", 2, "full", 353))),
+    # NeMo 24.09 at FP8 on DGX-H100 (Megatron-core with TransformerEngine: distributed optimizer, sequence
+    # parallelism with tensor-parallel communication overlap); recomputation not stated: none assumed
+    *(Row(NEMO_SRC, model, "h100-80gb", n, gbs,
+          Layout(dp=n // (tp * pp), tp=tp, pp=pp, zero=1, micro_batch=mb, sequence_parallel=tp > 1,
+                 schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp), "tokens/s/GPU", tps, dtype="fp8",
+          tp_overlap=True, note="no recomputation assumed")
+      for model, n, gbs, mb, tp, pp, vp, tps in (
+          (get_model("gpt3-175b"), 128, 256, 1, 4, 8, 6, 716), (get_model("gpt3-175b"), 512, 2048, 2, 4, 8, 6, 825),
+          (get_model("llama2-7b"), 8, 128, 1, 1, 1, 1, 16934), (get_model("llama2-13b"), 16, 128, 1, 1, 4, 10, 8715),
+          (get_model("llama2-70b"), 64, 128, 1, 4, 4, 20, 1728), (nemo_gpt3(24, 4096, 32), 64, 2048, 4, 1, 1, 1, 23406),
+          (nemo_gpt3(44, 6144, 48), 64, 256, 2, 2, 1, 1, 5851))),
+    # MPT at FP8 (TransformerEngine linears) on 8 H100 80GB, FULL_SHARD, no activation checkpointing
+    *(Row(MPT_SRC, mpt(size, seq), "h100-80gb", 8, mb * ga * 8, _fsdp(8, mb, ga, "none"), "tokens/s/GPU", tps,
+          dtype="fp8") for size, seq, mb, ga, tps in (
+          ("3b", 2048, 10, 6, 30586), ("3b", 512, 40, 6, 36527), ("1b", 512, 56, 4, 70315), ("1b", 8192, 2, 4, 32010))),
+    # MPT on A100 40GB with 1600 Gb/s per node (RoCE), pure bf16, FULL_SHARD
+    *(Row(MPT_SRC, mpt(size, 2048), "a100-40gb", n, mb * n, _fsdp(n, mb, 1, "full" if ac else "none"),
+          "tokens/s/GPU", tps) for size, n, mb, ac, tps in (
+          ("7b", 64, 18, True, 3665), ("13b", 64, 16, True, 1976), ("30b", 128, 6, True, 865),
+          ("3b", 64, 6, False, 9736), ("70b", 128, 4, True, 376))),
+]
+
+
+def predict(row: Row) -> float:
+    train = Training(row.global_batch, row.dtype, row.attention, row.dp_overlap)
+    est = estimate(row.model, get_gpu(row.gpu), train, row.layout, Assumptions(tp_comm_overlap=row.tp_overlap),
+                   n_gpus=row.gpus)
+    return {"tokens/s/GPU": est.tokens_per_s / row.gpus, "model TFLOP/s": est.model_tflops_per_gpu,
+            "hardware TFLOP/s": est.hardware_tflops_per_gpu, "MFU": 100 * est.mfu}[row.metric]
+
+
+def errors(rows: list[Row]) -> list[float]:
+    return [predict(r) / r.published - 1 for r in rows]
+
+
+def test_held_out_rows_are_enough_and_new():
+    assert len(HELD_OUT) >= 12 and len({(r.source, r.model.name, r.gpus, r.layout) for r in HELD_OUT}) == len(HELD_OUT)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| source | model | GPU | GPUs | batch | layout | dtype | metric | published | predicted | error |",
+             "|" + "---|" * 11]
+    errs = []
+    for r in rows:
+        pred = predict(r)
+        errs.append(pred / r.published - 1)
+        lines.append(f"| {r.source} | {r.model.name} | {r.gpu} | {r.gpus} | {r.global_batch} | {r.layout.short()} |"
+                     f" {r.dtype} | {r.metric} | {r.published:,} | {pred:,.4g} | {errs[-1]:+.1%} |")
+    mean = sum(abs(e) for e in errs) / len(errs)
+    lines.append(f"\nmax |error| {max(abs(e) for e in errs):.1%}, mean |error| {mean:.1%}, mean signed error "
+                 f"{sum(errs) / len(errs):+.1%} over {len(errs)} rows")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print("Development rows\n")
+    print(markdown(DEV_ROWS))
+    print("\nHeld-out rows\n")
+    print(markdown(HELD_OUT))
+
+
+def test_held_out_errors_as_measured():
+    """Measured once the rows and bound above were committed (docs/planner-validation.md section 1b): 23 of the 24
+    rows within the stated 35% (MPT-1B at FP8 with 8192-token sequences and 2 of them per GPU is +38.7%), mean
+    |error| 10.8% (within the stated 15%), mean signed +3.9%."""
+    e = errors(HELD_OUT)
+    mean = sum(abs(x) for x in e) / len(e)
+    assert sum(abs(x) <= HELD_OUT_BOUND[0] for x in e) == len(e) - 1 and mean <= HELD_OUT_BOUND[1]
+    assert (round(max(abs(x) for x in e), 3), round(mean, 3), round(sum(e) / len(e), 3)) == (0.387, 0.108, 0.039)
+
+
+def test_development_errors_as_measured():
+    """The rows the calibration was diagnosed on (no bound was set for them): max 36.2%, mean |error| 16.1%."""
+    e = errors(DEV_ROWS)
+    assert (round(max(abs(x) for x in e), 3), round(sum(abs(x) for x in e) / len(e), 3)) == (0.362, 0.161)
+
+
+def test_the_margin_beside_each_candidate_is_the_held_out_90th_percentile():
+    import statistics
+
+    from scaletrain.plan.report import TRUST
+
+    assert TRUST == round(statistics.quantiles([abs(x) for x in errors(HELD_OUT)], n=10)[8], 2)
