@@ -186,7 +186,7 @@ CLI_ROWS = [
     ([], ["'scaletrain' needs one of", "train", "plan"]),
     (["config"], ["'scaletrain config' needs one of: show"]),
     (["report"], ["'scaletrain report' needs one of: run, timeline"]),
-    (["train", "--nproc", "-2"], ["--nproc", "[1, 16,777,216]", "got -2"]),
+    (["train", "--nproc", "-2"], ["--nproc must be >= 1"]),
     (["train", "--set", "train.steps"], ["--set expects key=value", "'train.steps'"]),
     (["train", "--set", "model=3"], ["'model' is a section"]),
     (["train", "--set", "model.moe=3"], ["'model.moe' is a section"]),
@@ -256,7 +256,7 @@ def _file_case(kind: str, tmp: Path) -> tuple[list[str], list[str]]:
         return ["config", "show", "--config", str(yaml)], ["train.lr (nan)", "must be finite"]
     if kind == "config-inf-steps":
         yaml.write_text("train:\n  steps: 1.0e+30\n")
-        return ["config", "show", "--config", str(yaml)], ["train.steps", "above the limit"]
+        return ["config", "show", "--config", str(yaml)], ["train.steps", "is beyond 64 bits"]
     if kind == "out-under-file":
         return ["train", *TINY, "--out", str(f / "sub")], ["is under", "which is a file"]
     if kind == "out-is-file":

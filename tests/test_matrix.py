@@ -249,3 +249,44 @@ def test_matrix_command_runs_a_filtered_set_and_writes_json(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["total"] == doc["passed"] >= 1 and f"{doc['total']} of {doc['total']} layouts PASS" in p.stdout
     assert all(r["values"]["dtype"] == "fp64" and r["values"]["pp"] == 1 for r in doc["layouts"])
+
+
+@pytest.mark.parametrize("kv_heads", [0, 1])
+def test_key_bias_gradient_is_rounding_noise_and_only_scale_free_optimizers_leave_it_out(kv_heads):
+    """verify/matrix.key_bias_slices: the key bias's gradient is zero in exact arithmetic (softmax ignores a shift of a
+    whole row), so in fp64 it is rounding noise: below 1e-6 of the value bias's (measured 7e-10 to 2e-9: the
+    rounding of the row sums, while a real gradient entry is of the value bias's order); the slices name exactly the
+    key entries, and only for Adafactor and SM3 (AdamW runs keep every entry in the comparison)."""
+    from scaletrain.config import Config
+    from scaletrain.model import build_gpt
+    from scaletrain.verify.layouts import Layout, reference_config
+    from scaletrain.verify.matrix import key_bias_slices
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        m = Config().model
+        m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len = 2, 32, 4, 64, 16
+        m.n_kv_heads, m.qkv_bias, m.bias = kv_heads, True, False
+        model = build_gpt(m, 0)
+        x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+        torch.nn.functional.cross_entropy(model(x).reshape(-1, 64), y.reshape(-1)).backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    kv = kv_heads or m.n_heads
+    hs = m.d_model // m.n_heads
+    for name, p in model.named_parameters():
+        if name.endswith(("attn.qkv.bias", "attn.kv.bias")):
+            g = p.grad
+            k = g[m.d_model:2 * m.d_model] if kv_heads == 0 else g[:kv * hs]
+            v = g[2 * m.d_model:] if kv_heads == 0 else g[kv * hs:]
+            assert float(k.abs().max()) < 1e-6 * float(v.abs().max()), name
+    for opt, masked in (("adamw", False), ("adafactor", True), ("sm3", True)):
+        lay = Layout.of(optimizer=opt, qkv_bias=True, kv_heads=kv_heads)
+        got = key_bias_slices(lay)
+        assert bool(got) is masked, opt
+        if masked:
+            rm = reference_config(lay).model
+            hs = rm.d_model // rm.n_heads
+            assert set(got) == {f"blocks.{i}.attn.{'qkv' if kv_heads == 0 else 'kv'}.bias" for i in range(rm.n_layers)}
+            first = 0 if kv_heads else rm.d_model  # q, k, v fused: the middle third; k then v: the first half
+            assert {(s.start, s.stop) for s in got.values()} == {(first, first + (kv_heads or rm.n_heads) * hs)}

@@ -167,17 +167,18 @@ if __name__ == "__main__":
 def test_held_out_errors_as_measured():
     """Measured once the rows and bound above were committed (docs/planner-validation.md section 1b): 23 of the 24
     rows within the stated 35% (MPT-1B at FP8 with 8192-token sequences and 2 of them per GPU is +38.7%), mean
-    |error| 10.8% (within the stated 15%), mean signed +3.9%."""
+    |error| 10.9% (within the stated 15%), mean signed +4.0% (10.8% and +3.9% before grouped-query attention's
+    key/value projections were counted exactly, issue 27)."""
     e = errors(HELD_OUT)
     mean = sum(abs(x) for x in e) / len(e)
     assert sum(abs(x) <= HELD_OUT_BOUND[0] for x in e) == len(e) - 1 and mean <= HELD_OUT_BOUND[1]
-    assert (round(max(abs(x) for x in e), 3), round(mean, 3), round(sum(e) / len(e), 3)) == (0.387, 0.108, 0.039)
+    assert (round(max(abs(x) for x in e), 3), round(mean, 3), round(sum(e) / len(e), 3)) == (0.387, 0.109, 0.04)
 
 
 def test_development_errors_as_measured():
-    """The rows the calibration was diagnosed on (no bound was set for them): max 36.2%, mean |error| 16.1%."""
+    """The rows the calibration was diagnosed on (no bound was set for them): max 36.7%, mean |error| 16.2%."""
     e = errors(DEV_ROWS)
-    assert (round(max(abs(x) for x in e), 3), round(sum(abs(x) for x in e) / len(e), 3)) == (0.362, 0.161)
+    assert (round(max(abs(x) for x in e), 3), round(sum(abs(x) for x in e) / len(e), 3)) == (0.367, 0.162)
 
 
 def test_the_margin_beside_each_candidate_is_the_held_out_90th_percentile():

@@ -129,10 +129,14 @@ def test_kill_and_resume_is_exact_under_zero(tmp_path, zero):
     while not (run / "checkpoints" / "step_00000004" / "COMPLETE").exists():
         assert time.time() < deadline and proc.poll() is None, "no checkpoint appeared"
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and torchrun; the ranks have sessions of their own
     proc.wait()
-    assert not (run / "checkpoints" / "step_00000008").exists(), "finished before the kill"
-    subprocess.run(_launch(run, 8, zero), check=True, env=env, capture_output=True, timeout=240)
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "step_00000008" not in kept, "finished before the kill"
+    time.sleep(2.0)  # an orphaned rank would write its next checkpoint within a second (it did, before the fix)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == kept, "the ranks trained on after the kill"
+    resumed = subprocess.run(_launch(run, 8, zero), env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
     rows = lambda d: [__import__("json").loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert rows(run) == rows(ref) and len(rows(ref)) == 8
     a, b = _final_state(ref), _final_state(run)

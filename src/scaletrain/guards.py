@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -197,15 +198,20 @@ def bounded_int(low: int, high: int | None = None):
 # --------------------------------------------------------------------------- config values
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def non_finite_keys(cfg: Any, prefix: str = "") -> list[str]:
     """`key (value)` for every float field of the config (nested sections too) that is NaN or infinite."""
     bad = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            bad += non_finite_keys(value, f"{prefix}{f.name}.")
+    for name in _field_names(type(cfg)):  # validate() runs this on every layout the covering search tries: cached
+        value = getattr(cfg, name)
+        if hasattr(type(value), "__dataclass_fields__"):
+            bad += non_finite_keys(value, f"{prefix}{name}.")
         elif isinstance(value, float) and not math.isfinite(value):
-            bad.append(f"{prefix}{f.name} ({value})")
+            bad.append(f"{prefix}{name} ({value})")
     return bad
 
 

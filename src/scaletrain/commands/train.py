@@ -30,7 +30,7 @@ from scaletrain.multinode import launcher as multinode_launcher
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)")
     _config_args(p)
-    p.add_argument("--nproc", type=bounded_int(1, MAX_GPUS), default=None,
+    p.add_argument("--nproc", type=int, default=None,
                    help="processes to start on this machine (default: the layout's size / --nnodes)")
     p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
     p.add_argument("--reshard", action="store_true",
@@ -94,6 +94,10 @@ def cmd_train(args) -> int:
     from scaletrain.plan.budget import check_before_launch, local_world_size
 
     cfg, explicit = load_config_keys(args.config, args.set, base=folder_tokenizer(args.init_from))  # DIR's tokenizer
+    if cfg.parallel.sync != "bsp":  # what the asynchronous runners cannot do, said before any data or DIR is read
+        from scaletrain.train.runners.common import refuse_reshard
+
+        refuse_reshard(cfg, args.reshard, args.init_from)
     if args.init_from is not None:  # the model is DIR/config.json's; a bad directory fails here, before anything
         from scaletrain.interop.hf_config import apply_hf_model
 
@@ -124,8 +128,8 @@ def cmd_train(args) -> int:
         raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
                         f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
     nproc = args.nproc if args.nproc is not None else max(1, cfg.world_size // args.nnodes)
-    if nproc < 1:
-        raise UserError(f"--nproc must be >= 1, got {nproc}")
+    if not 1 <= nproc <= MAX_GPUS:
+        raise UserError(f"--nproc must be >= 1 (and at most {MAX_GPUS:,}), got {nproc}")
     validate(cfg, nproc * args.nnodes)
     from scaletrain.memory.fp8 import check_fp8_device
 

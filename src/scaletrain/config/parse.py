@@ -33,6 +33,10 @@ class RecomputeMode:
             return "ops:" + "+".join(o for o in RECOMPUTE_OPS if o in self.ops)
         return self.kind
 
+    def checkpointed(self, block: int) -> bool:
+        """Whether block `block` (global index) is a checkpoint that runs its forward again in backward."""
+        return self.kind in ("full", "every", "ops") or (self.kind == "nth" and block % self.k == 0)
+
     @property
     def checkpoints_blocks(self) -> bool:
         """Whether whole blocks (or segments) are checkpoints keeping only their inputs: full, every:k, nth:k."""

@@ -151,17 +151,16 @@ def stop_signals():
 
 
 def stop_group(proc: subprocess.Popen, signum: int, grace_s: float = STOP_GRACE_S) -> None:
-    """Send `signum` to the process group `proc` leads (torchrun and what shares its group), wait up to `grace_s` for
-    its leader (torchrun stops its workers, which have sessions of their own), then SIGKILL the group."""
-    import signal
-
+    """Send `signum` to torchrun (`proc`), which stops its workers (they have sessions of their own), wait up to
+    `grace_s` for it, then SIGKILL it. torchrun stays in the launcher's process group, so a SIGKILL of that group
+    (a lost machine, the test of docs/multinode.md) takes torchrun with it, as before."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signum)
+        proc.send_signal(signum)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
         proc.wait()
 
 
@@ -171,7 +170,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], launcher_log: Path) -> int
     import signal
 
     with open(launcher_log, "w") as log, stop_signals():
-        proc = subprocess.Popen(cmd, env=env, stderr=log, process_group=0)  # its own group: the target of killpg
+        proc = subprocess.Popen(cmd, env=env, stderr=log)
         try:
             return proc.wait()
         except Stopped as e:
@@ -190,6 +189,8 @@ class WorkerContext:
         self.logs = Path(os.environ[LOG_DIR_ENV]) if LOG_DIR_ENV in os.environ else None
 
     def __enter__(self) -> WorkerContext:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            exit_with_parent()
         if self.logs is not None:  # a restarted rank's record of an earlier attempt is stale
             (self.logs / f"rank{self.rank}.error.json").unlink(missing_ok=True)
         if self.logs is not None and self.rank != 0:
@@ -209,6 +210,27 @@ class WorkerContext:
         if self.rank != 0 or code != 2:
             traceback.print_exception(exc)  # into this rank's log (rank 0: the launcher log)
         return False
+
+
+PARENT_POLL_S = 0.05
+"""How often a rank checks that the torchrun that started it is alive."""
+
+
+def exit_with_parent() -> None:
+    """Stop this rank at once (SIGKILL, as if its machine died) when the torchrun that started it goes away.
+    torchrun starts each rank in a session of its own, so a SIGKILL of the launcher's process group (a lost
+    machine, an OOM kill, `kill -9` of the job) takes torchrun but not the ranks: orphaned, they would train on
+    and write checkpoints into OUT while the next run resumes from it. A daemon thread watches the parent pid."""
+    import signal
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def write_error_record(logs: Path, rank: int, code: int, message: str, tb: str = "", plain: bool = False) -> None:

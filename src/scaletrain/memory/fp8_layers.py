@@ -16,6 +16,8 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any
 
+from scaletrain.config.sizes import kv_heads
+
 EXCLUDED = {
     "embeddings (wte, wpe)": "a table lookup, not a GEMM: there is nothing to compute in FP8",
     "output layer (lm_head)": "its logits feed the softmax cross-entropy over the whole vocabulary, the GEMM most "
@@ -31,7 +33,9 @@ EXCLUDED = {
 def block_linear_names(model: Any) -> tuple[str, ...]:
     """The linear layers of one dense transformer block (model/block.py), by their name inside the block."""
     mlp = ("mlp.gate", "mlp.up", "mlp.proj") if model.mlp == "swiglu" else ("mlp.fc", "mlp.proj")
-    return ("attn.qkv", "attn.proj", *mlp)
+    # grouped-query attention projects queries and key/values apart (model/block.py)
+    attn = ("attn.qkv",) if kv_heads(model) == model.n_heads else ("attn.q", "attn.kv")
+    return (*attn, "attn.proj", *mlp)
 
 
 def candidate_names(model: Any) -> list[str]:

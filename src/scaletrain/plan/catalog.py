@@ -168,7 +168,9 @@ def from_model_config(mc, name: str = "config") -> ModelSpec:
         seq_len=mc.seq_len, d_ff=mc.d_ff, mlp=mc.mlp, position=mc.position, tie_embeddings=mc.tie_embeddings,
         bias=mc.bias, dropout=mc.dropout > 0, n_experts=mc.moe.experts,
         top_k=(1 if mc.moe.router == "switch" else mc.moe.top_k) if mc.moe.experts else 1,
-        moe_every=mc.moe.every, capacity_factor=mc.moe.capacity_factor, group_tokens=mc.moe.group_tokens,
+        # a dense model carries the spec's neutral MoE values (the config's unused model.moe.* defaults plan nothing)
+        **(dict(moe_every=mc.moe.every, capacity_factor=mc.moe.capacity_factor, group_tokens=mc.moe.group_tokens)
+           if mc.moe.experts else {}),
         reversible=getattr(mc, "reversible", False), n_kv_heads=getattr(mc, "n_kv_heads", 0),
         qkv_bias=getattr(mc, "qkv_bias", False),
     ))

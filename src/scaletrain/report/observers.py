@@ -51,7 +51,8 @@ class RunObservers:
 
         env = detect_env()
         launcher = env.launcher if env is not None else ("test harness" if trainer.mesh.world_size > 1 else "single")
-        fp8 = trainer.engine.fp8.info() if trainer.engine.fp8 is not None else None  # train.precision=fp8
+        engine = getattr(trainer, "engine", None)  # the asynchronous runners have none (and no fp8: validate())
+        fp8 = engine.fp8.info() if engine is not None and engine.fp8 is not None else None  # train.precision=fp8
         safely("recording run_info.json",
                lambda: record_run_info(self.out, self.rank, trainer.device, launcher, fp8))
         window = parse_steps(cfg.train.profile_steps)

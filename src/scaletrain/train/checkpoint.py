@@ -45,7 +45,6 @@ from scaletrain.train.checkpoint_dirs import (
     DCP_FORMAT,
     RANK_FORMAT,
     check_root,
-    complete_checkpoints,
     format_of,
     fsync_dir,
     incomplete_checkpoints,
@@ -315,21 +314,15 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 
 
 def usable_latest(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint whose markers and meta.json read back, and a note for each newer one that was
-    passed over (incomplete: no COMPLETE; or unreadable: the reason). A CheckpointError when checkpoints exist but
-    none is usable, or when `root` is not a folder: the run stops rather than start again from step 0."""
+    """The newest complete checkpoint (its markers checked) and a note for each newer incomplete one passed over (no
+    COMPLETE). A CheckpointError when only incomplete ones exist, when the newest complete one fails its checks, or
+    when `root` is not a folder: the run stops rather than start again from step 0."""
     check_root(root)
-    notes, found = [], None
-    for directory in reversed(complete_checkpoints(root)):
-        try:
-            read_meta(directory)
-        except CheckpointError as e:
-            notes.append(str(e))
-            continue
-        found = directory
-        break
+    found = latest(root)
+    if found is not None:
+        read_meta(found)  # a complete checkpoint that fails its checks (tampered, truncated) stops the run: exit 2
     newer = [d for d in incomplete_checkpoints(root) if found is None or d.name > found.name]
-    notes = [f"{d} is incomplete (no {COMPLETE} marker: an interrupted save?)" for d in newer] + notes
+    notes = [f"{d} is incomplete (no {COMPLETE} marker: an interrupted save?)" for d in newer]
     if found is None and notes:
         raise CheckpointError(f"{notes[0]}, and there is no earlier complete checkpoint to resume from; move "
                               f"{root} away to start over (nothing was changed)")

@@ -11,72 +11,26 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from scaletrain.config.parse import RecomputeMode, parse_recompute
 from scaletrain.config.schema import OFFLOADS
 from scaletrain.config.schema import SCHEDULES as _SCHEDULES
-from scaletrain.errors import UserError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.optim.registry import OPTIMIZERS as OPTIMIZER_SPECS
 
-RECOMPUTE_OPS = ("matmul", "attention")
-"""The op kinds `ops:<kinds>` keeps the outputs of (the engine's memory.recompute=ops:..., memory/op_policy.py)."""
-RECOMPUTE_ALIASES = {"selective": "attn-core"}
-"""Old names: `selective` is Korthikanti's attention-core policy."""
-RECOMPUTE = ("none", "full", "attn-core")  # and every:k, nth:k, ops:<kinds> (`recompute_policy`)
-RECOMPUTE_FORMS = ("none, full, every:k, nth:k (k >= 1), ops:<kinds> (" + ", ".join(RECOMPUTE_OPS) +
-                   ", joined by +) or attn-core (old name: selective)")
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """An activation-checkpointing policy, with the engine's names (memory.recompute, docs/memory.md):
-
-    - `none`: every block keeps what its backward needs;
-    - `full`: every block is a checkpoint keeping its input and runs its forward again in backward (Chen et al.,
-      arXiv 1604.06174);
-    - `every:k`: segments of k blocks are checkpoints, one input kept per segment (Chen's sqrt(n) trade-off);
-    - `nth:k`: blocks 0, k, 2k, ... (global index) are full checkpoints, the others keep everything (torchtitan's
-      selective layer activation checkpointing);
-    - `ops:<kinds>`: every block is a checkpoint that also keeps the outputs of the listed op kinds (`matmul`: the
-      linear layers; `attention`: the fused attention kernel's output and log-sum-exp) and recomputes only the rest
-      (torchtitan's selective op, torch's selective activation checkpointing);
-    - `attn-core`: only the attention core softmax(QK^T/sqrt(d))V is recomputed (Korthikanti et al., arXiv 2205.05198
-      "selective"); with flash attention it saves nothing - the kernel keeps only its output and log-sum-exp."""
-
-    kind: str
-    k: int = 1
-    ops: frozenset[str] = frozenset()
-
-    @property
-    def spec(self) -> str:
-        if self.kind in ("every", "nth"):
-            return f"{self.kind}:{self.k}"
-        if self.kind == "ops":
-            return "ops:" + "+".join(o for o in RECOMPUTE_OPS if o in self.ops)
-        return self.kind
-
-    def checkpointed(self, block: int) -> bool:
-        """Whether block `block` (global index) is a checkpoint that runs its forward again in backward."""
-        return self.kind in ("full", "every", "ops") or (self.kind == "nth" and block % self.k == 0)
+Recompute = RecomputeMode
+"""An activation-checkpointing policy, with the engine's names (memory.recompute, docs/memory.md; config/parse.py
+reads it for the engine and the planner alike): none, full, every:k (Chen's segments, arXiv 1604.06174), nth:k
+(torchtitan's selective layer), ops:<kinds> (torchtitan's selective op) and attn-core (Korthikanti et al., arXiv
+2205.05198; with flash attention it saves nothing)."""
 
 
 @functools.lru_cache(maxsize=128)
 def recompute_policy(spec: str) -> Recompute:
     """A layout's `recompute` -> Recompute; UserError naming the value otherwise. `every:1` and `nth:1` are `full`."""
-    s = RECOMPUTE_ALIASES.get(spec.strip().lower(), spec.strip().lower())
-    if s in RECOMPUTE:
-        return Recompute(s)
-    head, sep, rest = s.partition(":")
-    if sep and head in ("every", "nth"):
-        k = int(rest) if rest.isdigit() else 0
-        if k >= 1:
-            return Recompute("full") if k == 1 else Recompute(head, k)
-    if sep and head == "ops":
-        kinds = {o.strip() for o in rest.replace(",", "+").split("+")} - {""}
-        bad = sorted(kinds - set(RECOMPUTE_OPS)) or ([] if kinds else ["(none)"])
-        if bad:
-            raise UserError(f"recompute={spec}: op kind {', '.join(bad)} is not one of {', '.join(RECOMPUTE_OPS)}"
-                            " (join several with +, e.g. ops:matmul+attention)")
-        return Recompute("ops", ops=frozenset(kinds))
-    raise UserError(f"recompute must be {RECOMPUTE_FORMS}, got {spec!r}")
+    try:
+        return parse_recompute(spec)
+    except ConfigError as e:  # the planner's layouts name the field `recompute`
+        raise UserError(str(e).replace("memory.recompute", "recompute", 1)) from None
 
 
 SCHEDULES = ("1f1b", *(s for s in _SCHEDULES if s != "1f1b"))  # the config's, 1F1B (the default) listed first
