@@ -43,8 +43,10 @@ def context_parallel(cfg: Config, world_size: int | None) -> list[str]:
         if kv:
             heads.append(("model.n_kv_heads", kv))
         for what, value in heads:
-            if value % tp == 0 and (value // tp) % cp:
-                per = f"{what} ({value}) / parallel.tp ({tp}) = {value // tp}" if tp > 1 else f"{what} ({value})"
+            local = value // min(tp, value)  # a rank's heads (a key/value head is copied when tp exceeds them)
+            if value % min(tp, value) == 0 and local % cp:
+                per = (f"{what} ({value})" if tp == 1 else f"{what} ({value}) / parallel.tp ({tp}) = {local}"
+                       if tp <= value else f"{what} ({value}) copied over parallel.tp ({tp}) leaves 1 per rank, which")
                 errors.append(f"parallel.cp_mode=ulysses splits the heads of a rank over parallel.cp ({cp}): {per} "
                               f"is not divisible by {cp}")
     e = m.moe
