@@ -208,7 +208,7 @@ def _tp_cp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tup
                 continue
             modes = _options(fixed, "cp_mode", ["ring", "ulysses"]) if cp > 1 else [fixed.get("cp_mode", "ring")]
             for cp_mode in modes:
-                heads_ok = all((n // tp) % cp == 0 for n in (m.n_heads, m.kv_heads)) if n_gpus else True
+                heads_ok = all(max(n // tp, 1) % cp == 0 for n in (m.n_heads, m.kv_heads)) if n_gpus else True
                 if cp > 1 and cp_mode == "ulysses" and not heads_ok and "cp_mode" not in fixed:
                     continue
                 out.append((mode, tp, depth, rows, cp, cp_mode))
