@@ -110,8 +110,8 @@ def step_bytes(cfg: Config, layers: int | None = None) -> CpStepBytes:
     q_width = width // p.tp
     kv_width = q_width  # grouped-query attention: the key/value heads' width, when the model has them
     kv_heads = getattr(m, "n_kv_heads", 0) or 0
-    if kv_heads:
-        kv_width = kv_heads * (width // m.n_heads) // p.tp
+    if kv_heads:  # a rank's key/value heads: kv / tp, or one head copied over tp / kv ranks when tp > kv
+        kv_width = max(kv_heads // p.tp, 1) * (width // m.n_heads)
     elem = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}[t.dtype]
     if t.precision == "autocast-bf16":
         elem = 2
@@ -154,7 +154,7 @@ def layer_comm(m, gpu, lay, a, tokens: float, elem: int, t_attn: float) -> tuple
         return 0.0, 0.0, (0.0, 0.0)
     bw, lat = group_link(gpu, cp, t, a)  # cp ranks sit next to tp: a ring of ranks t apart
     q_width = m.width / t
-    kv_width = m.kv_heads * m.head_dim / t
+    kv_width = max(m.kv_heads / t, 1) * m.head_dim  # a key/value head is copied over tp / kv ranks when tp > kv
     if lay.cp_mode == "ring":
         acc = 8 if elem == 8 else 4
         chunk = 2 * tokens * kv_width * elem
