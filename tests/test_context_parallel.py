@@ -7,10 +7,10 @@
   as many key/value heads as query heads and with fewer (grouped-query).
 - Through the trainer, fp64, every step's loss and every final parameter equal the single-process run (rtol 1e-9,
   atol 1e-12: the measured differences are <= 1e-14, rounding; the faults below move them by 1e-3 or more):
-  ring with RoPE, dropout and attn-core (selective) recomputation (cp 2); cp 2 x tp 2 with sequence parallelism
-  (Ulysses, dropout, RoPE); and checkpoints resharded cp 2 -> 1 and 1 -> 2. The other layouts (Ulysses with ZeRO-3,
-  cp x dp x ep with ZeRO-1, cp x pp interleaved) are `scaletrain verify` commands in docs/context_parallel.md and
-  layouts of the layout matrix (configs/covering.json).
+  ring with grouped-query attention, RoPE, dropout and attn-core (selective) recomputation (cp 2); cp 2 x tp 2
+  with sequence parallelism (Ulysses, dropout, RoPE); and checkpoints resharded cp 2 -> 1 and 1 -> 2. The other
+  layouts (Ulysses with ZeRO-3, cp x dp x ep with ZeRO-1, cp x pp interleaved) are `scaletrain verify` commands in
+  docs/context_parallel.md and layouts of the layout matrix (configs/covering.json).
 - In the same runs the bytes each rank sends for cp per step equal the planner's (`plan.analytic.context.step_bytes`),
   and the measured memory per category equals `predict_run`'s to the byte.
 - The comparison fails for a dropped key/value chunk and for a missing causal mask on the diagonal block.
@@ -38,8 +38,8 @@ from scaletrain.parallel.context.ring import _block
 RTOL, ATOL = 1e-9, 1e-12
 MOE = {"model.moe.experts": 4, "model.moe.group_tokens": 8}
 CASES = {  # name -> (world, overrides): the two layouts CI trains (the others: docs/context_parallel.md, "Verify")
-    "ring rope dropout selective": (2, {"parallel.cp": 2, "model.position": "rope", "model.dropout": 0.1,
-                                        "memory.recompute": "selective"}),
+    "ring gqa rope dropout selective": (2, {"parallel.cp": 2, "model.position": "rope", "model.dropout": 0.1,
+                                            "memory.recompute": "selective", "model.n_kv_heads": 2}),
     "cp2 tp2 sp ulysses dropout rope": (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
                                             "parallel.cp_mode": "ulysses", "model.dropout": 0.1,
                                             "model.position": "rope"}),
@@ -218,7 +218,7 @@ def runs(tmp_path_factory):
     from a single-process checkpoint written here first."""
     from scaletrain.train.trainer import Trainer
 
-    base = CASES["ring rope dropout selective"][1]
+    base = CASES["ring gqa rope dropout selective"][1]
     down, up = tmp_path_factory.mktemp("cp2to1"), tmp_path_factory.mktemp("cp1to2")
     ckpt = {"train.checkpoint_every": 2}
     Trainer(make_config({**TINY, **base, **ckpt, "parallel.cp": 1}), up).run(stop_after=2)
@@ -270,14 +270,14 @@ def test_cp_run_memory_equals_the_prediction_to_the_byte(runs, name):
 def test_comparison_fails_for_a_broken_ring(references, runs, fault):
     losses, state, _, _ = runs[fault][0]
     with pytest.raises(AssertionError):
-        assert_same_run(references["ring rope dropout selective"], (losses, state), RTOL, ATOL)
+        assert_same_run(references["ring gqa rope dropout selective"], (losses, state), RTOL, ATOL)
 
 
 def test_checkpoints_reshard_from_cp2_to_one_process_and_from_one_process_to_cp2(references, runs):
     from scaletrain.train.trainer import Trainer
 
-    ref = references["ring rope dropout selective"]
-    base = {**CASES["ring rope dropout selective"][1], "train.checkpoint_every": 2, "parallel.cp": 1}
+    ref = references["ring gqa rope dropout selective"]
+    base = {**CASES["ring gqa rope dropout selective"][1], "train.checkpoint_every": 2, "parallel.cp": 1}
     first = runs["cp2 -> 1 first half"][0][0]
     t = Trainer(make_config({**TINY, **base}), runs["cp2 -> 1 dir"], reshard=True)
     second = t.run().losses
@@ -327,6 +327,19 @@ def test_world_size_counts_cp_and_the_command_line_says_so_with_exit_2(capsys):
     assert main(["train", "--nproc", "2", "--set", "parallel.cp=3", "--set", "model.seq_len=32"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "2 x parallel.cp = 6 chunks" in err and "Traceback" not in err
+
+
+def test_planned_ring_bytes_count_a_key_value_head_copied_over_tp_once_per_rank():
+    """n_kv_heads 1 at tp 2: the head is copied on both tp ranks, so each sends a whole head's chunk, as with 2 kv heads
+    split over tp 2 (measured through the trainer at cp 2 x tp 2: 131072 bytes per step, as planned)."""
+    from scaletrain.plan.analytic.context import step_bytes
+
+    o = {**TINY, "parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}
+    copied, split = (step_bytes(make_config({**o, "model.n_kv_heads": kv})).ring for kv in (1, 2))
+    head = TINY["model.d_model"] // TINY["model.n_heads"]
+    tokens = TINY["train.micro_batch"] * TINY["model.seq_len"] // 2
+    micro, layers = TINY["train.global_batch"] // TINY["train.micro_batch"], TINY["model.n_layers"]
+    assert copied == split == micro * layers * (2 * (2 * tokens * head * 8) + 2 * 2 * tokens * head * 8)
 
 
 def test_plan_takes_cp_in_layout_for_a_128k_llama(capsys):
