@@ -526,7 +526,9 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, tmp_path, monkeypatch):
     timers = []
 
     def slow_draw(*args, **kwargs):  # stands in for a long drawing; a real SIGINT arrives while it runs
-        timers.append(threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)))
+        # to the main thread itself: a process-directed os.kill may land on the timer thread, and the main
+        # thread's sleep is then not interrupted
+        timers.append(threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)))
         timers[0].start()
         time.sleep(60)
         raise AssertionError("SIGINT did not arrive")

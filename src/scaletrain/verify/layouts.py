@@ -62,7 +62,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "compress": ("none", "bf16", "int8"),
     "dtype": ("fp64", "fp32", "bf16", "fp16"),
     "optimizer": ("adamw", "adafactor", "sm3"),
-    "moe": ("dense", "topk", "switch", "expert_choice"),
+    "moe": ("dense", "topk", "switch", "expert_choice", "importance", "hierarchical"),
     "accumulation": (1, 2),
     "partition": ("uniform", "uneven"),
     "tie_embeddings": (True, False),
@@ -164,7 +164,11 @@ def config(layout: Layout) -> Config:
     moe = layout["moe"]
     if moe != "dense":
         m.moe.experts, m.moe.group_tokens = 4, 8
-        m.moe.router = moe
+        m.moe.router = moe if moe in ("topk", "switch", "expert_choice") else "topk"
+        if moe in ("importance", "hierarchical"):  # Shazeer's losses (with the noise the load loss needs); two levels
+            m.moe.aux_loss, m.moe.router_noise = "importance", 0.5
+            if moe == "hierarchical":
+                m.moe.groups, m.moe.top_k = 2, 1
         m.moe.every = 2 if moe == "switch" and m.n_layers >= 2 else 1
     micro = max(1, p.pp) * layout["accumulation"]  # pipeline schedules want at least pp micro-batches
     t.steps, t.micro_batch, t.global_batch = STEPS, MICRO_BATCH, MICRO_BATCH * p.dp * micro
@@ -481,7 +485,8 @@ MEANING = {
     "sequence_parallel": "`parallel.sequence_parallel`", "recompute": "`memory.recompute`",
     "partition_checkpoints": "`memory.partition_checkpoints`", "offload_activations": "`memory.offload_activations`",
     "compress": "`memory.compress`", "dtype": "`train.dtype`", "optimizer": "`optim.name`",
-    "moe": "`model.moe.router` with 4 experts (`dense`: no experts)",
+    "moe": "`model.moe.router` with 4 experts (`dense`: no experts; `importance`: topk with aux_loss=importance and "
+           "router_noise 0.5; `hierarchical`: that with groups=2, top_k 1)",
     "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation)",
     "partition": "`parallel.partition` (`uneven`: the first chunk holds one block or segment more)",
     "tie_embeddings": "`model.tie_embeddings`", "position": "`model.position`", "mlp": "`model.mlp`",
