@@ -302,6 +302,7 @@ def test_checkpoints_reshard_from_cp2_to_one_process_and_from_one_process_to_cp2
     ({"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1", "memory.recompute": "every:1"},
      "parallel.schedule=zb-h1 with memory.recompute=every:1 with parallel.cp (2) > 1"),
     ({"parallel.cp": 2, "train.log_noise_scale": True}, "train.log_noise_scale with"),
+    ({"parallel.cp": 2, "parallel.dp": 2, "parallel.replicas": 2}, "no tp, pp, ep, cp or ZeRO inside a group"),
     ({"parallel.cp": 2, "memory.recompute": "nth:2"}, "memory.recompute=nth:2 with parallel.cp (2) > 1 is not"),
     ({"parallel.cp": 2, "parallel.cp_mode": "ulysses", "memory.recompute": "ops:matmul"},
      "memory.recompute=ops:matmul with parallel.cp (2) > 1 is not"),
