@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     d.add_argument("--out", default=None, help="output directory (default runs/demo/<time>)")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     d.add_argument("--no-prove", action="store_true", help="skip the layout-equivalence checks after training")
+    d.add_argument("--steps", type=bounded_int(1, DEMO_MAX_STEPS), default=None,
+                   help="train this many steps instead of the demo's 400 (a quick look; the warm-up, evaluation and "
+                        "checkpoint intervals scale with it)")
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("sample", help="generate text from a run's newest checkpoint (any layout)")
@@ -314,10 +317,22 @@ DEMO_PROOFS = (  # layouts the demo proves equal to one process (small fp64 mode
 )
 
 
+DEMO_MAX_STEPS = 100_000
+
+
+def demo_steps(steps: int | None) -> list[str]:
+    """`demo --steps N`: N steps, and the demo's warm-up (10%), evaluation (every quarter) and checkpoint (every
+    half) intervals scaled to them."""
+    if steps is None:
+        return []
+    return [f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
+            f"train.eval_every={max(1, steps // 4)}", f"train.checkpoint_every={max(1, steps // 2)}"]
+
+
 def cmd_demo(args) -> int:
     text = resources.files("scaletrain").joinpath("configs/demo.yaml")
     with resources.as_file(text) as path:
-        cfg = load_config(path, args.set)
+        cfg = load_config(path, demo_steps(args.steps) + list(args.set))
     validate(cfg, 1)
     out = check_out_dir(args.out if args.out is not None else f"runs/demo/{time.strftime('%Y%m%d-%H%M%S')}")
     with lock_run(out) or contextlib.nullcontext():
