@@ -14,7 +14,7 @@ import os
 import sys
 
 from scaletrain.commands.parser import Parser
-from scaletrain.errors import Stopped, UserError
+from scaletrain.errors import Stopped, UserError, disk_full, disk_full_line
 
 # (module that owns the subcommand). Modules are imported only if they exist in this install.
 COMMAND_MODULES = (
@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("scaletrain: interrupted\n")
         return 130
+    except Exception as e:  # a write anywhere that ran out of space: one line, exit 1 (errors.disk_full)
+        if not disk_full(e):
+            raise
+        sys.stderr.write(f"scaletrain: error: {disk_full_line(e)}\n")
+        return 1
 
 
 def _missing_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
