@@ -17,6 +17,8 @@ checkpoint, and the asynchronous runners' incomplete checkpoints (docs/errors.md
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -168,3 +170,154 @@ def test_async_run_passes_over_an_incomplete_newest_checkpoint_saying_which(caps
            f"resuming from {out}/checkpoints/step_00000001, the newest complete checkpoint" in capsys.readouterr().out
     found, meta = find_resume(out, cfg)
     assert found == out / "checkpoints" / "step_00000001" and meta["step"] == 1
+
+
+# --------------------------------------------------------------------------- a full disk (a real tmpfs, really filled)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A tiny finished run on the ordinary disk (its checkpoint is what export, convert and report read)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("full") / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--out", str(out), *TINY, "--set", "train.report=false"]) == 0
+    return out
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs (a run report is about 4 MiB), and `fill()` that takes every free byte of it (a file written
+    until ENOSPC)."""
+    import errno
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
+    if rc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.decode().strip()}")  # a failure under CI (conftest.py)
+
+    def fill() -> None:
+        with open(disk / "filler", "ab", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536 if shutil.disk_usage(disk).free > 65536 else b"\0" * 4096)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        assert shutil.disk_usage(disk).free < 4096
+
+    try:
+        yield disk, fill
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_a_full_disk_while_writing_metrics_keeps_the_earlier_rows(capsys, small_disk, monkeypatch):
+    """The run resumes and the disk fills after its first new row (a row per step, no checkpoint before the end):
+    the row that does not fit is one line naming metrics.jsonl, exit 1; metrics.jsonl keeps whole rows only, the
+    earlier ones unchanged; config.yaml is untouched."""
+    import json
+
+    from scaletrain.report.observers import RunObservers
+
+    disk, fill = small_disk
+    out = disk / "run"
+    sets = [*TINY, "--set", "train.report=false", "--set", "train.log_every=1", "--set", "train.checkpoint_every=0"]
+    assert main(["train", "--out", str(out), *sets]) == 0
+    earlier = (out / "metrics.jsonl").read_bytes()
+    config = (out / "config.yaml").read_bytes()
+    real_log = RunObservers.log
+
+    def log_then_fill(self, row):
+        real_log(self, row)
+        if row["step"] == 3:
+            fill()
+
+    monkeypatch.setattr(RunObservers, "log", log_then_fill)
+    capsys.readouterr()
+    line = one_line(capsys, main(["train", "--out", str(out), *sets, "--set", "train.steps=200"]), 1,
+                    f"cannot write the metrics {out}/metrics.jsonl: the disk is full", "rows written before are intact")
+    assert "MiB free" in line
+    text = (out / "metrics.jsonl").read_bytes()
+    rows = [json.loads(x) for x in text.decode().splitlines()]
+    assert text.startswith(earlier) and text.endswith(b"\n")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert 3 <= len(rows) < 200 and (out / "config.yaml").read_bytes() == config
+
+
+def test_a_full_disk_while_writing_the_token_cache_is_one_line(capsys, small_disk, tmp_path):
+    disk, fill = small_disk
+    cache = disk / "cache"
+    cache.mkdir()
+    (cache / "earlier.bin").write_bytes(b"tokens of another source")
+    fill()
+    before = hashes(disk)
+    code = main(["train", "--out", str(tmp_path / "run"), *TINY, "--set", f"data.cache_dir={cache}"])
+    one_line(capsys, code, 1, f"cannot write the token cache {cache}/", "the disk is full",
+             "set data.cache_dir or SCALETRAIN_CACHE to a folder with room")
+    assert {p: h for p, h in hashes(disk).items() if p in before} == before  # the earlier files
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == ["earlier.bin"]  # no partial
+
+
+@pytest.mark.parametrize("command", ["export", "convert"])
+def test_a_full_disk_while_exporting_removes_the_partial_output(capsys, small_disk, finished_run, command):
+    disk, fill = small_disk
+    (disk / "notes.txt").write_text("the user's earlier file")
+    fill()
+    before = hashes(disk)
+    to = disk / "out"
+    argv = (["export", str(finished_run), "--format", "hf", "--to", str(to)] if command == "export"
+            else ["checkpoint", "convert", str(finished_run), "--to", str(to)])
+    what = "the export" if command == "export" else "the converted run"
+    one_line(capsys, main(argv), 1, f"cannot write {what} {to}: the disk is full", f"({to} is empty)")
+    assert hashes(disk) == before and list(to.iterdir()) == []
+
+
+def test_a_full_disk_while_writing_a_report_keeps_the_earlier_report(capsys, small_disk, finished_run):
+    disk, fill = small_disk
+    page = disk / "report.html"
+    assert main(["report", "run", str(finished_run), "--to", str(page)]) == 0
+    fill()
+    before = hashes(disk)
+    capsys.readouterr()
+    one_line(capsys, main(["report", "run", str(finished_run), "--to", str(page)]), 1,
+             f"cannot write the page {page}: the disk is full", "the earlier page is intact")
+    assert hashes(disk) == before and sorted(p.name for p in disk.iterdir()) == ["filler", "report.html"]
+
+
+def test_a_rank_with_no_room_for_its_error_record_is_still_one_line(capsys, small_disk):
+    """A rank's failure on a full disk: its error record does not fit either, so WorkerContext says it on stderr
+    (torchrun's log, the launcher's log) and report_failure prints that line alone."""
+    import errno
+
+    from scaletrain.distributed.launch import LOG_DIR_ENV, WorkerContext, report_failure
+
+    disk, fill = small_disk
+    logs = disk / "logs"
+    logs.mkdir()
+    fill()
+    os.environ[LOG_DIR_ENV] = str(logs)
+    try:
+        with pytest.raises(OSError), WorkerContext(0):
+            raise OSError(errno.ENOSPC, "No space left on device", str(disk / "run" / "run_info.json"))
+    finally:
+        del os.environ[LOG_DIR_ENV]
+    said = capsys.readouterr().err
+    assert said.startswith(f"scaletrain: error: rank 0: cannot write {disk}/run/run_info.json: the disk is full")
+    launcher_log = disk / "launcher.log"
+    launcher_log.touch()  # torchrun's stderr held this line; the test writes it where report_failure reads it
+    with open(launcher_log, "w") as f:
+        with pytest.raises(OSError):  # no room for it here either: report_failure gets it from a copy
+            f.write(said * 2000)
+            f.flush()
+    copy = Path(str(disk) + ".log")
+    copy.write_text("torchrun says ...\n" + said)
+    try:
+        assert report_failure(logs, 1, copy) == 1
+    finally:
+        copy.unlink()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [said.strip()]
+    assert list(logs.iterdir()) == []  # no partial record left

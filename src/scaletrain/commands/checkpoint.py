@@ -54,12 +54,12 @@ def find_checkpoint(path, note: bool = True) -> Path:
 def _removed_when_full(out: Path, what: str):
     """A write into the new output folder `out` (empty before) that runs out of space: its partial files are removed
     and the failure is one line (DiskFull, exit 1)."""
-    from scaletrain.errors import disk_full, disk_full_error
+    from scaletrain.errors import DiskFull, disk_full, disk_full_error
 
     try:
         yield
     except Exception as e:
-        if not disk_full(e) or isinstance(e, UserError):
+        if not (isinstance(e, DiskFull) or (disk_full(e) and not isinstance(e, UserError))):
             raise
         for p in sorted(out.iterdir(), reverse=True) if out.is_dir() else []:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
