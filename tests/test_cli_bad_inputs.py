@@ -716,13 +716,19 @@ def test_second_sweep_bad_file_is_refused_and_left_alone(capsys, tmp_path, kind)
     assert "\ufeff" not in err
 
 
-def test_a_non_utf8_out_name_trains_and_draws_its_loss_plot(capsys, tmp_path):
+def test_a_non_utf8_out_name_trains_and_draws_its_loss_plot(capfd, tmp_path):
     """`--out $'r\\xff'`: the run succeeded, then drawing the plot crashed and the success was reported as a
     failure. Now: exit 0, the plot written, the name printed with an escape."""
     out = tmp_path / os.fsdecode(b"r\xff")
     assert call(["train", "--out", str(out), *TINY]) == 0
     assert (out / "loss.png").stat().st_size > 0 and (out / "metrics.jsonl").exists()
-    assert "Traceback" not in capsys.readouterr().err
+    assert "Traceback" not in capfd.readouterr().err
+    before = _hashes(tmp_path)  # a refusal names the folder with \xff, and comes before the data is read
+    code = call(["train", "--out", str(out), *TINY, "--set", "parallel.sync=hogwild", "--set", "parallel.dp=2"])
+    captured = capfd.readouterr()
+    assert_one_line(code, captured.err, f"checkpoint {tmp_path}/r\\xff/checkpoints/step_00000002 has format")
+    assert "\\udc" not in captured.err and "loading data" not in captured.out
+    assert _hashes(tmp_path) == before
 
 
 # --------------------------------------------------------------------------- issue 30: runs, locks, signals, disks
