@@ -526,7 +526,9 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, tmp_path, monkeypatch):
     timers = []
 
     def slow_draw(*args, **kwargs):  # stands in for a long drawing; a real SIGINT arrives while it runs
-        timers.append(threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)))
+        # to the main thread: a process-directed kill may be taken by any thread (torch's, a reader's), and then the
+        # main thread's sleep is not interrupted (the flaky "did not arrive" under load)
+        timers.append(threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)))
         timers[0].start()
         time.sleep(60)
         raise AssertionError("SIGINT did not arrive")
