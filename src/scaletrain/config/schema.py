@@ -21,6 +21,7 @@ TpMode = Literal["1d", "2d", "2.5d", "3d"]
 SyncMode = Literal["bsp", "ps", "hogwild", "local"]
 OuterMode = Literal["avg", "diloco"]
 Router = Literal["topk", "switch", "expert_choice"]
+AuxLoss = Literal["switch", "importance"]
 OptimizerName = Literal["adamw", "adafactor", "sm3", "sgd"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "optimizer", "params", "nvme"]
@@ -57,6 +58,7 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 TP_MODES: tuple[str, ...] = get_args(TpMode)
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 ROUTERS: tuple[str, ...] = get_args(Router)
+AUX_LOSSES: tuple[str, ...] = get_args(AuxLoss)
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -100,8 +102,21 @@ class MoEConfig:
     """Expert capacity = ceil(capacity_factor x top_k x group_tokens / experts) slots per dispatch group."""
     group_tokens: int = 64
     """Tokens per dispatch group (GShard local groups): capacity is enforced per group of consecutive tokens."""
+    aux_loss: AuxLoss = "switch"
+    """The load-balancing loss: `switch` (n * sum_i f_i * P_i, weighted by aux_loss_weight; Fedus et al., arXiv
+    2101.03961) or `importance` (the noisy top-k gate's importance and load losses, each with its weight; Shazeer
+    et al., arXiv 1701.06538, Sec. 4 and appendix A), both per dispatch group."""
     aux_loss_weight: float = 0.01
-    """Weight of the load-balancing loss n * sum_i f_i * p_i (Switch, arXiv 2101.03961)."""
+    """Weight of the load-balancing loss n * sum_i f_i * p_i (Switch, arXiv 2101.03961); aux_loss=switch only."""
+    importance_loss_weight: float = 0.1
+    """aux_loss=importance: w_importance of w * CV(sum_x G(x))^2 over a dispatch group (Shazeer: 0.1)."""
+    load_loss_weight: float = 0.1
+    """aux_loss=importance: w_load of w * CV(sum_x P(x, i))^2, P the probability that the noisy top-k gate selects
+    expert i (needs router_noise > 0; Shazeer: 0.1)."""
+    groups: int = 1
+    """Two-level hierarchical MoE (Shazeer et al., arXiv 1701.06538, appendix B) when > 1: a primary noisy top-k gate
+    chooses top_k of `groups` groups of experts/groups experts, a secondary gate in each chosen group chooses
+    top_k of its experts (top_k^2 experts per token). Router topk only; 1 is the flat MoE."""
     z_loss_weight: float = 0.001
     """Weight of the router z-loss mean (logsumexp of router logits)^2 (ST-MoE, arXiv 2202.08906)."""
     router_noise: float = 0.0
@@ -262,6 +277,10 @@ class ParallelConfig:
     """local with outer=diloco: outer learning rate (DiLoCo uses 0.7)."""
     outer_momentum: float = 0.9
     """local with outer=diloco: outer Nesterov momentum (DiLoCo uses 0.9; 0 is plain SGD on the average change)."""
+    replicas: int = 1
+    """Fault-tolerant replica groups (docs/fault_tolerance.md): the data-parallel dimension split into this many
+    groups that train on through the death of a group (a per-step quorum, torchft-style; a restarted group heals from
+    a live one). 1 = off. Today each group is one process (replicas = dp, no tp/pp/ZeRO inside a group)."""
     slow_ranks: str = ""
     """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
     forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""

@@ -231,6 +231,14 @@ class WorkerContext:
 PARENT_POLL_S = 0.05
 """How often a rank checks that the torchrun that started it is alive."""
 
+_PARENT_GRACE_S = [0.0]
+
+
+def defer_parent_exit(grace_s: float) -> None:
+    """Another watcher of the parent (the multi-node heartbeat) names the lost launcher and ends the process: the
+    SIGKILL of `exit_with_parent` comes only `grace_s` after the parent is seen gone, as a backstop."""
+    _PARENT_GRACE_S[0] = grace_s
+
 
 def exit_with_parent() -> None:
     """Stop this rank at once (SIGKILL, as if its machine died) when the torchrun that started it goes away.
@@ -244,6 +252,7 @@ def exit_with_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
+        time.sleep(_PARENT_GRACE_S[0])
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -24,6 +24,10 @@ def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: b
     with the same interface (`step`, `n_params`, `run() -> TrainResult`, `full_state()`). `reshard` and
     `init_from` are the Trainer's (train/resume.py); the asynchronous runners refuse them (UserError)."""
     sync = cfg.parallel.sync
+    if cfg.parallel.replicas > 1:  # one fault-tolerant replica group (train/runners/replicas.py)
+        from scaletrain.train.runners.replicas import ReplicaRunner
+
+        return ReplicaRunner(cfg, out)
     if sync != "bsp":
         refuse_reshard(cfg, reshard, init_from)
     if sync == "ps":

@@ -203,7 +203,8 @@ class Trainer:
         if moe:  # the loss breakdown: cross-entropy plus the weighted auxiliary and z-losses it was trained on
             w = cfg.model.moe
             moe["loss_ce"] = loss
-            loss = loss + (w.aux_loss_weight * moe["loss_aux"] + w.z_loss_weight * moe["loss_z"])
+            aux_weight = 1.0 if w.aux_loss == "importance" else w.aux_loss_weight  # importance's loss_aux is weighted
+            loss = loss + (aux_weight * moe["loss_aux"] + w.z_loss_weight * moe["loss_z"])
         # Skip decisions are taken by every rank together: flags all-reduced with MAX over the world, in one
         # collective and one host read — the one synchronisation such a step keeps, since whether to step depends
         # on it. Gradients are checked for inf/NaN only where that can change the decision (fp16's loss scaler,

@@ -3,10 +3,11 @@
 
 A layout is one value per dimension (`DIMENSIONS`). `config(layout)` turns it into the run config of a small
 model, and `reference_config(layout)` into the single-process run of the same model, data and seed it is
-compared with. A layout is in the space when `validate()` accepts its config and every dimension's value means
-something there (`meaningful`: a pipeline schedule needs pp > 1, sequence parallelism and partitioned checkpoints
-need tp > 1, an uneven partition needs pp > 1). `enumerate_space(world)` lists them all, lazily (the product of
-the other dimensions is 4.2·10^7 combinations per dp × tp × pp shape).
+compared with. A layout is in the space when `validate()` accepts its config, which also refuses a value that would
+mean nothing there (config/ignored.py: a pipeline schedule or partition needs pp > 1, sequence parallelism and
+partitioned checkpoints need tp > 1); `meaningless` holds what validate() would accept and the run ignore (nothing
+now). `enumerate_space(world)` lists them all, lazily (the product of the other dimensions is 4.2·10^7 combinations
+per dp × tp × pp shape).
 
 `covering(world)` is a covering array of strength 2 over the layouts of up to `world` processes: every pair of
 values of two dimensions that appears together in some accepted layout appears together in at least one layout
@@ -24,8 +25,9 @@ accepted layout contains are the refusals (`refused_pairs`, `refusal_table`), ea
 Adding a dimension (e.g. `sync`, `precision`):
 1. add it to `DIMENSIONS` (its default first) and to `MEANING`, and set it in `config` (and reset it in
    `reference_config` when it is a parallel setting the single-process run does not have);
-2. if a value needs another dimension's value to mean something, add the rule to `meaningless`, and the
-   completion to `needs` (what to set so that the pair becomes possible: it makes the search fast);
+2. if a value needs another dimension's value to mean something, refuse it without that value in validate()
+   (a row of config/ignored.py, or the feature's rules.py), and add the completion to `needs` (what to set so that
+   the pair becomes possible: it makes the search fast);
 3. if its layouts need a different reference (like 2BW's stale-weight rule), say so in `matrix.run_reference`;
 4. run `python -m scaletrain.verify.layouts` (covering.json; until then the stored layouts take the new default) and
    `python -m scaletrain.verify.layouts --docs docs/verify.md` (the tables), then `pytest tests/test_matrix.py`: every
@@ -62,7 +64,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "compress": ("none", "bf16", "int8"),
     "dtype": ("fp64", "fp32", "bf16", "fp16"),
     "optimizer": ("adamw", "adafactor", "sm3"),
-    "moe": ("dense", "topk", "switch", "expert_choice"),
+    "moe": ("dense", "topk", "switch", "expert_choice", "importance", "hierarchical"),
     "accumulation": (1, 2),
     "partition": ("uniform", "uneven"),
     "tie_embeddings": (True, False),
@@ -116,17 +118,10 @@ class Layout:
 
 
 def meaningless(layout: Layout) -> list[str]:
-    """The values that mean nothing in this layout (`validate()` accepts them, the run ignores them)."""
-    out = []
-    if layout["schedule"] != "1f1b" and layout["pp"] == 1:
-        out.append(f"schedule={layout['schedule']} needs pp > 1")
-    if layout["sequence_parallel"] and layout["tp"] == 1:
-        out.append("sequence_parallel needs tp > 1")
-    if layout["partition_checkpoints"] and layout["tp"] == 1:
-        out.append("partition_checkpoints needs tp > 1")
-    if layout["partition"] == "uneven" and layout["pp"] == 1:
-        out.append("an uneven partition needs pp > 1")
-    return out
+    """The values that mean nothing in this layout although `validate()` accepts them. None: validate() refuses a
+    pipeline schedule or partition without pp > 1 and sequence parallelism or partitioned checkpoints without tp > 1
+    (config/ignored.py); a value the run ignores that validate() cannot see would go here."""
+    return []
 
 
 def meaningful(layout: Layout) -> str | None:
@@ -157,7 +152,11 @@ def config(layout: Layout) -> Config:
     moe = layout["moe"]
     if moe != "dense":
         m.moe.experts, m.moe.group_tokens = 4, 8
-        m.moe.router = moe
+        m.moe.router = moe if moe in ("topk", "switch", "expert_choice") else "topk"
+        if moe in ("importance", "hierarchical"):  # Shazeer's losses (with the noise the load loss needs); two levels
+            m.moe.aux_loss, m.moe.router_noise = "importance", 0.5
+            if moe == "hierarchical":
+                m.moe.groups, m.moe.top_k = 2, 1
         m.moe.every = 2 if moe == "switch" and m.n_layers >= 2 else 1
     micro = max(1, p.pp) * layout["accumulation"]  # pipeline schedules want at least pp micro-batches
     t.steps, t.micro_batch, t.global_batch = STEPS, MICRO_BATCH, MICRO_BATCH * p.dp * micro
@@ -196,14 +195,11 @@ def reference_config(layout: Layout) -> Config:
 
 def refusal(layout: Layout) -> str | None:
     """Why the layout is not in the space: `validate()`'s message or `meaningful`'s reason; None if it is."""
-    why = meaningful(layout)
-    if why:
-        return why
     try:
         validate(config(layout), layout.world)
     except ConfigError as e:
         return str(e)
-    return None
+    return meaningful(layout)
 
 
 def accepted(layout: Layout) -> bool:
@@ -434,8 +430,7 @@ def refused_pairs(max_world: int = 8, layouts: list[Layout] | None = None) -> li
             closest = needs(Layout.of(**dict(pair)), set(dict(pair)), max_world)  # what it needs, then why not
             why = None
             if closest.world <= max_world:
-                ignored = meaningful(closest)
-                why = f"no effect (validate() accepts it): {ignored}" if ignored else refusal(closest)
+                why = refusal(closest)
             out.append((pair, why or f"needs more than {max_world} processes"))
     return out
 
@@ -468,7 +463,8 @@ MEANING = {
     "sequence_parallel": "`parallel.sequence_parallel`", "recompute": "`memory.recompute`",
     "partition_checkpoints": "`memory.partition_checkpoints`", "offload_activations": "`memory.offload_activations`",
     "compress": "`memory.compress`", "dtype": "`train.dtype`", "optimizer": "`optim.name`",
-    "moe": "`model.moe.router` with 4 experts (`dense`: no experts)",
+    "moe": "`model.moe.router` with 4 experts (`dense`: no experts; `importance`: topk with aux_loss=importance and "
+           "router_noise 0.5; `hierarchical`: that with groups=2, top_k 1)",
     "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation)",
     "partition": "`parallel.partition` (`uneven`: the first chunk holds one block or segment more)",
     "tie_embeddings": "`model.tie_embeddings`", "position": "`model.position`", "mlp": "`model.mlp`",

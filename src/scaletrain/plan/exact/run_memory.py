@@ -463,7 +463,7 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
     Exact for dropout 0 without router noise or random routing (`predicts_activations`); expert
     parallelism moves the same slots (the all-to-all saves nothing), tp replicates the layer, and under sequence
     parallelism each tp rank runs it on the n / t tokens of its shard."""
-    from scaletrain.config.sizes import capacity
+    from scaletrain.config.sizes import capacity, experts_per_token
 
     s, m = _sizes(cfg), cfg.model
     moe = m.moe
@@ -474,7 +474,7 @@ def moe_layer_extra_bytes(cfg: Config) -> int:
     r = max(e, 4)
     E, S = moe.experts, moe.group_tokens
     G = n // S
-    k = 1 if moe.router == "switch" else moe.top_k
+    k = experts_per_token(moe)
     K = capacity(S, E, k, moe.capacity_factor)
     hidden = 4 if m.mlp == "swiglu" else 2
     total = r * (2 * n * E + n)
@@ -505,7 +505,7 @@ def op_kept_bytes(cfg: Config, moe: bool = False) -> int:
     output (E, G K, C). `attention` (dropout 0): the fused kernel's output (c) and log-sum-exp (nh; fp32 under
     bf16/fp16), split over t."""
     from scaletrain.config.parse import parse_recompute
-    from scaletrain.config.sizes import capacity
+    from scaletrain.config.sizes import capacity, experts_per_token
 
     ops = parse_recompute(cfg.memory.recompute).ops
     s, m = _sizes(cfg), cfg.model
@@ -521,7 +521,7 @@ def op_kept_bytes(cfg: Config, moe: bool = False) -> int:
         if moe:
             E, S = m.moe.experts, m.moe.group_tokens
             tokens = n // t if s["sp"] else n
-            G, k = tokens // S, 1 if m.moe.router == "switch" else m.moe.top_k
+            G, k = tokens // S, experts_per_token(m.moe)
             K = capacity(S, E, k, m.moe.capacity_factor)
             total += tokens * E * max(e, 4) + E * G * K * (mlp + c) * e
         else:
@@ -626,7 +626,8 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
 def predicts_activations(cfg: Config) -> bool:
     """Whether `activation_bytes` models this run: not with activation compression, FP8 layers or torch.compile, not
     under autocast-bf16 with tp > 1, dropout or activation offload, nor for MoE layers with router noise, random
-    routing or expert dropout (their extra saved tensors are not counted)."""
+    routing, expert dropout, the hierarchical gate or the importance loss (their extra saved tensors are not
+    counted)."""
     if cfg.memory.compress != "none":
         return False
     if cfg.train.precision == "fp8":
@@ -637,6 +638,8 @@ def predicts_activations(cfg: Config) -> bool:
     if cfg.train.precision == "autocast-bf16" and (cfg.parallel.tp > 1 or m.dropout > 0 or mem.offload_activations):
         return False  # autocast modelled without tensor parallelism, dropout and activation offload (docs/gpu.md)
     moe = cfg.model.moe
+    if _experts(cfg) and (moe.groups > 1 or moe.aux_loss != "switch"):
+        return False  # the hierarchical gate's and the importance loss's saved tensors are not modelled
     return not _experts(cfg) or (moe.router_noise == 0 and not moe.random_routing and moe.expert_dropout == 0)
 
 
