@@ -157,10 +157,9 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     from scaletrain.train.announce import first_line, status
 
     first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
-    status(f"loading data ({cfg.data.source if not cfg.data.mix else f'a mix of {len(cfg.data.mix)} sources'})")
-    print(f"  {prepare(cfg)}", flush=True)  # tokens counted, ids checked: bad data fails here, before any process
     from scaletrain.train.runner import check_run
 
+    # what the folder, the config and the memory plan refuse is said before the data is read or tokenized
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
     if args.init_from is not None:  # weights whose shapes disagree with config.json fail here, before any process
         from scaletrain.interop.hf import check_hf_weights
@@ -168,6 +167,8 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
         check_hf_weights(Path(args.init_from), cfg.model)
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
     refuse_if_too_big(cfg, nproc)
+    status(f"loading data ({cfg.data.source if not cfg.data.mix else f'a mix of {len(cfg.data.mix)} sources'})")
+    print(f"  {prepare(cfg)}", flush=True)  # tokens counted, ids checked: bad data fails here, before any process
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     keep_tokenizer(cfg, out)  # OUT/tokenizer/: what sample and export decode with (data/run.py)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")

@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from scaletrain.errors import Stopped, UserError
+from scaletrain.errors import Stopped, UserError, disk_full, disk_full_line
 
 LOG_DIR_ENV = "SCALETRAIN_LOG_DIR"
 
@@ -84,6 +84,10 @@ def report_failure(logs: Path, rc: int, launcher_log: Path | None = None) -> int
                          f"killed by {d['signal']} (exit code {d['exitcode']}); the other ranks were stopped{where}\n")
         return 1
     if not errors:
+        full = [x for x in text.splitlines() if x.startswith("scaletrain: error: ") and "the disk is full" in x]
+        if full:  # a rank that had no room left for its error record said it in the log (WorkerContext)
+            sys.stderr.write(full[0] + "\n")
+            return 1
         tail = text.strip().splitlines()[-5:]
         where = f"; see {launcher_log}" if launcher_log.exists() else ""
         sys.stderr.write(f"scaletrain: error: the workers failed (exit {rc}){where}\n")
@@ -205,8 +209,20 @@ class WorkerContext:
             return False
         code = exc.exit_code if isinstance(exc, UserError) else 1
         message = str(exc) if isinstance(exc, UserError) else f"{exc.__class__.__name__}: {exc}"
-        write_error_record(self.logs, self.rank, code, message.splitlines()[0] if message else exc.__class__.__name__,
-                           "".join(traceback.format_exception(exc)), plain=getattr(exc, "names_ranks", False))
+        full = disk_full(exc) and not isinstance(exc, UserError)
+        message = disk_full_line(exc) if full else message
+        first = message.splitlines()[0] if message else exc.__class__.__name__
+        try:
+            write_error_record(self.logs, self.rank, code, first, "".join(traceback.format_exception(exc)),
+                               plain=getattr(exc, "names_ranks", False))
+        except OSError as e:  # no room for the record either: the line goes to the launcher's log (report_failure)
+            if not disk_full(e):
+                raise
+            sys.stderr.write(f"scaletrain: error: rank {self.rank}: {first}\n")
+            sys.stderr.flush()
+            return False
+        if full:
+            return False
         if self.rank != 0 or code != 2:
             traceback.print_exception(exc)  # into this rank's log (rank 0: the launcher log)
         return False
@@ -281,5 +297,9 @@ def write_error_record(logs: Path, rank: int, code: int, message: str, tb: str =
     record = {"time": time.time(), "rank": rank, "exit_code": code, "message": message, "traceback": tb,
               "plain": plain}
     tmp = logs / f"rank{rank}.error.json.part"
-    tmp.write_text(json.dumps(record))
+    try:
+        tmp.write_text(json.dumps(record))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, logs / f"rank{rank}.error.json")

@@ -32,6 +32,7 @@ from scaletrain.distributed.launch import hold_if_orphaned
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.distributed.process_group import DistEnv, pick_device
 from scaletrain.errors import TrainingDiverged
+from scaletrain.guards import AppendLines
 from scaletrain.memory.precision import DynamicLossScaler
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step
@@ -327,7 +328,7 @@ class Trainer:
         """Train to `train.steps` (or `stop_after` steps, for tests); returns this invocation's results."""
         t = self.cfg.train
         result = TrainResult(params=self.n_params, resumed_from=self.step)
-        metrics = open(self.out / "metrics.jsonl", "a") if self.out is not None and self.rank == 0 else None
+        metrics = AppendLines(self.out / "metrics.jsonl") if self.out is not None and self.rank == 0 else None
         bar = Progress(t.steps, self.step) if self.progress else None
         tokens, elapsed = 0, 0.0
         last = min(t.steps, stop_after) if stop_after is not None else t.steps
