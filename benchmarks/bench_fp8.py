@@ -20,7 +20,7 @@ script measures that cost, so users know emulation is for testing:
    autocast-bf16's; the script prints the per-step worst relative training-loss difference too and exits 1 when a
    bound is missed.
 
-    .venv/bin/python benchmarks/bench_fp8.py --track 300
+    .venv/bin/python benchmarks/bench_fp8.py --track 300 --jobs 3
 """
 
 from __future__ import annotations
@@ -80,21 +80,37 @@ def steps(args) -> list[dict]:
 TRACK_BOUND = 0.05  # final validation loss, FP8 against autocast-bf16 (issue 33), set before measuring
 
 
-def track(steps: int) -> bool:
-    """The demo for `steps` steps under autocast-bf16 and fp8 (both recipes); prints the comparison, True if within."""
+def _track_one(name: str, steps: int, threads: int) -> tuple[str, object, float]:
+    """One variant of the demo for `steps` steps (a worker process of `track`): (name, RunResult, seconds)."""
     from pathlib import Path
 
     import scaletrain
 
+    torch.set_num_threads(threads)
     demo = Path(scaletrain.__file__).parent / "configs" / "demo.yaml"
     base = {"train.steps": steps, "train.eval_every": steps, "train.checkpoint_every": 0, "train.report": False}
+    cfg = validate(load_config(str(demo), [f"{k}={v}" for k, v in {**base, **VARIANTS[name]}.items()]))
+    t0 = time.perf_counter()
+    result = Trainer(cfg).run()
+    return name, result, time.perf_counter() - t0
+
+
+def track(steps: int, jobs: int = 1) -> bool:
+    """The demo for `steps` steps under autocast-bf16 and fp8 (both recipes); prints the comparison, True if within.
+    `jobs` > 1 trains the variants in that many processes at once (one thread each): the same runs, each
+    deterministic given its seed, only the wall time differs."""
+    import multiprocessing as mp
+
     results = {}
-    for name, sets in VARIANTS.items():
-        cfg = validate(load_config(str(demo), [f"{k}={v}" for k, v in {**base, **sets}.items()]))
-        t0 = time.perf_counter()
-        results[name] = Trainer(cfg).run()
-        print(f"{name}: {steps} steps in {time.perf_counter() - t0:.0f} s, first loss {results[name].losses[1]:.4f}, "
-              f"last {results[name].losses[steps]:.4f}, validation {results[name].val_losses[steps]:.5f}", flush=True)
+    if jobs > 1:
+        with mp.get_context("spawn").Pool(min(jobs, len(VARIANTS))) as pool:
+            done = pool.starmap(_track_one, [(name, steps, 1) for name in VARIANTS])
+    else:
+        done = [_track_one(name, steps, torch.get_num_threads()) for name in VARIANTS]
+    for name, r, seconds in done:
+        results[name] = r
+        print(f"{name}: {steps} steps in {seconds:.0f} s, first loss {r.losses[1]:.4f}, last {r.losses[steps]:.4f}, "
+              f"validation {r.val_losses[steps]:.5f}", flush=True)
     ref = results["autocast-bf16"]
     ok = True
     print(f"\n| variant | validation loss at step {steps} | vs autocast-bf16 | worst per-step relative loss gap |")
@@ -162,9 +178,10 @@ def main() -> None:
     ap.add_argument("--layer-repeats", type=int, default=9, help="alternated rounds of the one-layer timing")
     ap.add_argument("--track", type=int, default=0, metavar="N",
                     help="instead of timing: train the demo N steps under autocast-bf16 and fp8, compare validation")
+    ap.add_argument("--jobs", type=int, default=1, help="with --track: variants trained in parallel processes")
     args = ap.parse_args()
     if args.track:
-        raise SystemExit(0 if track(args.track) else 1)
+        raise SystemExit(0 if track(args.track, args.jobs) else 1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); demo model (6 layers, d_model 192, "
           f"sequence 128, global batch 16 = 2 micro-batches of 8); {args.repeats} blocks of {args.steps} steps")
     print("| variant | tokens/s (median) | vs autocast-bf16 (min-max) |")

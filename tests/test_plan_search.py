@@ -26,8 +26,8 @@ def pipeline_time(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w
 
 
 def test_closed_forms_agree_with_schedule_simulator():
-    sim = pytest.importorskip("scaletrain.parallel.pipeline.simulate")
     from scaletrain.parallel.pipeline.schedules import build_schedule
+    from scaletrain.parallel.pipeline.simulate import simulate
 
     checked = 0
     for name, p, m, v in CASES:
@@ -36,7 +36,7 @@ def test_closed_forms_agree_with_schedule_simulator():
         except ValueError:
             continue
         for t_f, t_b, t_w in TIMES:
-            r = sim.simulate(actions, t_f / v, t_b / v, t_w / v)  # the simulator takes per-chunk times
+            r = simulate(actions, t_f / v, t_b / v, t_w / v)  # the simulator takes per-chunk times
             closed = pipeline_time(name, p, m, v, t_f, t_b, t_w)
             if name == "2bw" and p > 1:  # one isolated step: fill and drain once (see pipeline_time)
                 closed += (p - 1) * (t_f + t_b + t_w)

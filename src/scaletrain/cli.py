@@ -8,13 +8,14 @@ arguments and sets `func(args) -> int`. This file only dispatches and turns user
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
 
 from scaletrain.commands.parser import Parser
-from scaletrain.errors import Stopped, UserError
+from scaletrain.errors import Stopped, UserError, disk_full, disk_full_line
 
 # (module that owns the subcommand). Modules are imported only if they exist in this install.
 COMMAND_MODULES = (
@@ -48,6 +49,9 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a path that is not UTF-8 (`--out $'r\\xff'`) prints as its bytes, as
+        with contextlib.suppress(AttributeError, ValueError):  # ls does, instead of a UnicodeEncodeError mid-run
+            stream.reconfigure(errors="surrogateescape")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except UserError as e:
-        sys.stderr.write(f"scaletrain: error: {e}\n")
+        sys.stderr.write(_printable(f"scaletrain: error: {e}\n"))
         return e.exit_code
     except Stopped as e:
         import signal
@@ -71,6 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("scaletrain: interrupted\n")
         return 130
+    except Exception as e:  # a write anywhere that ran out of space: one line, exit 1 (errors.disk_full)
+        if not disk_full(e):
+            raise
+        sys.stderr.write(f"scaletrain: error: {disk_full_line(e)}\n")
+        return 1
+
+
+def _printable(text: str) -> str:
+    """`text` with the bytes of names that are not UTF-8 shown as \\xNN (as guards.shown does), never as \\udcNN."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _missing_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:

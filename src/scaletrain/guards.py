@@ -528,3 +528,47 @@ def oversized_keys(cfg: Any) -> list[str]:
         if isinstance(node, int) and node > limit:
             out.append(f"{key} ({short(node, 40)}) is above the limit of {limit:,}")
     return out
+
+
+class AppendLines:
+    """An append-only log of lines (`metrics.jsonl`): each `write` reaches the file at once (unbuffered), and a write
+    that runs out of space is undone (the file truncated back to its last whole line) and raised as `DiskFull`
+    naming the file, so the rows written before stay intact and readable. File-like: write, flush, fileno, close."""
+
+    def __init__(self, path: str | os.PathLike, what: str = "the metrics"):
+        self.path, self.what = Path(path), what
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, text: str) -> int:
+        from scaletrain.errors import disk_full, disk_full_error
+
+        data = memoryview(text.encode())
+        at = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self.fd, data[done:])
+        except OSError as e:
+            if not disk_full(e):
+                raise
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, at)
+            raise disk_full_error(self.what, self.path, "; the rows written before are intact") from None
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing to do: every write went to the file."""
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> AppendLines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

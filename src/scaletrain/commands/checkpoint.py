@@ -11,7 +11,9 @@ runs (the run with the newest checkpoint, e.g. `runs/demo`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from pathlib import Path
 
 from scaletrain.errors import CheckpointError, UserError
@@ -46,6 +48,23 @@ def find_checkpoint(path, note: bool = True) -> Path:
     from scaletrain.train.checkpoint import find_checkpoint as find
 
     return find(path, note)
+
+
+@contextlib.contextmanager
+def _removed_when_full(out: Path, what: str):
+    """A write into the new output folder `out` (empty before) that runs out of space: its partial files are removed
+    and the failure is one line (DiskFull, exit 1)."""
+    from scaletrain.errors import DiskFull, disk_full, disk_full_error
+
+    try:
+        yield
+    except Exception as e:
+        if not (isinstance(e, DiskFull) or (disk_full(e) and not isinstance(e, UserError))):
+            raise
+        for p in sorted(out.iterdir(), reverse=True) if out.is_dir() else []:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        raise disk_full_error(what, out, f"; the partial {what.removeprefix('the ')} was removed ({out} is empty)") \
+            from None
 
 
 def _new_output(to: str, what: str) -> Path:
@@ -167,7 +186,8 @@ def cmd_convert(args) -> int:
     validate(cfg, cfg.world_size)
     out = _new_output(args.to, "converted run")
     if cfg.world_size == 1:
-        return convert_worker(cfg, source, meta, out, None)
+        with _removed_when_full(out, "the converted run"):
+            return convert_worker(cfg, source, meta, out, None)
     from scaletrain.distributed.launch import launch_local
 
     argv = ["checkpoint", "convert", str(source), "--to", str(out), "--layout", args.layout]
@@ -235,10 +255,11 @@ def cmd_export(args) -> int:
     hf_family(cfg.model)  # refuses models without a Hugging Face equivalent before anything is written
     out = _new_output(args.to, "export")
     state = ckpt.read_tensors(directory, "model/")
-    arch = export_hf(cfg.model, state, out)
     from scaletrain.data.tokenizer import run_tokenizer
 
-    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.data.eot_token, directory).save(out)  # AutoTokenizer reads it
+    with _removed_when_full(out, "the export"):
+        arch = export_hf(cfg.model, state, out)
+        tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.data.eot_token, directory).save(out)  # AutoTokenizer reads
     files = "".join(f" + {p.name}" for p in tokenizer)
     print(f"{directory} (step {meta['step']}) -> {out}: {arch}, config.json + model.safetensors (fp32){files}")
     return 0

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     d.add_argument("--out", default=None, help="output directory (default runs/demo/<time>)")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     d.add_argument("--no-prove", action="store_true", help="skip the layout-equivalence checks after training")
+    d.add_argument("--steps", type=bounded_int(1, DEMO_MAX_STEPS), default=None,
+                   help="train this many steps instead of the demo's 400 (a quick look; the warm-up, evaluation and "
+                        "checkpoint intervals scale with it)")
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("sample", help="generate text from a run's newest checkpoint (any layout)")
@@ -104,6 +107,10 @@ def cmd_train(args) -> int:
         apply_hf_model(cfg, explicit, Path(args.init_from))
     env = detect_env()
     resume_args = {"reshard": args.reshard, "init_from": args.init_from}
+    replica_group = os.environ.get("SCALETRAIN_REPLICA") is not None and cfg.parallel.replicas > 1
+    if env is not None and replica_group:  # one fault-tolerant replica group (multinode/replicas.py launched it)
+        validate(cfg, env.world_size * cfg.parallel.replicas)
+        return run_worker(cfg, Path(args.out), env, **resume_args)
     if env is not None:
         validate(cfg, env.world_size)
         if LOG_DIR_ENV not in os.environ:  # under torchrun / SLURM (our own launcher checked before starting us)
@@ -124,6 +131,8 @@ def cmd_train(args) -> int:
 
     set_user_command(args)  # the command as the user gave it, for the run report
     multinode_launcher.check_arguments(args)
+    if cfg.parallel.replicas > 1:
+        check_replica_run(args, Path(args.out))
     if cfg.parallel.sync != "bsp" and (args.rdzv_endpoint or args.restarts):
         raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
                         f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
@@ -148,10 +157,9 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     from scaletrain.train.announce import first_line, status
 
     first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
-    status(f"loading data ({cfg.data.source if not cfg.data.mix else f'a mix of {len(cfg.data.mix)} sources'})")
-    print(f"  {prepare(cfg)}", flush=True)  # tokens counted, ids checked: bad data fails here, before any process
     from scaletrain.train.runner import check_run
 
+    # what the folder, the config and the memory plan refuse is said before the data is read or tokenized
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
     if args.init_from is not None:  # weights whose shapes disagree with config.json fail here, before any process
         from scaletrain.interop.hf import check_hf_weights
@@ -159,6 +167,8 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
         check_hf_weights(Path(args.init_from), cfg.model)
     check_before_launch(cfg, out, nproc)  # memory.budget_gb and the offload folder (plan/budget.py)
     refuse_if_too_big(cfg, nproc)
+    status(f"loading data ({cfg.data.source if not cfg.data.mix else f'a mix of {len(cfg.data.mix)} sources'})")
+    print(f"  {prepare(cfg)}", flush=True)  # tokens counted, ids checked: bad data fails here, before any process
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     keep_tokenizer(cfg, out)  # OUT/tokenizer/: what sample and export decode with (data/run.py)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
@@ -172,6 +182,12 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
         argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
+    if cfg.parallel.replicas > 1:  # fault-tolerant replica groups (docs/fault_tolerance.md)
+        from scaletrain.multinode.replicas import launch_replicas
+
+        (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
+        p = cfg.parallel
+        return launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s)
     if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
         from scaletrain.train.runners.launch import launch_ps
 
@@ -179,6 +195,16 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     if args.rdzv_endpoint:
         return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
     return launch_local(nproc, argv, out, args.restarts)
+
+
+def check_replica_run(args, out: Path) -> None:
+    """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
+    if args.rdzv_endpoint or args.nnodes != 1 or args.reshard or args.init_from is not None:
+        raise UserError("parallel.replicas > 1 runs on one machine from scratch: --nnodes/--rdzv-endpoint, --reshard "
+                        "and --init-from are not supported with it")
+    if (out / "membership.jsonl").exists():
+        raise UserError(f"{out} holds a replica run (membership.jsonl); replica runs do not resume from a folder: "
+                        "use a new --out")
 
 
 def refuse_if_too_big(cfg: Config, nproc: int) -> None:
@@ -225,7 +251,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     from scaletrain.train.runner import make_trainer
 
     rank = env.rank if env else 0
-    supervised = cfg.parallel.sync == "bsp"
+    supervised = cfg.parallel.sync == "bsp" and cfg.parallel.replicas == 1  # replica groups: the lighthouse's quorum
     with WorkerContext(rank):
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
         if env is not None and not supervised:
@@ -292,10 +318,22 @@ DEMO_PROOFS = (  # layouts the demo proves equal to one process (small fp64 mode
 )
 
 
+DEMO_MAX_STEPS = 100_000
+
+
+def demo_steps(steps: int | None) -> list[str]:
+    """`demo --steps N`: N steps, and the demo's warm-up (10%), evaluation (every quarter) and checkpoint (every
+    half) intervals scaled to them."""
+    if steps is None:
+        return []
+    return [f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
+            f"train.eval_every={max(1, steps // 4)}", f"train.checkpoint_every={max(1, steps // 2)}"]
+
+
 def cmd_demo(args) -> int:
     text = resources.files("scaletrain").joinpath("configs/demo.yaml")
     with resources.as_file(text) as path:
-        cfg = load_config(path, args.set)
+        cfg = load_config(path, demo_steps(args.steps) + list(args.set))
     validate(cfg, 1)
     out = check_out_dir(args.out if args.out is not None else f"runs/demo/{time.strftime('%Y%m%d-%H%M%S')}")
     with lock_run(out) or contextlib.nullcontext():

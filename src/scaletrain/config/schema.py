@@ -18,9 +18,11 @@ import yaml
 Dtype = Literal["fp32", "fp64", "bf16", "fp16"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "2bw"]
 TpMode = Literal["1d", "2d", "2.5d", "3d"]
+CpMode = Literal["ring", "ulysses"]
 SyncMode = Literal["bsp", "ps", "hogwild", "local"]
 OuterMode = Literal["avg", "diloco"]
 Router = Literal["topk", "switch", "expert_choice"]
+AuxLoss = Literal["switch", "importance"]
 OptimizerName = Literal["adamw", "adafactor", "sm3", "sgd"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "optimizer", "params", "nvme"]
@@ -55,8 +57,11 @@ PartitionKind = Literal["uniform", "params", "time", "ends"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 TP_MODES: tuple[str, ...] = get_args(TpMode)
+CP_MODES: tuple[str, ...] = get_args(CpMode)
+CP_UNSUPPORTED_RECOMPUTE = ("nth", "ops")  # memory.recompute policies refused with parallel.cp > 1
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 ROUTERS: tuple[str, ...] = get_args(Router)
+AUX_LOSSES: tuple[str, ...] = get_args(AuxLoss)
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -100,8 +105,21 @@ class MoEConfig:
     """Expert capacity = ceil(capacity_factor x top_k x group_tokens / experts) slots per dispatch group."""
     group_tokens: int = 64
     """Tokens per dispatch group (GShard local groups): capacity is enforced per group of consecutive tokens."""
+    aux_loss: AuxLoss = "switch"
+    """The load-balancing loss: `switch` (n * sum_i f_i * P_i, weighted by aux_loss_weight; Fedus et al., arXiv
+    2101.03961) or `importance` (the noisy top-k gate's importance and load losses, each with its weight; Shazeer
+    et al., arXiv 1701.06538, Sec. 4 and appendix A), both per dispatch group."""
     aux_loss_weight: float = 0.01
-    """Weight of the load-balancing loss n * sum_i f_i * p_i (Switch, arXiv 2101.03961)."""
+    """Weight of the load-balancing loss n * sum_i f_i * p_i (Switch, arXiv 2101.03961); aux_loss=switch only."""
+    importance_loss_weight: float = 0.1
+    """aux_loss=importance: w_importance of w * CV(sum_x G(x))^2 over a dispatch group (Shazeer: 0.1)."""
+    load_loss_weight: float = 0.1
+    """aux_loss=importance: w_load of w * CV(sum_x P(x, i))^2, P the probability that the noisy top-k gate selects
+    expert i (needs router_noise > 0; Shazeer: 0.1)."""
+    groups: int = 1
+    """Two-level hierarchical MoE (Shazeer et al., arXiv 1701.06538, appendix B) when > 1: a primary noisy top-k gate
+    chooses top_k of `groups` groups of experts/groups experts, a secondary gate in each chosen group chooses
+    top_k of its experts (top_k^2 experts per token). Router topk only; 1 is the flat MoE."""
     z_loss_weight: float = 0.001
     """Weight of the router z-loss mean (logsumexp of router logits)^2 (ST-MoE, arXiv 2202.08906)."""
     router_noise: float = 0.0
@@ -186,6 +204,10 @@ class ModelConfig:
     halves of d_model/2, y1 = x1 + attn(ln1(x2)), y2 = x2 + mlp(ln2(y1)), with attention and MLP of width d_model/2;
     backward rebuilds each block's input from its output, so saved activations do not grow with depth. A different
     architecture, not a free saving (docs/memory.md)."""
+    share_blocks: bool = False
+    """Every block uses block 0's attention and MLP (or mixture-of-experts) weights and keeps its own two norms
+    (ALBERT arXiv 1909.11942; with model.moe.experts > 0 and every = 1 this is WideNet, arXiv 2107.11817): a
+    shared weight is one parameter, its gradient the sum over the layers. Single process and plain dp only."""
     preset: str = ""
     """The shape of a model of the planner's catalog (`gpt2`, `llama3-8b`, `mixtral-8x7b`, ...; config/presets.py):
     its values of the model.* keys, under those set explicitly (YAML or --set), so `plan --model NAME` and
@@ -262,6 +284,10 @@ class ParallelConfig:
     """local with outer=diloco: outer learning rate (DiLoCo uses 0.7)."""
     outer_momentum: float = 0.9
     """local with outer=diloco: outer Nesterov momentum (DiLoCo uses 0.9; 0 is plain SGD on the average change)."""
+    replicas: int = 1
+    """Fault-tolerant replica groups (docs/fault_tolerance.md): the data-parallel dimension split into this many
+    groups that train on through the death of a group (a per-step quorum, torchft-style; a restarted group heals from
+    a live one). 1 = off. Today each group is one process (replicas = dp, no tp/pp/ZeRO inside a group)."""
     slow_ranks: str = ""
     """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
     forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""
@@ -274,6 +300,14 @@ class ParallelConfig:
     2105.14450); 2d/2.5d/3d also split every activation (docs/tensor_parallel.md)."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks, attention included (docs/context_parallel.md);
+    they take part in gradient reduction and ZeRO sharding with dp (the job has dp x cp x tp x pp processes)."""
+    cp_mode: CpMode = "ring"
+    """parallel.cp > 1: `ring` (ring attention, Liu et al. arXiv 2310.01889: key/value chunks passed around the cp
+    ranks, partial softmax results combined exactly; each rank holds two of 2 x cp sequence chunks from opposite
+    ends, so causal work is balanced) or `ulysses` (DeepSpeed-Ulysses, Jacobs et al. arXiv 2309.14509: all-to-all
+    from sequence- to head-sharded around attention; heads divisible by cp)."""
     reshard_after_forward: bool | None = None
     """ZeRO-3 (FSDP's option of that name): `true` releases a unit's gathered parameters after its forward and gathers
     them again for its backward (the least memory; 1.5x data parallelism's traffic); `false` keeps them gathered from
@@ -336,6 +370,10 @@ class TrainConfig:
     """train.precision=fp8: `hardware` runs the scaled GEMMs on FP8 tensor cores (CUDA compute capability 8.9+:
     Ada, Hopper, Blackwell), `emulate` dequantizes and multiplies in fp32 (same numerics, slower; every CPU, older
     GPUs), `auto` is hardware on a GPU with FP8 and emulate on the CPU (a GPU without FP8 is refused at start)."""
+    fp8_all_gather: bool = False
+    """train.precision=fp8 with parallel.zero=3 and the tensorwise recipe: ZeRO-3 all-gathers the FP8 layers'
+    weights as float8 bytes, cast with the whole weight's scale (torchtitan's enable_fsdp_float8_all_gather;
+    parallel/zero_fp8.py): about half the all-gather bytes of bf16 weights."""
     compile: bool = False
     """torch.compile each transformer block (after the tensor-parallel and recomputation passes, before data
     parallelism / ZeRO, as torchtitan orders them); docs/gpu.md lists what it combines with."""
@@ -486,7 +524,7 @@ class Config:
     @property
     def world_size(self) -> int:
         servers = self.parallel.servers if self.parallel.sync == "ps" else 0  # ps: server ranks besides the workers
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp + servers
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp * self.parallel.cp + servers
 
     @property
     def grad_accum(self) -> int:

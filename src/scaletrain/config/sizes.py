@@ -53,3 +53,11 @@ def moe_layers(cfg: ModelConfig) -> list[int]:
 def capacity(group_tokens: int, experts: int, top_k: int, factor: float) -> int:
     """Slots per expert and group: ceil(factor · k · S / E), at least 1, at most S."""
     return min(group_tokens, max(1, math.ceil(factor * top_k * group_tokens / experts - 1e-9)))
+
+
+def experts_per_token(moe) -> int:
+    """Expert choices per token (k of the capacity): 1 for Switch, top_k² for the two-level hierarchical MoE
+    (top_k groups, top_k experts in each; arXiv 1701.06538 appendix B), else top_k."""
+    if moe.router == "switch":
+        return 1
+    return moe.top_k * moe.top_k if moe.groups > 1 else moe.top_k

@@ -32,7 +32,7 @@ import numpy as np
 from scaletrain.data.sources import Source
 from scaletrain.data.stream import FORMAT, TokenStream, open_bin, sidecar
 from scaletrain.data.tokenizer import ByteTokenizer, Tokenizer, dtype_for
-from scaletrain.errors import DataError
+from scaletrain.errors import DataError, disk_full, disk_full_error
 
 VERSION = 1
 CHUNK_BYTES = 4 << 20  # text per encode call
@@ -173,6 +173,11 @@ def build(source: Source, tok: Tokenizer, target: Path, key: str, progress: bool
     except PermissionError as e:
         raise DataError(f"cannot write the token cache {target} ({e.strerror}); set data.cache_dir or "
                         "SCALETRAIN_CACHE to a writable folder") from None
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        raise disk_full_error("the token cache", target, "; set data.cache_dir or SCALETRAIN_CACHE to a folder "
+                              "with room (the cache's other files are intact)") from None
     finally:
         tmp.unlink(missing_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "key": key, "dtype": dtype.name, "tokens": n, "max_id": top,
@@ -180,7 +185,15 @@ def build(source: Source, tok: Tokenizer, target: Path, key: str, progress: bool
             "text_field": source.text_field if source.kind in ("jsonl", "parquet", "arrow") else None,
             "tokenizer": {"name": tok.name, "digest": tok.digest, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}}
     side_tmp = sidecar(tmp)
-    side_tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    try:
+        side_tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    except OSError as e:  # no sidecar, no cache: the tokens without their commit mark are rebuilt next time
+        side_tmp.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
+        if not disk_full(e):
+            raise
+        raise disk_full_error("the token cache", sidecar(target), "; set data.cache_dir or SCALETRAIN_CACHE to a "
+                              "folder with room (the cache's other files are intact)") from None
     os.replace(side_tmp, sidecar(target))
     bar.finish(n)
     return meta

@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from scaletrain.errors import Stopped, UserError
+from scaletrain.errors import Stopped, UserError, disk_full, disk_full_line
 
 LOG_DIR_ENV = "SCALETRAIN_LOG_DIR"
 
@@ -84,6 +84,10 @@ def report_failure(logs: Path, rc: int, launcher_log: Path | None = None) -> int
                          f"killed by {d['signal']} (exit code {d['exitcode']}); the other ranks were stopped{where}\n")
         return 1
     if not errors:
+        full = [x for x in text.splitlines() if x.startswith("scaletrain: error: ") and "the disk is full" in x]
+        if full:  # a rank that had no room left for its error record said it in the log (WorkerContext)
+            sys.stderr.write(full[0] + "\n")
+            return 1
         tail = text.strip().splitlines()[-5:]
         where = f"; see {launcher_log}" if launcher_log.exists() else ""
         sys.stderr.write(f"scaletrain: error: the workers failed (exit {rc}){where}\n")
@@ -205,8 +209,20 @@ class WorkerContext:
             return False
         code = exc.exit_code if isinstance(exc, UserError) else 1
         message = str(exc) if isinstance(exc, UserError) else f"{exc.__class__.__name__}: {exc}"
-        write_error_record(self.logs, self.rank, code, message.splitlines()[0] if message else exc.__class__.__name__,
-                           "".join(traceback.format_exception(exc)), plain=getattr(exc, "names_ranks", False))
+        full = disk_full(exc) and not isinstance(exc, UserError)
+        message = disk_full_line(exc) if full else message
+        first = message.splitlines()[0] if message else exc.__class__.__name__
+        try:
+            write_error_record(self.logs, self.rank, code, first, "".join(traceback.format_exception(exc)),
+                               plain=getattr(exc, "names_ranks", False))
+        except OSError as e:  # no room for the record either: the line goes to the launcher's log (report_failure)
+            if not disk_full(e):
+                raise
+            sys.stderr.write(f"scaletrain: error: rank {self.rank}: {first}\n")
+            sys.stderr.flush()
+            return False
+        if full:
+            return False
         if self.rank != 0 or code != 2:
             traceback.print_exception(exc)  # into this rank's log (rank 0: the launcher log)
         return False
@@ -215,19 +231,61 @@ class WorkerContext:
 PARENT_POLL_S = 0.05
 """How often a rank checks that the torchrun that started it is alive."""
 
+_PARENT_GRACE_S = [0.0]
+_WATCHED_PARENT: list[int | None] = [None]
+
+
+def hold_if_orphaned() -> None:
+    """Called before a rank writes into OUT (a step, a checkpoint's commit, a metrics row): when the torchrun that
+    started it has died, never return - the process ends by the heartbeat's verdict or `exit_with_parent`'s
+    SIGKILL - so an orphaned rank writes nothing the next run would resume from."""
+    parent = _WATCHED_PARENT[0]
+    if parent is not None and os.getppid() != parent:
+        while True:
+            time.sleep(1.0)
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Linux's prctl(PR_SET_PDEATHSIG): the kernel sends `signum` (0: none) to this process the moment the thread
+    that started it exits (torchrun starts its workers from its main thread). False where it is not available."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(1, signum, 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def defer_parent_exit(grace_s: float) -> None:
+    """Another watcher of the parent (the multi-node heartbeat) names the lost launcher and ends the process: no
+    kernel death signal, and the SIGKILL of `exit_with_parent` only `grace_s` after the parent is seen gone, as
+    a backstop."""
+    _parent_death_signal(0)
+    _PARENT_GRACE_S[0] = grace_s
+
 
 def exit_with_parent() -> None:
     """Stop this rank at once (SIGKILL, as if its machine died) when the torchrun that started it goes away.
     torchrun starts each rank in a session of its own, so a SIGKILL of the launcher's process group (a lost
     machine, an OOM kill, `kill -9` of the job) takes torchrun but not the ranks: orphaned, they would train on
-    and write checkpoints into OUT while the next run resumes from it. A daemon thread watches the parent pid."""
+    and write checkpoints into OUT while the next run resumes from it. The kernel's parent-death signal stops the
+    rank at once (a polling thread alone can be starved for seconds on a loaded machine and write one more
+    checkpoint); a daemon thread watching the parent pid is the portable backstop."""
     import signal
 
-    parent = os.getppid()
+    parent = _WATCHED_PARENT[0] = os.getppid()
+    _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
+        time.sleep(_PARENT_GRACE_S[0])
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
@@ -239,5 +297,9 @@ def write_error_record(logs: Path, rank: int, code: int, message: str, tb: str =
     record = {"time": time.time(), "rank": rank, "exit_code": code, "message": message, "traceback": tb,
               "plain": plain}
     tmp = logs / f"rank{rank}.error.json.part"
-    tmp.write_text(json.dumps(record))
+    try:
+        tmp.write_text(json.dumps(record))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, logs / f"rank{rank}.error.json")

@@ -283,6 +283,9 @@ def _same(a: Any, b: Any) -> bool:
 def hf_family(m: ModelConfig) -> str:
     """`gpt2`, `llama` or `qwen2`: the Hugging Face architecture that computes what this model computes; UserError
     naming the values otherwise."""
+    if getattr(m, "share_blocks", False):
+        raise UserError("model.share_blocks=true: GPT-2, Llama and Qwen2 have one set of weights per layer, none "
+                        "shares a block's attention and MLP across layers (a copy per layer is a different model)")
     if m.moe.experts:
         raise UserError(f"model.moe.experts ({m.moe.experts}) > 0: mixture-of-experts models have no GPT-2, Llama or "
                         "Qwen2 equivalent to export to")

@@ -32,6 +32,11 @@ c10 CPU allocator reports, on the training thread and autograd's); on CUDA the d
 `torch.cuda.memory_stats()["allocation.all.allocated"]` (the caching allocator's allocation requests), with the
 peak allocated and reserved bytes of the step beside it (reserved - allocated is the fragmentation the paper is
 about; CPU has no caching allocator and no reserved bytes).
+
+On CPU the same events also give the allocator's view of the planner's activations (docs/memory.md, "What "to the
+byte" compares"): `mem_alloc_backward_start`, the bytes allocated in the measured forward/backward and still held when
+its first backward operation starts (what the forward left for the backward), and `mem_alloc_peak`, the most it held
+at once above what it held before; tests/test_memory_allocator.py compares them with `plan_mem_activations`.
 """
 
 from __future__ import annotations
@@ -251,9 +256,15 @@ class AllocationCount:
     bytes: int = 0
     cuda_allocated_peak: int | None = None
     cuda_reserved_peak: int | None = None
+    peak: int | None = None
+    """CPU: the most bytes the region held at once above what it held at its start (allocations minus frees)."""
+    backward_start: int | None = None
+    """CPU: the bytes allocated in the region and still held when its first backward operation starts."""
 
     def fields(self) -> dict[str, int]:
         out = {"mem_alloc_count": self.count, "mem_alloc_bytes": self.bytes}
+        if self.peak is not None:
+            out.update(mem_alloc_peak=self.peak, mem_alloc_backward_start=self.backward_start)
         if self.cuda_allocated_peak is not None:
             out.update(mem_cuda_allocated_peak=self.cuda_allocated_peak,
                        mem_cuda_reserved_peak=self.cuda_reserved_peak)
@@ -274,8 +285,20 @@ def count_allocations(fn: Callable[[], Any], device: torch.device) -> tuple[Any,
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
-    return out, AllocationCount(len(sizes), sum(sizes))
+    events = prof.profiler.kineto_results.events()
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    sizes = [e.nbytes() for e in memory if e.nbytes() > 0]
+    backward = min((e.start_ns() for e in events if e.name().startswith("autograd::engine::evaluate_function")),
+                   default=None)
+    held = peak = 0
+    at_backward = None
+    for e in memory:  # allocations (> 0) and frees (< 0) in the order the allocator saw them
+        if at_backward is None and backward is not None and e.start_ns() >= backward:
+            at_backward = held
+        held += e.nbytes()
+        peak = max(peak, held)
+    return out, AllocationCount(len(sizes), sum(sizes), peak=peak,
+                                backward_start=at_backward if at_backward is not None else held)
 
 
 def cuda_count(before: dict[str, int], after: dict[str, int]) -> AllocationCount:

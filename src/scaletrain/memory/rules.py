@@ -112,7 +112,7 @@ def autocast(cfg: Config, world_size: int | None) -> list[str]:
     return errors
 
 
-FP8_KEYS = ("fp8_recipe", "fp8_layers", "fp8_gemm")
+FP8_KEYS = ("fp8_recipe", "fp8_layers", "fp8_gemm", "fp8_all_gather")
 """The train.* keys that only train.precision=fp8 reads."""
 
 
@@ -159,7 +159,24 @@ def fp8(cfg: Config, world_size: int | None) -> list[str]:
         return [f"{', '.join(stray)} has no effect without train.precision=fp8"] if stray else []
     errors = [f"train.precision=fp8 with {key}={_text(cfg, key)} is not available: {why}"
               for applies, key, why in FP8_REFUSED if applies(cfg)]
-    return errors + filter_errors(cfg.model, t)
+    return errors + filter_errors(cfg.model, t) + fp8_all_gather_errors(cfg)
+
+
+def fp8_all_gather_errors(cfg: Config) -> list[str]:
+    """train.fp8_all_gather (parallel/zero_fp8.py): what it gathers in float8 and the layouts it is proven with."""
+    t, p = cfg.train, cfg.parallel
+    if not t.fp8_all_gather:
+        return []
+    refused = (
+        (p.zero != 3, f"parallel.zero={p.zero}", "only ZeRO-3 all-gathers parameters (use parallel.zero=3)"),
+        (t.fp8_recipe != "tensorwise", f"train.fp8_recipe={t.fp8_recipe}",
+         "rowwise GEMMs cast the weight along different dimensions, so no one float8 weight serves them (torchao "
+         "gathers float8 for tensorwise only)"),
+        (p.tp > 1, f"parallel.tp={p.tp}",
+         "the gathered weight's scale would need the amax over the tensor-parallel shards too; not proven"),
+        (p.offload != "none", f"parallel.offload={p.offload}", "not proven with offloaded parameter shards"),
+    )
+    return [f"train.fp8_all_gather=true with {what} is not available: {why}" for bad, what, why in refused if bad]
 
 
 @rule("combinations")

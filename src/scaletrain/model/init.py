@@ -51,7 +51,8 @@ def moe_rules(n_layers: int, switch_init_scale: float = 0.0) -> list[tuple[str, 
     (the experts' output projection scaled like `proj`); with `switch_init_scale` s > 0 all of them are
     truncated normals with std sqrt(s / fan_in) (Fedus et al., arXiv 2101.03961, Sec. 2.3)."""
     if switch_init_scale > 0:
-        return [(r"\.mlp\.(router|noise)\.weight$", _fan_in_truncated(switch_init_scale, -1)),
+        routers = r"\.mlp\.(router|noise|expert_router|expert_noise)\.weight$"  # expert_*: the hierarchical MoE's
+        return [(routers, _fan_in_truncated(switch_init_scale, -1)),
                 (r"\.mlp\.experts\.\w+_weight$", _fan_in_truncated(switch_init_scale, -2))]
     return [(r"\.mlp\.experts\.proj_weight$", _normal(0.02 / math.sqrt(2 * n_layers)))]
 

@@ -12,6 +12,7 @@ from scaletrain.config.parse import parse_recompute
 from scaletrain.config.rules import rule
 from scaletrain.config.schema import (
     ACTIVATIONS,
+    AUX_LOSSES,
     DROPOUT_IMPLS,
     MLPS,
     NORMS,
@@ -28,11 +29,18 @@ from scaletrain.errors import ConfigError
 
 @rule("inputs")
 def dense_router(cfg: Config, world_size: int | None) -> list[str]:
-    """model.moe.router names a router even in a dense model (with experts, `moe` below says it)."""
+    """model.moe.router names a router even in a dense model (with experts, `moe` below says it); model.moe.aux_loss
+    names a loss."""
     e = cfg.model.moe
+    errors = []
     if e.experts == 0 and e.router not in ROUTERS:
-        return [f"model.moe.router must be one of {', '.join(ROUTERS)}, got {e.router!r}"]
-    return []
+        errors.append(f"model.moe.router must be one of {', '.join(ROUTERS)}, got {e.router!r}")
+    if e.aux_loss not in AUX_LOSSES:
+        errors.append(f"model.moe.aux_loss must be {or_list(AUX_LOSSES)}, got {e.aux_loss!r}")
+    elif e.experts == 0 and (e.aux_loss != "switch" or e.groups != 1):
+        errors.append(f"model.moe.aux_loss={e.aux_loss} / groups={e.groups} set in a dense model: they need "
+                      "model.moe.experts > 0")
+    return errors
 
 
 @rule("values")
@@ -150,6 +158,7 @@ def moe(cfg: Config, world_size: int | None) -> list[str]:
     if e.random_routing and (e.router != "topk" or e.top_k != 2):
         errors.append(f"model.moe.random_routing (GShard) needs router topk with top_k 2, got router {e.router!r} "
                       f"and top_k {e.top_k}")
+    errors += shazeer_gating(cfg)
     if e.experts % p.ep:
         errors.append(f"model.moe.experts ({e.experts}) is not divisible by parallel.ep ({p.ep})")
     if p.dp % p.ep:
@@ -197,4 +206,70 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
     if p.pp > 1 and p.schedule == "zb-h1":
         errors.append("parallel.schedule=zb-h1 with model.reversible: the reverse pass rebuilds a block's input and "
                       "its weight gradients together, so zero bubble cannot defer the weight part")
+    return errors
+
+
+@rule("combinations")
+def share_blocks(cfg: Config, world_size: int | None) -> list[str]:
+    """What model.share_blocks=true (model/gpt.py's share_block_weights) is refused with: it is made to work and
+    tested on one process and plain data parallelism (tests/test_share_blocks.py); every other layout is refused."""
+    m, p = cfg.model, cfg.parallel
+    if not m.share_blocks:
+        return []
+    errors = []
+    if m.reversible:
+        errors.append("model.share_blocks with model.reversible: reversible blocks have their own half-width "
+                      "structure, sharing is built for plain pre-norm blocks")
+    if m.dropout > 0:
+        errors.append(f"model.share_blocks with model.dropout={m.dropout}: a shared block's dropout site would draw "
+                      "the same mask in every layer")
+    if m.moe.experts > 0 and m.moe.every != 1:
+        errors.append(f"model.share_blocks with model.moe.every={m.moe.every}: block 0's MLP is shared by every "
+                      "layer, so every must be 1 (WideNet)")
+    if m.moe.experts > 0 and (m.moe.router_noise > 0 or m.moe.random_routing):
+        errors.append("model.share_blocks with model.moe.router_noise > 0 or model.moe.random_routing: the shared "
+                      "layer's random streams are keyed by its layer, so every layer would draw the same draws")
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
+                       ("parallel.zero", p.zero)):
+        if value not in (0, 1) or (key == "parallel.zero" and value):
+            errors.append(f"model.share_blocks with {key}={value}: shared blocks are made to work on one process "
+                          "and plain parallel.dp only")
+    if p.sync != "bsp":
+        errors.append(f"model.share_blocks with parallel.sync={p.sync}: only synchronous (bsp) training")
+    return errors
+
+
+def shazeer_gating(cfg: Config) -> list[str]:
+    """model.moe.aux_loss=importance and model.moe.groups (arXiv 1701.06538; model/moe_gating.py), with experts."""
+    e = cfg.model.moe
+    errors: list[str] = []
+    if e.importance_loss_weight < 0 or e.load_loss_weight < 0:
+        errors.append(f"model.moe.importance_loss_weight ({e.importance_loss_weight}) and load_loss_weight "
+                      f"({e.load_loss_weight}) must be >= 0")
+    if e.groups < 1:
+        return [*errors, f"model.moe.groups must be >= 1 (1 = flat), got {e.groups}"]
+    if e.experts % e.groups:
+        errors.append(f"model.moe.groups ({e.groups}) must divide model.moe.experts ({e.experts})")
+        return errors
+    importance = e.aux_loss == "importance"
+    if (importance or e.groups > 1) and e.router != "topk":
+        what = "aux_loss=importance" if importance else f"groups={e.groups}"
+        errors.append(f"model.moe.{what} is built on the noisy top-k gate (Shazeer): needs model.moe.router=topk, "
+                      f"got {e.router!r}")
+        return errors
+    sizes = [e.groups, e.experts // e.groups] if e.groups > 1 else [e.experts]
+    if e.groups > 1 and not all(e.top_k <= n for n in sizes):
+        errors.append(f"model.moe.groups={e.groups}: top_k ({e.top_k}) groups of {e.groups} and top_k experts of "
+                      f"each group's {e.experts // e.groups} are chosen, so top_k must be <= both")
+    if e.groups > 1 and e.random_routing:
+        errors.append(f"model.moe.random_routing with model.moe.groups={e.groups}: GShard's random routing drops a "
+                      "flat second expert, which the two-level gate does not have")
+    if importance and e.load_loss_weight > 0:
+        if e.router_noise <= 0:
+            errors.append(f"model.moe.load_loss_weight ({e.load_loss_weight}) is built on the probability that the "
+                          "noise keeps an expert selected: needs model.moe.router_noise > 0 (or load_loss_weight=0)")
+        elif not all(n > e.top_k for n in sizes):
+            errors.append(f"model.moe.load_loss_weight ({e.load_loss_weight}): the load loss compares each gate value "
+                          f"with the (top_k + 1)-th, so each gate needs more than top_k ({e.top_k}) choices, got "
+                          f"{' and '.join(map(str, sizes))}")
     return errors

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import Config
+from scaletrain.distributed import launch
 from scaletrain.distributed.process_group import DistEnv
 from scaletrain.errors import UserError
 from scaletrain.multinode import network, preflight
@@ -127,6 +128,8 @@ class Job:
                 self.rank, self.world, self.hosts, p.heartbeat_s, self._stop_now, f" at {host}:{port}",
                 watch_parent=self.env.launcher == "torchrun", idle_check=self._idle_check,
                 on_hang=self._publish_flight, running=self._running).start()
+            if self.heartbeat.ppid is not None:  # it names a lost launcher; launch's SIGKILL is the backstop
+                launch.defer_parent_exit(4 * self.heartbeat.interval + 1.0)
         return self
 
     def _choose_network(self, master: str, port: int) -> network.NetChoice:

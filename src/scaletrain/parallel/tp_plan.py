@@ -123,6 +123,10 @@ def gpt_plan(cfg: ModelConfig) -> dict[str, Style]:
         plan |= {f"{mlp}.router": Replicated(), f"{mlp}.experts": Replicated(), f"{mlp}.dropout": Replicated()}
         if cfg.moe.router == "topk" and cfg.moe.router_noise > 0:
             plan[f"{mlp}.noise"] = Replicated()
+        if cfg.moe.groups > 1:  # the secondary gates of the hierarchical MoE (and their noise)
+            plan[f"{mlp}.expert_router"] = Replicated()
+            if cfg.moe.router_noise > 0:
+                plan[f"{mlp}.expert_noise"] = Replicated()
     plan |= {"ln_f": Replicated(), "lm_head": VocabHead()}
     return plan
 

@@ -170,6 +170,7 @@ class ZeroOptimizer(EngineOptimizer):
         # parameters from the forward until the unit's gradients are reduced (false: FSDP's reshard_after_forward)
         self.reshard_after_forward = reshard_after_forward
         self.gathered = GatherMeter()  # the gathered parameter bytes alive now and at most (mem_params_gathered)
+        self.fp8_gather = None  # train.fp8_all_gather: FP8 weights gathered in float8 (parallel/zero_fp8.py)
         if stage == 3:
             self._setup_stage3(module, params, units)
         else:
@@ -201,8 +202,9 @@ class ZeroOptimizer(EngineOptimizer):
         by default)."""
         return cls(module, par.zero, mesh.group(dim), weight_decay=optim.weight_decay, bucket_mb=par.bucket_mb,
                    offload=par.offload, comm=comm, optimizer=optim.name, hyper=config_hyper(optim, lr),
-                   tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim == "edp" else None, params=params,
-                   gather="step" if par.pp > 1 else "unit", reshard_after_forward=par.reshards_after_forward)
+                   tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim in ("edp", "edp_cp") else None,
+                   params=params, gather="step" if par.pp > 1 else "unit",
+                   reshard_after_forward=par.reshards_after_forward)
 
     def _param_pieces(self, tp_group: dist.ProcessGroup | None = None) -> list[dict]:
         """Every parameter, in the same order on every rank, with this rank's piece of it (maybe empty). Under
@@ -314,6 +316,10 @@ class ZeroOptimizer(EngineOptimizer):
         g.full.untyped_storage().resize_(g.full.numel() * g.full.element_size())
         self.gathered.add(g, g.full.numel() * g.full.element_size())
         src = g.param_shard.to(self.device, non_blocking=True)
+        if self.fp8_gather is not None and self.fp8_gather.handles(g):
+            work, unpack = self.fp8_gather.start(g, src, async_op)
+            g.pending = (work, src, unpack) if async_op else unpack()
+            return
         if self.n == 1:
             with preserve_version(g.full):
                 g.full.copy_(src)
@@ -347,6 +353,8 @@ class ZeroOptimizer(EngineOptimizer):
         self._gather(g, async_op=False)
         if g.pending is not None:
             g.pending[0].wait()
+            if len(g.pending) > 2:
+                g.pending[2]()  # float8 all-gather: unpack into the flat buffer
             g.pending = None
 
     def _make_pre_forward(self, i: int) -> Callable:
@@ -545,12 +553,17 @@ class ZeroOptimizer(EngineOptimizer):
         for n, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(n)
         out = dict(local)
+        fp8, self.fp8_gather = self.fp8_gather, None  # the exact values, not their float8 rounding
         for g in self.groups:
+            if fp8 is not None:  # held or arriving values may be the float8 ones: gather again
+                self._wait_gather(g)
+                self._release(g)
             self._wait_gather(g)
             for p in g.params:
                 for n in names[id(p)]:
                     out[n] = p.detach().clone()
             self._release(g)
+        self.fp8_gather = fp8
         return out
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

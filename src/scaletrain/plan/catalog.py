@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from scaletrain.config.presets import ALIASES, PRESETS, preset_model
 from scaletrain.config.schema import MLPS, or_list
+from scaletrain.config.sizes import experts_per_token
 from scaletrain.errors import UserError
 
 
@@ -45,7 +46,11 @@ class ModelSpec:
     """Mixture-of-experts: experts per MoE layer (0 = dense). Expert MLPs are bias-free (ours, Switch,
     Mixtral) and stacked per layer; the router is Linear(d_model, n_experts) without bias."""
     top_k: int = 1
-    """Experts per token (1 for Switch; the expected experts per token c of expert choice)."""
+    """Experts per token (1 for Switch; the expected experts per token c of expert choice; top_k² of the
+    hierarchical MoE)."""
+    expert_groups: int = 1
+    """Two-level hierarchical MoE (arXiv 1701.06538 appendix B; our `model.moe.groups`) when > 1: the routers are
+    a primary Linear(d_model, groups) and the groups' secondary gates, Linear(d_model, n_experts) stacked."""
     moe_every: int = 1
     """Every `moe_every`-th block is an MoE block (blocks every-1, 2 every-1, ...; GShard: 2)."""
     capacity_factor: float = 1.0
@@ -60,6 +65,9 @@ class ModelSpec:
     """Reversible blocks (RevNet arXiv 1707.04585, Reformer arXiv 2001.04451; our `model.reversible`): attention
     and MLP of width d_model / 2 on the two halves of the stream, nothing stored per layer, each layer's forward
     run again in backward."""
+    share_blocks: bool = False
+    """Every block uses block 0's attention and MLP weights, each keeps its norms (WideNet arXiv 2107.11817; our
+    `model.share_blocks`): total_params counts the shared weights once; compute is per layer as without."""
     source: str = ""
 
     def __hash__(self) -> int:  # the cost model caches per model: hash the fields once
@@ -167,12 +175,13 @@ def from_model_config(mc, name: str = "config") -> ModelSpec:
         name=name, n_layers=mc.n_layers, d_model=mc.d_model, n_heads=mc.n_heads, vocab_size=mc.vocab_size,
         seq_len=mc.seq_len, d_ff=mc.d_ff, mlp=mc.mlp, position=mc.position, tie_embeddings=mc.tie_embeddings,
         bias=mc.bias, dropout=mc.dropout > 0, n_experts=mc.moe.experts,
-        top_k=(1 if mc.moe.router == "switch" else mc.moe.top_k) if mc.moe.experts else 1,
+        top_k=experts_per_token(mc.moe) if mc.moe.experts else 1,
+        expert_groups=getattr(mc.moe, "groups", 1) if mc.moe.experts else 1,
         # a dense model carries the spec's neutral MoE values (the config's unused model.moe.* defaults plan nothing)
         **(dict(moe_every=mc.moe.every, capacity_factor=mc.moe.capacity_factor, group_tokens=mc.moe.group_tokens)
            if mc.moe.experts else {}),
         reversible=getattr(mc, "reversible", False), n_kv_heads=getattr(mc, "n_kv_heads", 0),
-        qkv_bias=getattr(mc, "qkv_bias", False),
+        qkv_bias=getattr(mc, "qkv_bias", False), share_blocks=getattr(mc, "share_blocks", False),
     ))
 
 

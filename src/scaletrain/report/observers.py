@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config.parse import parse_steps
+from scaletrain.errors import DiskFull, disk_full, disk_full_line
 from scaletrain.report.profile import StepProfiler
 
 
@@ -30,6 +31,8 @@ def safely(what: str, fn: Callable[[], Any]) -> bool:
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - reporting must never fail the run
+        if disk_full(e):  # but a full disk stops it at the next metrics row or checkpoint: say it once, now
+            raise e if isinstance(e, DiskFull) else DiskFull(disk_full_line(e)) from None
         warn(what, e)
         return False
     return True

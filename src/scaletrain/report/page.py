@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.errors import UserError
+from scaletrain.errors import UserError, disk_full, disk_full_error
 
 COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
            "#ccb974", "#64b5cd"]
@@ -259,6 +259,11 @@ def write(page: Page, path: str | os.PathLike) -> Path:
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        kept = "the earlier page is intact" if path.exists() else "nothing was written"
+        raise disk_full_error("the page", path, f"; {kept}") from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -38,16 +38,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import CheckpointError, DiskFull, UserError
-from scaletrain.train import ckpt_index
+from scaletrain.distributed.launch import hold_if_orphaned
+from scaletrain.errors import CheckpointError, DiskFull, UserError, disk_full
+from scaletrain.train import checkpoint_dirs, ckpt_index
 from scaletrain.train.checkpoint_dirs import (
     COMPLETE,
     DCP_FORMAT,
     RANK_FORMAT,
-    check_root,
     format_of,
     fsync_dir,
-    incomplete_checkpoints,
     latest,
     prune,
     step_dir,
@@ -285,24 +284,9 @@ class Saver:
         return final
 
 
-def disk_full(error: BaseException) -> bool:
-    """Whether a failed write ran out of space: ENOSPC/EDQUOT anywhere in the chain, or torch's writer's words for
-    a short write ("unexpected pos", it does not keep the errno)."""
-    import errno
-
-    e: BaseException | None = error
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(e)
-        if "No space left on device" in text or "unexpected pos" in text or "Disk quota exceeded" in text:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Write meta.json and COMPLETE into `tmp` and rename it to `final` (replacing an older one of that step)."""
+    hold_if_orphaned()
     ckpt_index.write_json(tmp / META, meta)
     digests = {name: _sha256_file(tmp / name) for name in (META, ckpt_index.INDEX)}
     ckpt_index.write_json(tmp / COMPLETE, {"sha256": digests})
@@ -314,18 +298,12 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 
 
 def usable_latest(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint (its markers checked) and a note for each newer incomplete one passed over (no
-    COMPLETE). A CheckpointError when only incomplete ones exist, when the newest complete one fails its checks, or
-    when `root` is not a folder: the run stops rather than start again from step 0."""
-    check_root(root)
-    found = latest(root)
+    """The newest complete checkpoint (its markers checked) and a note for each newer incomplete one passed over
+    (checkpoint_dirs.usable_latest). A CheckpointError when only incomplete ones exist, when the newest complete one
+    fails its checks, or when `root` is not a folder: the run stops rather than start again from step 0."""
+    found, notes = checkpoint_dirs.usable_latest(root)
     if found is not None:
         read_meta(found)  # a complete checkpoint that fails its checks (tampered, truncated) stops the run: exit 2
-    newer = [d for d in incomplete_checkpoints(root) if found is None or d.name > found.name]
-    notes = [f"{d} is incomplete (no {COMPLETE} marker: an interrupted save?)" for d in newer]
-    if found is None and notes:
-        raise CheckpointError(f"{notes[0]}, and there is no earlier complete checkpoint to resume from; move "
-                              f"{root} away to start over (nothing was changed)")
     return found, notes
 
 

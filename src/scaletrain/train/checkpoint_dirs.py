@@ -57,6 +57,22 @@ def incomplete_checkpoints(root: Path) -> list[Path]:
                    and not d.name.endswith(".tmp") and not (d / COMPLETE).exists()), key=lambda d: d.name)
 
 
+def usable_latest(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint of either format and a note for each newer incomplete one passed over (no
+    COMPLETE). A CheckpointError when `root` is not a folder or only incomplete ones exist: the run stops rather than
+    start again from step 0 over the run's config.yaml and metrics.jsonl. The caller checks the markers."""
+    check_root(root)
+    found = latest(root)
+    newer = [d for d in incomplete_checkpoints(root) if found is None or d.name > found.name]
+    notes = [f"{d} is incomplete (no {COMPLETE} marker: an interrupted save?)" for d in newer]
+    if found is None and notes:
+        from scaletrain.errors import CheckpointError
+
+        raise CheckpointError(f"{notes[0]}, and there is no earlier complete checkpoint to resume from; move "
+                              f"{root} away to start over (nothing was changed)")
+    return found, notes
+
+
 def latest(root: Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None

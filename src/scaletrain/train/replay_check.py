@@ -51,6 +51,10 @@ def cmd_replay(args) -> int:
         cfg = validate(config_from_dict(current_config(out)))  # config.yaml with the changes resumes recorded
     except yaml.YAMLError:
         raise UserError(f"{out / 'config.yaml'} is not valid YAML") from None
+    if cfg.parallel.replicas > 1:  # a fault-tolerant replica run: its membership log (train/replica_replay.py)
+        from scaletrain.train.replica_replay import cmd_replay_replicas
+
+        return cmd_replay_replicas(out, cfg, args.json)
     if cfg.parallel.sync not in ("ps", "hogwild"):
         raise UserError(f"{out} is a parallel.sync={cfg.parallel.sync} run; only ps and hogwild runs have a "
                         "version log")

@@ -45,3 +45,33 @@ def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
         errors.append(f"train.log_noise_scale with parallel.ep ({p.ep}) needs train.micro_batch ({t.micro_batch}) x "
                       f"ep < train.global_batch ({t.global_batch}): an expert's small batch is ep micro-batches")
     return errors
+
+
+@rule("combinations")
+def replicas(cfg: Config, world_size: int | None) -> list[str]:
+    """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups, each one process today."""
+    p, t = cfg.parallel, cfg.train
+    if p.replicas == 1:
+        return []
+    if p.replicas < 1:
+        return [f"parallel.replicas must be >= 1, got {p.replicas}"]
+    if p.dp % p.replicas:
+        return [f"parallel.replicas ({p.replicas}) must divide parallel.dp ({p.dp})"]
+    errors = []
+    if p.dp != p.replicas or p.tp > 1 or p.pp > 1 or p.ep > 1 or p.cp > 1 or p.zero:
+        errors.append(f"parallel.replicas ({p.replicas}) needs one process per replica group: parallel.dp = replicas "
+                      f"and no tp, pp, ep, cp or ZeRO inside a group (got dp={p.dp}, tp={p.tp}, pp={p.pp}, ep={p.ep}, "
+                      f"cp={p.cp}, zero={p.zero}); larger groups are not built yet")
+    if p.sync != "bsp":
+        errors.append(f"parallel.replicas > 1 is for parallel.sync=bsp (got {p.sync!r}): the asynchronous modes "
+                      "supervise their own workers")
+    if p.offload != "none" or p.heartbeat_s <= 0:
+        errors.append(f"parallel.replicas > 1 needs parallel.offload=none and parallel.heartbeat_s > 0 (the bound "
+                      f"within which a dead group is dropped); got offload={p.offload}, heartbeat_s={p.heartbeat_s}")
+    if t.dtype == "fp16" or t.checkpoint_every or cfg.model.moe.experts or cfg.model.dropout:
+        errors.append("parallel.replicas > 1 does not support train.dtype=fp16, train.checkpoint_every, MoE or "
+                      "dropout yet (their per-step state is not in the quorum's replay)")
+    if t.on_nan != "stop" or t.log_noise_scale or t.eval_every:
+        errors.append("parallel.replicas > 1 needs train.on_nan=stop, no train.log_noise_scale and "
+                      "train.eval_every=0")
+    return errors

@@ -9,6 +9,7 @@ from pathlib import Path
 from scaletrain.config import Config
 from scaletrain.distributed.process_group import DistEnv
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.checkpoint_dirs import check_root
 from scaletrain.train.resume import check_compatible
 from scaletrain.train.runners.common import check_async_run, refuse_reshard
 from scaletrain.train.runners.hogwild import HogwildRunner
@@ -23,6 +24,10 @@ def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: b
     with the same interface (`step`, `n_params`, `run() -> TrainResult`, `full_state()`). `reshard` and
     `init_from` are the Trainer's (train/resume.py); the asynchronous runners refuse them (UserError)."""
     sync = cfg.parallel.sync
+    if cfg.parallel.replicas > 1:  # one fault-tolerant replica group (train/runners/replicas.py)
+        from scaletrain.train.runners.replicas import ReplicaRunner
+
+        return ReplicaRunner(cfg, out)
     if sync != "bsp":
         refuse_reshard(cfg, reshard, init_from)
     if sync == "ps":
@@ -36,7 +41,7 @@ def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: b
 
 def check_run(out: Path, cfg: Config, world: int, reshard: bool, init_from: str | Path | None = None) -> None:
     """Before launching: refuse (CheckpointError) if the newest checkpoint in `out` cannot be resumed by `cfg`."""
-    ckpt.check_root(Path(out) / "checkpoints")  # a file there: refused before anything is overwritten
+    check_root(Path(out) / "checkpoints")  # a file there: refused before anything is overwritten
     if cfg.parallel.sync != "bsp":  # per-rank checkpoints of the asynchronous runners (docs/async.md)
         check_async_run(Path(out), cfg, reshard, init_from)
         return

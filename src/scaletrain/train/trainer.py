@@ -28,13 +28,16 @@ from scaletrain.device.attention import probe_run
 from scaletrain.device.cuda_memory import cuda_memory_fields, planned_total
 from scaletrain.device.timing import StepTimer
 from scaletrain.distributed.comm import CommStats, all_reduce, all_reduce_max_list
+from scaletrain.distributed.launch import hold_if_orphaned
 from scaletrain.distributed.mesh import Mesh, ParallelDims
 from scaletrain.distributed.process_group import DistEnv, pick_device
 from scaletrain.errors import TrainingDiverged
+from scaletrain.guards import AppendLines
 from scaletrain.memory.precision import DynamicLossScaler
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step
 from scaletrain.optim import lr_multiplier
+from scaletrain.parallel.context import positions_of
 from scaletrain.parallel.experts import moe_metrics
 from scaletrain.parallel.parallelize import build_engine
 from scaletrain.report.observers import RunObservers
@@ -79,11 +82,13 @@ class Trainer:
         p, t = cfg.parallel, cfg.train
 
         self.mesh = Mesh.build(ParallelDims.from_config(p), p.timeout_s)
-        self.dp_group, self.dp_rank = self.mesh.group("dp"), self.mesh.local_rank("dp")
+        # losses are summed over dp x cp: context-parallel ranks hold the other tokens of the same sequences
+        self.dp_group, self.dp_rank = self.mesh.group("dp_cp"), self.mesh.local_rank("dp")
         self.comm = CommStats()
 
         self.loader = BatchLoader(load_corpus(cfg.data), cfg.model.seq_len, t.global_batch, t.seed,
-                                  cfg.data.val_fraction, cfg.model.vocab_size)
+                                  cfg.data.val_fraction, cfg.model.vocab_size,
+                                  positions_of(p, cfg.model.seq_len, self.mesh))
         self.engine = build_engine(cfg, self.mesh, self.device, self.dtype, self.comm)
         self.model = self.engine.module
         self.attention = probe_run(cfg, self.device, self.dtype)  # the SDPA kernel that runs (device/attention.py)
@@ -202,7 +207,8 @@ class Trainer:
         if moe:  # the loss breakdown: cross-entropy plus the weighted auxiliary and z-losses it was trained on
             w = cfg.model.moe
             moe["loss_ce"] = loss
-            loss = loss + (w.aux_loss_weight * moe["loss_aux"] + w.z_loss_weight * moe["loss_z"])
+            aux_weight = 1.0 if w.aux_loss == "importance" else w.aux_loss_weight  # importance's loss_aux is weighted
+            loss = loss + (aux_weight * moe["loss_aux"] + w.z_loss_weight * moe["loss_z"])
         # Skip decisions are taken by every rank together: flags all-reduced with MAX over the world, in one
         # collective and one host read — the one synchronisation such a step keeps, since whether to step depends
         # on it. Gradients are checked for inf/NaN only where that can change the decision (fp16's loss scaler,
@@ -322,7 +328,7 @@ class Trainer:
         """Train to `train.steps` (or `stop_after` steps, for tests); returns this invocation's results."""
         t = self.cfg.train
         result = TrainResult(params=self.n_params, resumed_from=self.step)
-        metrics = open(self.out / "metrics.jsonl", "a") if self.out is not None and self.rank == 0 else None
+        metrics = AppendLines(self.out / "metrics.jsonl") if self.out is not None and self.rank == 0 else None
         bar = Progress(t.steps, self.step) if self.progress else None
         tokens, elapsed = 0, 0.0
         last = min(t.steps, stop_after) if stop_after is not None else t.steps
@@ -330,6 +336,7 @@ class Trainer:
         try:
             every = t.checkpoint_every
             while self.step < last:
+                hold_if_orphaned()
                 self.step += 1
                 # 2bw: drain the pipeline before a checkpoint and at the end (nothing of step + 1 in flight)
                 saving = self.out is not None and ((every and self.step % every == 0) or self.step == t.steps)
@@ -353,6 +360,7 @@ class Trainer:
                 if evaluating:
                     row["val_loss"] = result.val_losses[self.step] = self.evaluate()
                 if metrics is not None and logged:
+                    hold_if_orphaned()
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
                     self.observers.log(row)

@@ -3,10 +3,11 @@
 
 A layout is one value per dimension (`DIMENSIONS`). `config(layout)` turns it into the run config of a small
 model, and `reference_config(layout)` into the single-process run of the same model, data and seed it is
-compared with. A layout is in the space when `validate()` accepts its config and every dimension's value means
-something there (`meaningful`: a pipeline schedule needs pp > 1, sequence parallelism and partitioned checkpoints
-need tp > 1, an uneven partition needs pp > 1). `enumerate_space(world)` lists them all, lazily (the product of
-the other dimensions is 4.2·10^7 combinations per dp × tp × pp shape).
+compared with. A layout is in the space when `validate()` accepts its config, which also refuses a value that would
+mean nothing there (config/ignored.py: a pipeline schedule or partition needs pp > 1, sequence parallelism and
+partitioned checkpoints need tp > 1); `meaningless` holds what validate() would accept and the run ignore (nothing
+now). `enumerate_space(world)` lists them all, lazily (the product of the other dimensions is 4.2·10^7 combinations
+per dp × tp × pp shape).
 
 `covering(world)` is a covering array of strength 2 over the layouts of up to `world` processes: every pair of
 values of two dimensions that appears together in some accepted layout appears together in at least one layout
@@ -24,8 +25,9 @@ accepted layout contains are the refusals (`refused_pairs`, `refusal_table`), ea
 Adding a dimension (e.g. `sync`, `precision`):
 1. add it to `DIMENSIONS` (its default first) and to `MEANING`, and set it in `config` (and reset it in
    `reference_config` when it is a parallel setting the single-process run does not have);
-2. if a value needs another dimension's value to mean something, add the rule to `meaningless`, and the
-   completion to `needs` (what to set so that the pair becomes possible: it makes the search fast);
+2. if a value needs another dimension's value to mean something, refuse it without that value in validate()
+   (a row of config/ignored.py, or the feature's rules.py), and add the completion to `needs` (what to set so that
+   the pair becomes possible: it makes the search fast);
 3. if its layouts need a different reference (like 2BW's stale-weight rule), say so in `matrix.run_reference`;
 4. run `python -m scaletrain.verify.layouts` (covering.json; until then the stored layouts take the new default) and
    `python -m scaletrain.verify.layouts --docs docs/verify.md` (the tables), then `pytest tests/test_matrix.py`: every
@@ -62,7 +64,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "compress": ("none", "bf16", "int8"),
     "dtype": ("fp64", "fp32", "bf16", "fp16"),
     "optimizer": ("adamw", "adafactor", "sm3"),
-    "moe": ("dense", "topk", "switch", "expert_choice"),
+    "moe": ("dense", "topk", "switch", "expert_choice", "importance", "hierarchical"),
     "accumulation": (1, 2),
     "partition": ("uniform", "uneven"),
     "tie_embeddings": (True, False),
@@ -72,6 +74,8 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "tp_mode": ("1d", "2d"),
     "reversible": (False, True),
     "contiguous": (False, True),
+    "cp": (1, 2),
+    "cp_mode": ("ring", "ulysses"),
     "kv_heads": (0, 2, 1),
     "rope_scaling": ("none", "llama3"),
     "activation": ("gelu", "gelu_tanh"),
@@ -79,6 +83,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "reshard_after_forward": (None, False),
     "precision": ("dtype", "fp8"),
 }
+GRID = ("dp", "tp", "pp", "cp")  # the dimensions whose product is the number of processes
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCH, SEQ_LEN, STEPS = 2, 32, 3
 
@@ -105,28 +110,22 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self["dp"] * self["tp"] * self["pp"]
+        return self["dp"] * self["tp"] * self["pp"] * self["cp"]
 
     @property
     def name(self) -> str:
         """The non-default values, e.g. `dp2 tp2 zero=1 dtype=bf16` (`single` for the defaults)."""
-        parts = [f"{d}{self[d]}" for d in ("dp", "tp", "pp", "ep") if self[d] != 1]
-        parts += [f"{d}={v}" for d, v in self.values if d not in ("dp", "tp", "pp", "ep") and v != DIMENSIONS[d][0]]
+        parts = [f"{d}{self[d]}" for d in ("dp", "tp", "pp", "ep", "cp") if self[d] != 1]
+        parts += [f"{d}={v}" for d, v in self.values
+                  if d not in ("dp", "tp", "pp", "ep", "cp") and v != DIMENSIONS[d][0]]
         return " ".join(parts) or "single"
 
 
 def meaningless(layout: Layout) -> list[str]:
-    """The values that mean nothing in this layout (`validate()` accepts them, the run ignores them)."""
-    out = []
-    if layout["schedule"] != "1f1b" and layout["pp"] == 1:
-        out.append(f"schedule={layout['schedule']} needs pp > 1")
-    if layout["sequence_parallel"] and layout["tp"] == 1:
-        out.append("sequence_parallel needs tp > 1")
-    if layout["partition_checkpoints"] and layout["tp"] == 1:
-        out.append("partition_checkpoints needs tp > 1")
-    if layout["partition"] == "uneven" and layout["pp"] == 1:
-        out.append("an uneven partition needs pp > 1")
-    return out
+    """The values that mean nothing in this layout although `validate()` accepts them. None: validate() refuses a
+    pipeline schedule or partition without pp > 1 and sequence parallelism or partitioned checkpoints without tp > 1
+    (config/ignored.py); a value the run ignores that validate() cannot see would go here."""
+    return []
 
 
 def meaningful(layout: Layout) -> str | None:
@@ -145,6 +144,7 @@ def config(layout: Layout) -> Config:
         layout["dropout"]
     p.dp, p.tp, p.pp, p.ep, p.zero, p.offload = (layout[k] for k in ("dp", "tp", "pp", "ep", "zero", "offload"))
     p.sequence_parallel, p.tp_mode = layout["sequence_parallel"], layout["tp_mode"]
+    p.cp, p.cp_mode = layout["cp"], layout["cp_mode"]
     m.reversible = layout["reversible"]
     schedule, _, v = str(layout["schedule"]).partition(":")
     p.schedule, p.virtual_stages = schedule, int(v or 1)
@@ -157,7 +157,11 @@ def config(layout: Layout) -> Config:
     moe = layout["moe"]
     if moe != "dense":
         m.moe.experts, m.moe.group_tokens = 4, 8
-        m.moe.router = moe
+        m.moe.router = moe if moe in ("topk", "switch", "expert_choice") else "topk"
+        if moe in ("importance", "hierarchical"):  # Shazeer's losses (with the noise the load loss needs); two levels
+            m.moe.aux_loss, m.moe.router_noise = "importance", 0.5
+            if moe == "hierarchical":
+                m.moe.groups, m.moe.top_k = 2, 1
         m.moe.every = 2 if moe == "switch" and m.n_layers >= 2 else 1
     micro = max(1, p.pp) * layout["accumulation"]  # pipeline schedules want at least pp micro-batches
     t.steps, t.micro_batch, t.global_batch = STEPS, MICRO_BATCH, MICRO_BATCH * p.dp * micro
@@ -186,7 +190,7 @@ def reference_config(layout: Layout) -> Config:
     c = config(layout)
     p, default = c.parallel, Config().parallel
     for name in ("dp", "tp", "pp", "ep", "zero", "offload", "schedule", "virtual_stages", "sequence_parallel",
-                 "partition", "tp_mode", "reshard_after_forward"):
+                 "partition", "tp_mode", "reshard_after_forward", "cp", "cp_mode"):
         setattr(p, name, getattr(default, name))
     c.memory.partition_checkpoints = False
     c.memory.contiguous = False  # bit-identical either way; with zero < 2 and no recompute it has nothing to hold
@@ -196,14 +200,11 @@ def reference_config(layout: Layout) -> Config:
 
 def refusal(layout: Layout) -> str | None:
     """Why the layout is not in the space: `validate()`'s message or `meaningful`'s reason; None if it is."""
-    why = meaningful(layout)
-    if why:
-        return why
     try:
         validate(config(layout), layout.world)
     except ConfigError as e:
         return str(e)
-    return None
+    return meaningful(layout)
 
 
 def accepted(layout: Layout) -> bool:
@@ -214,12 +215,11 @@ def enumerate_space(world: int) -> Iterator[Layout]:
     """Every accepted layout of exactly `world` processes (lazily: the space is the product of all dimensions)."""
     if world not in WORLD_SIZES:
         raise ConfigError(f"world size must be one of {', '.join(map(str, WORLD_SIZES))}, got {world}")
-    shapes = [(dp, tp, pp) for dp in DIMENSIONS["dp"] for tp in DIMENSIONS["tp"] for pp in DIMENSIONS["pp"]
-              if dp * tp * pp == world]
-    rest = [d for d in DIMENSIONS if d not in ("dp", "tp", "pp")]
-    for dp, tp, pp in shapes:
+    shapes = [shape for shape in itertools.product(*(DIMENSIONS[d] for d in GRID)) if math.prod(shape) == world]
+    rest = [d for d in DIMENSIONS if d not in GRID]
+    for shape in shapes:
         for combo in itertools.product(*(DIMENSIONS[d] for d in rest)):
-            layout = Layout.of(dp=dp, tp=tp, pp=pp, **dict(zip(rest, combo)))
+            layout = Layout.of(**dict(zip(GRID, shape)), **dict(zip(rest, combo)))
             if accepted(layout):
                 yield layout
 
@@ -252,7 +252,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     checkpoints, 2d grid or zero bubble); keeping ZeRO-3 parameters gathered needs ZeRO-3 without nvme offload; FP8
     needs fp32 or bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload;
     grouped-query attention is split by the 1d tensor parallelism only; RoPE scaling needs RoPE and the tanh GELU the
-    GELU MLP."""
+    GELU MLP; Ulysses needs cp > 1, and cp > 1 the 1d tensor parallelism and a block or attn-core recomputation
+    policy (not nth:k or ops:...)."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -265,7 +266,7 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             for dim, value in (("sequence_parallel", False), ("offload", "none"), ("moe", "dense"), ("ep", 1),
                                ("optimizer", "adamw"), ("partition_checkpoints", False), ("compress", "none"),
                                ("offload_activations", False), ("reversible", False), ("contiguous", False),
-                               ("kv_heads", 0)):
+                               ("cp", 1), ("kv_heads", 0)):
                 want(dim, value)
             if v["zero"] >= 2:
                 want("zero", 1)
@@ -321,10 +322,16 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("zero", 3)
         if v["offload"] == "optimizer" and v["zero"] == 0:
             want("zero", 1)
-        for dim in ("dp", "tp", "pp"):  # over the world limit: halve what nobody asked for (a 2d grid keeps tp = 4)
+        if v["cp_mode"] != "ring" and v["cp"] == 1:  # parallel/context: Ulysses needs cp > 1
+            want("cp", 2)
+        if v["cp"] > 1:  # what context parallelism does not compose with (validate() says why)
+            want("tp_mode", "1d")
+            if v["recompute"] in ("nth:2", "ops:matmul"):
+                want("recompute", "full")
+        for dim in GRID:  # over the world limit: halve what nobody asked for (a 2d grid keeps tp = 4)
             if dim == "tp" and v["tp_mode"] == "2d":
                 continue
-            while v["dp"] * v["tp"] * v["pp"] > max_world and v[dim] > 1 and dim not in fixed:
+            while math.prod(v[d] for d in GRID) > max_world and v[dim] > 1 and dim not in fixed:
                 v[dim] //= 2
     return Layout.of(**v)
 
@@ -356,7 +363,7 @@ class _Search:
     def complete(self, fixed: dict[str, Any]) -> Layout | None:
         """An accepted layout with the `fixed` values: the defaults with what the fixed values need (`needs`),
         repaired by changing up to two other dimensions (None if there is none: the pair is refused)."""
-        if math.prod(fixed.get(d, 1) for d in ("dp", "tp", "pp")) > self.max_world:
+        if math.prod(fixed.get(d, 1) for d in GRID) > self.max_world:
             return None  # the fixed values alone need more processes
         base = needs(Layout.of(**fixed), set(fixed), self.max_world)
         if self.ok(base):
@@ -434,8 +441,7 @@ def refused_pairs(max_world: int = 8, layouts: list[Layout] | None = None) -> li
             closest = needs(Layout.of(**dict(pair)), set(dict(pair)), max_world)  # what it needs, then why not
             why = None
             if closest.world <= max_world:
-                ignored = meaningful(closest)
-                why = f"no effect (validate() accepts it): {ignored}" if ignored else refusal(closest)
+                why = refusal(closest)
             out.append((pair, why or f"needs more than {max_world} processes"))
     return out
 
@@ -468,7 +474,8 @@ MEANING = {
     "sequence_parallel": "`parallel.sequence_parallel`", "recompute": "`memory.recompute`",
     "partition_checkpoints": "`memory.partition_checkpoints`", "offload_activations": "`memory.offload_activations`",
     "compress": "`memory.compress`", "dtype": "`train.dtype`", "optimizer": "`optim.name`",
-    "moe": "`model.moe.router` with 4 experts (`dense`: no experts)",
+    "moe": "`model.moe.router` with 4 experts (`dense`: no experts; `importance`: topk with aux_loss=importance and "
+           "router_noise 0.5; `hierarchical`: that with groups=2, top_k 1)",
     "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation)",
     "partition": "`parallel.partition` (`uneven`: the first chunk holds one block or segment more)",
     "tie_embeddings": "`model.tie_embeddings`", "position": "`model.position`", "mlp": "`model.mlp`",
@@ -476,6 +483,8 @@ MEANING = {
     "tp_mode": "`parallel.tp_mode` (`2d`: SUMMA on a q x q grid, tp = 4)",
     "reversible": "`model.reversible` (RevNet blocks, half-width F and G)",
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
+    "cp": "`parallel.cp` (context parallelism: every sequence split over cp ranks)",
+    "cp_mode": "`parallel.cp_mode` (`ring`: ring attention, 2 x cp load-balanced chunks; `ulysses`: all-to-all)",
     "kv_heads": "`model.n_kv_heads` of the 4 heads (0: multi-head; 2: grouped-query, copied when tp = 4; 1: "
                 "multi-query)",
     "rope_scaling": "`model.rope_scaling.type` (`llama3`: with `model.rope_theta=500000`, original context 16)",

@@ -1,18 +1,19 @@
 """`scaletrain verify --matrix`: run layouts of the enumerated space (`scaletrain.verify.layouts`) and compare each with
 the single-process run of the same model, data, seed and dtype (docs/verify.md).
 
-Each layout trains `layouts.STEPS` steps. Compared: the loss and the gradient norm of every step and every final
-parameter (gathered from its shards):
+Each layout trains `layouts.STEPS` steps. Compared: the loss and the gradient norm of every step and the
+parameters (gathered from their shards):
 
-- fp64: losses and parameters element-wise within rtol 1e-9, atol 1e-11 (verify's defaults), gradient norms
-  within rtol 1e-9; the layouts differ from one process only in summation order (~1e-15);
-- fp32, bf16, fp16: the largest relative loss and gradient-norm differences over the steps and the relative L2
-  distance of all parameters within `TOLERANCE[dtype]`: 3x the largest difference measured over covering-set
-  layouts run in that dtype (docs/verify.md records the measurement; `benchmarks/bench_matrix_noise.py` repeats
-  it over every layout in every dtype).
+- fp64: the whole run against one process: losses and final parameters element-wise within rtol 1e-9, atol 1e-11
+  (verify's defaults), gradient norms within rtol 1e-9; the layouts differ from one process only in summation
+  order (~1e-15);
+- fp32, bf16, fp16: step by step, one process computing each step from the layout's checkpoint of the step before
+  and on the layout's MoE routes, within bounds derived from the dtype's unit roundoff (`verify/stepwise.py`,
+  `tolerances.stepwise_bound`): whole low-precision runs drift apart chaotically, by amounts that depend on the
+  CPU's kernels.
 
-PipeDream-2BW (`schedule=2bw`) is compared with one process running 2BW's own update rule (`stale_weights`), and
-its steps overlap as in `scaletrain train` (the pipeline drains only after the last step).
+PipeDream-2BW (`schedule=2bw`) is compared with one process running 2BW's own update rule (`StaleWeights`); in
+fp64 its steps overlap as in `scaletrain train` (the pipeline drains only after the last step).
 
 Layouts of one world size run in one job, one after the other in the same processes (`torchrun`, or a set of
 local processes in tests), so process start-up is paid once per job; `--jobs J` runs J jobs at once. A job that
@@ -25,142 +26,70 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
+from typing import Any
 
-from scaletrain.verify.layouts import STEPS, Layout, config, reference_config
+from scaletrain.verify.layouts import STEPS, Layout, reference_config
+from scaletrain.verify.runs import Outcome, Run, StaleWeights, fp8_keeps_dtype, layout_config, train
 from scaletrain.verify.tolerances import ATOL_FP64, RTOL_FP64, TOLERANCE
 
-if TYPE_CHECKING:
-    import torch
-
-@dataclass
-class Run:
-    """What one run computed: per-step losses and gradient norms, and the full final parameters (rank 0)."""
-
-    losses: dict[int, float]
-    grad_norms: dict[int, float]
-    state: dict[str, torch.Tensor] | None
-
-
-@dataclass
-class Outcome:
-    """One layout's comparison with its single-process run."""
-
-    layout: str
-    world: int
-    dtype: str
-    ok: bool
-    loss: float
-    """Largest relative loss difference over the steps."""
-    grad_norm: float
-    """Largest relative gradient-norm difference over the steps."""
-    params: float
-    """fp64: the largest element-wise excess over rtol (0 when within); else the relative L2 distance."""
-    worst: str
-    """The parameter with the largest element-wise difference."""
-    error: str = ""
-
-    @property
-    def result(self) -> str:
-        return "PASS" if self.ok else ("ERROR " + self.error if self.error else "FAIL")
+__all__ = ["Outcome", "Run", "StaleWeights", "check", "compare", "layout_config", "run_layout", "run_reference",
+           "table", "train"]
 
 
 # --------------------------------------------------------------------------- running
 
 
-def train(cfg, env=None, stale: bool = False, prepare: Callable | None = None) -> Run:
-    """Train `cfg` for `cfg.train.steps` steps as `scaletrain train` does (2BW overlaps steps until the last);
-    `stale` trains one process by PipeDream-2BW's rule (`stale_weights`); `prepare(trainer)` may patch the
-    trainer first (tests inject faults with it)."""
-    import torch
-
-    from scaletrain.train.trainer import Trainer
-
-    t = Trainer(cfg, None, env)
-    if prepare is not None:
-        prepare(t)
-    step = stale_weights(t) if stale else t.train_step
-    losses, norms = {}, {}
-    while t.step < cfg.train.steps:
-        t.step += 1
-        row = step(t.step) if stale else step(t.step, drain=t.step == cfg.train.steps)
-        losses[t.step], norms[t.step] = row["loss"], row["grad_norm"]
-    state = t.full_state()
-    keep = env is None or env.rank == 0
-    return Run(losses, norms, {k: v.to(torch.float64) for k, v in state.items()} if keep else None)
-
-
-def stale_weights(trainer):
-    """PipeDream-2BW's update rule (Narayanan et al., arXiv 2006.09503) on one process, around the real trainer:
-    step t computes the loss and gradient at W(t-1) (W(0) = W(1)) and the optimizer applies them to W(t). Returns
-    the step function; the optimizer's own state (moments, fp32 masters) is the trainer's."""
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    older = [p.detach().clone() for p in params]
-    opt = trainer.engine.optimizer
-    update = opt.step
-    current: list = []
-
-    def step_at_current(lr=None):
-        import torch
-
-        with torch.no_grad():
-            for p, w in zip(params, current):
-                p.copy_(w)  # the update applies to W(t)
-        update(lr)
-
-    opt.step = step_at_current
-
-    def train_step(step: int):
-        import torch
-
-        nonlocal older
-        current[:] = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, w in zip(params, older):
-                p.copy_(w)  # forward and backward at W(t-1)
-        older = [w.clone() for w in current]
-        return trainer.train_step(step)
-
-    return train_step
-
-
-def layout_config(layout: Layout, dtype: str | None = None):
-    """The validated run config of `layout` (in `dtype` instead of its own when given)."""
-    from scaletrain.config import validate
-
-    cfg = config(layout)
-    if dtype and fp8_keeps_dtype(layout, dtype) is None:
-        cfg.train.dtype = dtype
-    return validate(cfg, layout.world)
-
-
-def fp8_keeps_dtype(layout: Layout, dtype: str | None) -> str | None:
-    """An FP8 layout keeps its own dtype when the matrix is run in fp64 or fp16 (FP8 computes with fp32 or bf16
-    parameters): that dtype, else None."""
-    return layout["dtype"] if layout["precision"] == "fp8" and dtype in ("fp64", "fp16") else None
+def stepwise(layout: Layout, dtype: str | None = None) -> bool:
+    """Whether the layout is compared step by step from the same state (fp32, bf16, fp16: `verify/stepwise.py`)
+    rather than over the whole run (fp64)."""
+    return (dtype or layout["dtype"]) != "fp64" and layout["precision"] != "fp8"
 
 
 def tolerance_key(layout: Layout, dtype: str) -> str:
-    """The tolerance a layout is compared with: its dtype's; FP8 layouts the `fp8` one (tensor parallelism's bf16
-    differences move float8 scales and roundings, docs/verify.md)."""
+    """FP8 layouts are compared over the whole run with the measured `fp8` tolerance (tensor parallelism's bf16
+    differences move float8 scales and roundings, docs/verify.md); they are not yet compared step by step."""
     return "fp8" if layout["precision"] == "fp8" else dtype
 
 
-def run_layout(layout: Layout, env=None, dtype: str | None = None, prepare: Callable | None = None) -> Run:
-    """One rank's part of the layout's run (all ranks of the layout call it together)."""
+def run_layout(layout: Layout, env=None, dtype: str | None = None, prepare: Callable | None = None,
+               root: str | None = None) -> Run:
+    """One rank's part of the layout's run (all ranks of the layout call it together). A low-precision layout
+    writes its checkpoints into `root` (`verify/stepwise.py`)."""
+    if stepwise(layout, dtype):
+        from scaletrain.verify import stepwise as sw
+
+        if root is None:
+            raise ValueError(f"layout {layout.name} in {dtype or layout['dtype']} is compared step by step: "
+                             "run_layout needs a folder for its checkpoints (root)")
+        return sw.run_layout(layout, root, env, dtype, prepare)
     return train(layout_config(layout, dtype), env, prepare=prepare)
 
 
 def run_reference(layout: Layout, dtype: str | None = None) -> Run:
-    """The single-process run the layout is compared with; for PipeDream-2BW the single-process run of its
-    update rule (`stale_weights`)."""
+    """The single-process run an fp64 layout is compared with; for PipeDream-2BW the single-process run of its
+    update rule (`StaleWeights`)."""
     from scaletrain.config import validate
 
     cfg = reference_config(layout)
     if dtype and fp8_keeps_dtype(layout, dtype) is None:
         cfg.train.dtype = dtype
     return train(validate(cfg, 1), stale=layout["schedule"] == "2bw")
+
+
+def check(layout: Layout, got: Run, root: str | None = None, dtype: str | None = None,
+          references: dict | None = None) -> Outcome:
+    """The layout's run against one process: the whole run (fp64; references shared through `references`, keyed
+    by `reference_key`) or step by step from the layout's checkpoints in `root` (fp32, bf16, fp16)."""
+    if stepwise(layout, dtype):
+        from scaletrain.verify import stepwise as sw
+
+        return sw.compare(layout, sw.reference(layout, root, got, dtype), dtype)
+    references = {} if references is None else references
+    key = reference_key(layout, dtype)
+    if key not in references:
+        references[key] = run_reference(layout, dtype)
+    return compare(layout, references[key], got, dtype)
 
 
 def reference_key(layout: Layout, dtype: str | None = None) -> str:
@@ -198,7 +127,8 @@ def key_bias_slices(layout: Layout) -> dict[str, slice]:
 
 
 def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Outcome:
-    """The layout's run against its reference, with the tolerance of its dtype."""
+    """An fp64 layout's whole run against its reference: every step's loss and gradient norm and every final
+    parameter element-wise (an overflow-skipped step counts when both runs skipped it)."""
     import torch
 
     dtype = fp8_keeps_dtype(layout, dtype) or dtype or layout["dtype"]
@@ -226,11 +156,13 @@ def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Out
             worst_name, worst = k, excess
     finite = all(math.isfinite(x) for x in (*gl.values(), *rl.values())) and \
         all(math.isfinite(gn[s]) and math.isfinite(rn[s]) for s in rn if s not in skipped)
-    if dtype == "fp64":
+    if dtype == "fp64":  # (the only dtype compared over whole runs)
         ok = finite and all(abs(gl[s] - rl[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rl[s]) for s in rl) and \
             all(abs(gn[s] - rn[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rn[s]) for s in rn if s not in skipped) and \
             all(torch.allclose(gs[k], rs[k], rtol=RTOL_FP64, atol=ATOL_FP64) for k in rs)
         return Outcome(layout.name, layout.world, dtype, ok, loss, norm, max(worst, 0.0), worst_name)
+    if layout["precision"] != "fp8":
+        raise ValueError(f"a {dtype} layout is compared step by step (verify/stepwise.py), not over the whole run")
     tol = TOLERANCE[tolerance_key(layout, dtype)]
     num = sum(float((gs[k] - rs[k]).square().sum()) for k in rs)
     den = sum(float(rs[k].square().sum()) for k in rs)
@@ -240,11 +172,13 @@ def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Out
 
 
 def table(outcomes: list[Outcome], width: int = 72) -> str:
-    lines = [f"{'layout':<{width}} {'world':>5} {'dtype':>5} {'loss':>9} {'gnorm':>9} {'params':>9}  result"]
+    lines = [f"{'layout':<{width}} {'world':>5} {'dtype':>5} {'loss':>9} {'gnorm':>9} {'params':>9} {'routing':>7}"
+             "  result"]
     for o in outcomes:
         name = o.layout if len(o.layout) <= width else o.layout[:width - 3] + "..."
+        routing = "-" if math.isnan(o.routing) else f"{o.routing:.1%}"
         lines.append(f"{name:<{width}} {o.world:>5} {o.dtype:>5} {o.loss:>9.2e} {o.grad_norm:>9.2e} "
-                     f"{o.params:>9.2e}  {o.result}")
+                     f"{o.params:>9.2e} {routing:>7}  {o.result}")
     lines.append(f"{sum(o.ok for o in outcomes)} of {len(outcomes)} layouts PASS")
     return "\n".join(lines)
 
@@ -350,14 +284,14 @@ def run_batch(args) -> int:
     env = detect_env()
     with open(args.matrix_batch) as f:
         batch = json.load(f)
-    layouts, dtype = [Layout.of(**d) for d in batch["layouts"]], batch["dtype"]
+    layouts, dtype, roots = [Layout.of(**d) for d in batch["layouts"]], batch["dtype"], batch["roots"]
     device = distributed.pick_device("auto", env.local_rank if env else 0)
     if env is not None:
         distributed.init(env, 300.0, device)
     try:
         results = []
-        for lay in layouts:
-            results.append(asdict(run_layout(lay, env, dtype)))
+        for lay, root in zip(layouts, roots):
+            results.append(asdict(run_layout(lay, env, dtype, root=root)))
             if env is None or env.rank == 0:
                 torch.save(results, args.result + ".part")
                 os.replace(args.result + ".part", args.result)  # a job killed while saving keeps the last file
@@ -368,8 +302,15 @@ def run_batch(args) -> int:
     return 0
 
 
-def _launch(layouts: list[Layout], dtype: str | None, tmp: str, index: int, devices: str | None):
-    """Start one job (a subprocess) running `layouts` (all of one world size)."""
+def root_of(tmp: str, layouts: list[Layout], layout: Layout) -> str:
+    """The folder of a layout's checkpoints in a matrix run (low-precision layouts, `verify/stepwise.py`)."""
+    from pathlib import Path
+
+    return str(Path(tmp) / f"layout{layouts.index(layout)}")
+
+
+def _launch(layouts: list[Layout], dtype: str | None, tmp: str, index: int, devices: str | None, roots: list[str]):
+    """Start one job (a subprocess) running `layouts` (all of one world size), with their checkpoint folders."""
     import os
     import subprocess
     import sys
@@ -378,7 +319,7 @@ def _launch(layouts: list[Layout], dtype: str | None, tmp: str, index: int, devi
     from scaletrain.distributed.launch import torchrun_command
 
     batch = Path(tmp) / f"batch{index}.json"
-    batch.write_text(json.dumps({"layouts": [lay.as_dict() for lay in layouts], "dtype": dtype}))
+    batch.write_text(json.dumps({"layouts": [lay.as_dict() for lay in layouts], "dtype": dtype, "roots": roots}))
     result = Path(tmp) / f"result{index}.pt"
     argv = ["verify", "--matrix-batch", str(batch), "--result", str(result)]
     world = layouts[0].world
@@ -406,10 +347,10 @@ def _device_slices(jobs: int, world: int) -> list[str | None]:
     return [",".join(str(i * world + r) for r in range(world)) for i in range(jobs)]
 
 
-def run_all(layouts: list[Layout], jobs: int, dtype: str | None = None, tmp: str | None = None,
+def run_all(layouts: list[Layout], jobs: int, dtype: str | None, tmpdir: str,
             echo: Callable[[str], None] = print) -> dict[Layout, Any]:
-    """Run every layout (jobs of one world size each, `jobs` at a time); returns {layout: Run or error text}."""
-    import tempfile
+    """Run every layout (jobs of one world size each, `jobs` at a time); returns {layout: Run or error text}.
+    Jobs write their files (and low-precision layouts their checkpoints, `root_of`) under `tmpdir`."""
     import time
     from pathlib import Path
 
@@ -422,43 +363,44 @@ def run_all(layouts: list[Layout], jobs: int, dtype: str | None = None, tmp: str
         queue += [group[i::n] for i in range(n)]
     got: dict[Layout, Any] = {}
     total = len(layouts)
-    with tempfile.TemporaryDirectory(dir=tmp) as tmpdir:
-        running: list = []
-        free = {w: _device_slices(min(jobs, sum(lay.world == w for lay in layouts)), w)
-                for w in {lay.world for lay in layouts}}
-        index = 0
-        while queue or running:
-            # one world size at a time (its jobs share the devices), `jobs` jobs at once
-            while queue and len(running) < jobs and free[queue[0][0].world] and \
-                    all(item[0][0].world == queue[0][0].world for item in running):
-                chunk = queue.pop(0)
-                devices = free[chunk[0].world].pop()
-                running.append((chunk, devices, *_launch(chunk, dtype, tmpdir, index, devices)))
-                index += 1
-            time.sleep(0.2)
-            for item in list(running):
-                chunk, devices, proc, result, log = item
-                if proc.poll() is None:
-                    continue
-                running.remove(item)
-                log.close()
-                free[chunk[0].world].append(devices)
-                done = torch.load(result, weights_only=True) if Path(result).exists() else []
-                for lay, res in zip(chunk, done):
-                    got[lay] = Run(**res)
-                    echo(f"[{len(got)}/{total}] {lay.name} (world {lay.world}): ran")
-                if len(done) < len(chunk):  # the job died in chunk[len(done)]; the rest run in a new job
-                    tail = Path(log.name).read_text().strip().splitlines()[-1:] or ["(no output)"]
-                    bad = chunk[len(done)]
-                    got[bad] = f"job exited {proc.returncode} in this layout: {tail[0][:200]}"
-                    echo(f"[{len(got)}/{total}] {bad.name} (world {bad.world}): ERROR")
-                    if chunk[len(done) + 1:]:
-                        queue.insert(0, chunk[len(done) + 1:])
+    running: list = []
+    free = {w: _device_slices(min(jobs, sum(lay.world == w for lay in layouts)), w)
+            for w in {lay.world for lay in layouts}}
+    index = 0
+    while queue or running:
+        # one world size at a time (its jobs share the devices), `jobs` jobs at once
+        while queue and len(running) < jobs and free[queue[0][0].world] and \
+                all(item[0][0].world == queue[0][0].world for item in running):
+            chunk = queue.pop(0)
+            devices = free[chunk[0].world].pop()
+            roots = [root_of(tmpdir, layouts, lay) for lay in chunk]
+            running.append((chunk, devices, *_launch(chunk, dtype, tmpdir, index, devices, roots)))
+            index += 1
+        time.sleep(0.2)
+        for item in list(running):
+            chunk, devices, proc, result, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            free[chunk[0].world].append(devices)
+            done = torch.load(result, weights_only=True) if Path(result).exists() else []
+            for lay, res in zip(chunk, done):
+                got[lay] = Run(**res)
+                echo(f"[{len(got)}/{total}] {lay.name} (world {lay.world}): ran")
+            if len(done) < len(chunk):  # the job died in chunk[len(done)]; the rest run in a new job
+                tail = Path(log.name).read_text().strip().splitlines()[-1:] or ["(no output)"]
+                bad = chunk[len(done)]
+                got[bad] = f"job exited {proc.returncode} in this layout: {tail[0][:200]}"
+                echo(f"[{len(got)}/{total}] {bad.name} (world {bad.world}): ERROR")
+                if chunk[len(done) + 1:]:
+                    queue.insert(0, chunk[len(done) + 1:])
     return got
 
 
 def cmd_matrix(args) -> int:
     import sys
+    import tempfile
     import time
     from pathlib import Path
 
@@ -473,18 +415,20 @@ def cmd_matrix(args) -> int:
     print(f"verify --matrix: {len(layouts)} layouts ({what}, world <= {args.world}){dtype}, {args.jobs} job(s) at a "
           f"time; each trains {STEPS} steps and is compared with one process of the same dtype", flush=True)
     t0 = time.time()
-    got = run_all(layouts, args.jobs, args.dtype, echo=lambda line: print(line, flush=True))
     refs: dict[str, Run] = {}
     outcomes = []
-    for lay in layouts:
-        res, dt = got[lay], args.dtype or lay["dtype"]
-        if isinstance(res, str):
-            outcomes.append(Outcome(lay.name, lay.world, dt, False, math.nan, math.nan, math.nan, "", res))
-            continue
-        key = reference_key(lay, args.dtype)
-        if key not in refs:
-            refs[key] = run_reference(lay, args.dtype)
-        outcomes.append(compare(lay, refs[key], res, args.dtype))
+    with tempfile.TemporaryDirectory() as tmpdir:
+        got = run_all(layouts, args.jobs, args.dtype, tmpdir, echo=lambda line: print(line, flush=True))
+        for lay in layouts:
+            res, dt = got[lay], args.dtype or lay["dtype"]
+            if isinstance(res, str):
+                outcomes.append(Outcome(lay.name, lay.world, dt, False, math.nan, math.nan, math.nan, "", res))
+                continue
+            try:
+                outcomes.append(check(lay, res, root_of(tmpdir, layouts, lay), args.dtype, refs))
+            except Exception as e:  # noqa: BLE001 - a reference that cannot run is this layout's ERROR
+                text = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                outcomes.append(Outcome(lay.name, lay.world, dt, False, math.nan, math.nan, math.nan, "", text))
     seconds = time.time() - t0
     print(table(outcomes))
     Path(args.json).write_text(to_json(outcomes, layouts, {

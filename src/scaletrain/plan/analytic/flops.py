@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from scaletrain.plan.analytic.inputs import Recompute, recompute_policy
+from scaletrain.plan.analytic.params import router_outputs
 from scaletrain.plan.catalog import ModelSpec
 
 
@@ -27,7 +28,7 @@ def layer_matmul_flops(m: ModelSpec, padded: bool = True) -> tuple[float, float]
     mlp = (3 if m.mlp == "swiglu" else 2) * h * f
     L, Lm = m.n_layers, m.n_moe_layers
     rows = m.expert_slots_per_token if padded else m.top_k
-    return 2.0 * (L * attn_mats + (L - Lm) * mlp), 2.0 * Lm * (mlp * rows + h * m.n_experts)
+    return 2.0 * (L * attn_mats + (L - Lm) * mlp), 2.0 * Lm * (mlp * rows + h * router_outputs(m))
 
 
 def forward_flops_per_token(m: ModelSpec, padded: bool = True) -> tuple[float, float, float]:

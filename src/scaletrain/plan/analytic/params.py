@@ -67,9 +67,10 @@ def param_counts(m: ModelSpec) -> ParamCounts:
     L, Lm = m.n_layers, m.n_moe_layers
     dense = (qkv + proj_w + mlp_tp, proj_b + 2 * norm + mlp_rep, 0)
     # MoE block: attention as dense; router Linear(h, E, bias=False); E bias-free expert MLPs, stacked
-    moe = (qkv + proj_w, proj_b + 2 * norm + h * m.n_experts, m.n_experts * n_mats * h * f)
+    moe = (qkv + proj_w, proj_b + 2 * norm + h * router_outputs(m), m.n_experts * n_mats * h * f)
     layer_tp, layer_rep, layer_expert = (((L - Lm) * d + Lm * x) / L for d, x in zip(dense, moe))
-    tensors_layers = (L - Lm) * (tensors_attn + tensors_mlp) + Lm * (tensors_attn + n_mats + 1)
+    routers = 2 if m.expert_groups > 1 else 1
+    tensors_layers = (L - Lm) * (tensors_attn + tensors_mlp) + Lm * (tensors_attn + n_mats + routers)
     position = m.seq_len * d if m.position == "learned" else 0
     head = 0 if m.tie_embeddings else m.vocab_size * d
     tensors = 1 + (position > 0) + tensors_layers + (1 + b) + (head > 0)
@@ -77,9 +78,18 @@ def param_counts(m: ModelSpec) -> ParamCounts:
                        kv_proj, m.kv_heads)
 
 
+def router_outputs(m: ModelSpec) -> int:
+    """Outputs of an MoE layer's routers (their weights are h x this): E, or with the two-level hierarchical MoE
+    (arXiv 1701.06538 appendix B) the primary gate's groups plus the E outputs of the stacked secondary gates."""
+    return m.n_experts + (m.expert_groups if m.expert_groups > 1 else 0)
+
+
 def total_params(m: ModelSpec) -> int:
     c = param_counts(m)
-    return int(round(c.embedding + c.position + m.n_layers * c.per_layer + c.final_norm + c.head))
+    layers = m.n_layers * c.per_layer
+    if m.share_blocks:  # one copy of the (uniform: moe.every = 1 or dense) layer; every other layer adds its two norms
+        layers = c.per_layer + (m.n_layers - 1) * 2 * m.width * (1 + int(m.bias))
+    return int(round(c.embedding + c.position + layers + c.final_norm + c.head))
 
 
 def expert_params(m: ModelSpec) -> int:

@@ -192,11 +192,11 @@ def n_moe_blocks(cfg: Config, lo: int, hi: int) -> int:
 def ep_all_to_all_bytes(cfg: Config) -> int:
     """Bytes of one expert all-to-all of one MoE block and microbatch: the (E, G, K, C) slots of this
     rank's tokens (capacity_factor x k rows per token, rounded up per group; `parallel.experts`)."""
-    from scaletrain.config.sizes import capacity
+    from scaletrain.config.sizes import capacity, experts_per_token
 
     m, tr = cfg.model, cfg.train
     moe = m.moe
-    k = 1 if moe.router == "switch" else moe.top_k
+    k = experts_per_token(moe)
     G = tr.micro_batch * m.seq_len // moe.group_tokens
     K = capacity(moe.group_tokens, moe.experts, k, moe.capacity_factor)
     return moe.experts * G * K * m.d_model * run_memory._TORCH[tr.dtype].itemsize

@@ -17,6 +17,7 @@ from scaletrain.config import Config
 from scaletrain.config.run import current_config
 from scaletrain.config.schema import ASYNC_KEYS
 from scaletrain.errors import CheckpointError, UserError
+from scaletrain.guards import AppendLines
 from scaletrain.report.observers import RunObservers
 from scaletrain.train.progress import Progress
 from scaletrain.train.resume import differences, record_resume, record_start, trim_metrics
@@ -48,10 +49,11 @@ def async_signature(cfg: Config) -> dict[str, Any]:
 
 def find_resume(out: Path | None, cfg: Config) -> tuple[Path | None, dict[str, Any]]:
     """The newest complete checkpoint in `out` matching this run (None if there is none); CheckpointError if one
-    exists but belongs to another run."""
+    exists but belongs to another run, or if only incomplete ones exist (no COMPLETE: an interrupted save), as on the
+    synchronous path (checkpoint_dirs.usable_latest)."""
     if out is None:
         return None, {}
-    found = ckpt.latest(out / "checkpoints")
+    found, _ = ckpt.usable_latest(out / "checkpoints")  # only incomplete ones, or a file there: CheckpointError
     if found is None:
         return None, {}
     meta = ckpt.read_meta(found)
@@ -78,7 +80,10 @@ def check_async_run(out: Path, cfg: Config, reshard: bool, init_from: str | Path
     """Before launching an asynchronous run: refuse --reshard / --init-from, and a checkpoint in `out` that this
     config cannot resume (another run, another layout or sync mode, or a parallel.sync=bsp checkpoint)."""
     refuse_reshard(cfg, reshard, init_from)
-    find_resume(out, cfg)
+    _, notes = ckpt.usable_latest(Path(out) / "checkpoints")
+    found, _ = find_resume(out, cfg)
+    for note in notes:  # as the synchronous path says it (train/runner.py)
+        print(f"note: {note}; resuming from {found}, the newest complete checkpoint", flush=True)
 
 
 def record_config(out: Path, cfg: Config, resume_step: int) -> None:
@@ -114,7 +119,7 @@ class Metrics:
         out.mkdir(parents=True, exist_ok=True)
         record_config(out, cfg, resume_step)
         trim_metrics(out, resume_step)
-        self.f = open(out / "metrics.jsonl", "a")
+        self.f = AppendLines(out / "metrics.jsonl")  # a full disk: one line, the earlier rows intact (guards.py)
         if progress:
             self.bar = Progress(cfg.train.steps, resume_step)
 

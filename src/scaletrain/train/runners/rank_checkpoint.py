@@ -40,11 +40,13 @@ from scaletrain.train.checkpoint_dirs import (
     latest,
     prune,
     step_dir,
+    usable_latest,
 )
 
 FORMAT = RANK_FORMAT
 
-__all__ = ["FORMAT", "complete_checkpoints", "is_async_checkpoint", "latest", "load_rank", "read_meta", "save"]
+__all__ = ["FORMAT", "complete_checkpoints", "is_async_checkpoint", "latest", "load_rank", "read_meta", "save",
+           "usable_latest"]
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -1,0 +1,137 @@
+"""A replica group's side of the per-step quorum (torchft's Manager, github.com/pytorch/torchft; the quorum and
+commit protocol of its Lighthouse, here on torch.distributed's TCPStore and gloo).
+
+Each step a group asks the lighthouse (multinode/lighthouse.py, the store's host) to join the current round with
+the number of steps it has completed. The lighthouse closes the round when every member of the previous quorum
+has asked or stopped heartbeating, and publishes the quorum: its members (replica group ids), the step they will
+compute (one past the highest completed step), which members are behind (they heal first from a live member) and
+the id of the process group to use (a new gloo group over the members whenever they change, else the previous
+one). After the gradient all-reduce each member reports ok or failed; the lighthouse commits the step only when
+every member reported ok, so all members apply the same update or none does (a member that dies mid-collective
+makes the round fail and the step is retried with the survivors).
+
+Keys in the store: `hb/G` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `done/R/G`,
+`heal/R/G` (seconds), `commit/R`, `finished`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+LIGHTHOUSE_ENV = "SCALETRAIN_LIGHTHOUSE"  # host:port of the lighthouse's store (set by multinode/replicas.py)
+REPLICA_ENV = "SCALETRAIN_REPLICA"  # this process's replica group id
+
+
+@dataclass(frozen=True)
+class Quorum:
+    round: int
+    members: list[int]  # replica group ids, sorted
+    step: int  # the step this round computes
+    behind: list[int]  # members whose completed steps < step - 1: they heal first
+    pg_id: int
+
+    @property
+    def source(self) -> int:
+        """The member that sends its state to the ones behind (the first that is not behind)."""
+        return next(m for m in self.members if m not in self.behind)
+
+
+class QuorumClient:
+    """One replica group's connection to the lighthouse: heartbeat, rounds, process groups, commits."""
+
+    def __init__(self, address: str, group: int, heartbeat_s: float, pg_timeout_s: float):
+        host, port = address.rsplit(":", 1)
+        connect = timedelta(seconds=max(60.0, pg_timeout_s))
+        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=connect)
+        self._beat = dist.TCPStore(host, int(port), is_master=False, timeout=connect)
+        self.group, self.heartbeat_s, self.pg_timeout_s = group, heartbeat_s, pg_timeout_s
+        self.pg: dist.ProcessGroup | None = None
+        self.pg_id = -1
+        self._stop = threading.Event()
+        self._beat.add(f"hb/{group}", 1)
+        threading.Thread(target=self._heartbeat, name="replica-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s / 5):
+            self._beat.add(f"hb/{self.group}", 1)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def finished(self) -> bool:
+        return self.store.check(["finished"])
+
+    def join(self, completed: int) -> Quorum | None:
+        """The quorum of the next round this group is part of (None once the run is finished)."""
+        while not self.finished():
+            r = self.store.add("round", 0)
+            self.store.set(f"req/{r}/{self.group}", str(completed))
+            key = f"quorum/{r}"
+            while not self.store.check([key]):
+                if self.finished():
+                    return None
+                time.sleep(0.002)
+            q = json.loads(self.store.get(key))
+            if self.group in q["members"]:
+                return Quorum(r, q["members"], q["step"], q["behind"], q["pg_id"])
+        return None
+
+    def process_group(self, q: Quorum) -> dist.ProcessGroup:
+        """The gloo group over this quorum's members (rank = index in `members`), made when membership changed."""
+        if q.pg_id != self.pg_id:
+            prefix = dist.PrefixStore(f"pg/{q.pg_id}/", self.store)
+            self.pg = dist.ProcessGroupGloo(prefix, q.members.index(self.group), len(q.members),
+                                            timedelta(seconds=self.pg_timeout_s))
+            self.pg_id = q.pg_id
+        return self.pg
+
+    def gather_sum(self, q: Quorum, flat: torch.Tensor) -> torch.Tensor | None:
+        """The sum of `flat` over the quorum's members, added in member order (so one process adding the same
+        tensors in that order gets the same bits: the replay), or None when the collective failed. An all-gather
+        moves (Q - 1) x the bytes of a ring all-reduce's 2 (Q - 1) / Q: the price of an exactly replayable sum."""
+        if len(q.members) == 1:
+            return flat.clone()
+        parts = [torch.empty_like(flat) for _ in q.members]
+        try:
+            self.process_group(q).allgather([parts], [flat]).wait()
+        except RuntimeError:
+            self.pg_id = -1  # never reuse a group a failure went through
+            return None
+        return ordered_sum(parts)
+
+    def wait(self, key: str, timeout_s: float) -> None:
+        """Until `key` is in the store (RuntimeError after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica group {self.group}: no {key!r} within {timeout_s} s")
+            time.sleep(0.002)
+
+    def commit(self, q: Quorum, ok: bool, heal: dict | None = None) -> bool:
+        """Report this member's outcome (and its heal's stats); the lighthouse's decision for the round (True:
+        apply the update)."""
+        if heal is not None:
+            self.store.set(f"heal/{q.round}/{self.group}", json.dumps(heal))
+        self.store.set(f"done/{q.round}/{self.group}", "1" if ok else "0")
+        key = f"commit/{q.round}"
+        while not self.store.check([key]):
+            time.sleep(0.002)
+        committed = self.store.get(key) == b"1"
+        if not committed:
+            self.pg_id = -1
+        return committed
+
+
+def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ... left to right (the one summation order of runs and replays)."""
+    total = parts[0].clone()
+    for t in parts[1:]:
+        total += t
+    return total

@@ -1,0 +1,113 @@
+"""Launching fault-tolerant replica groups on one machine (parallel.replicas > 1; docs/fault_tolerance.md).
+
+One lighthouse process (multinode/lighthouse.py: the store, the per-step quorum, the membership log) and one
+torchrun agent per replica group, each with its own rendezvous and `--max-restarts=N` (`scaletrain train
+--restarts N`): when a group dies only its agent restarts it, the new process heals from a live group and joins at
+a step boundary while the others train on. Group g's output goes to `OUT/logs/group{g}.log`. When the lighthouse
+has committed the last step, groups still running (a frozen one, a restart that came too late) are stopped. Torch-
+free: the lighthouse and the groups import torch, this launcher does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from scaletrain.distributed.launch import LOG_DIR_ENV, free_port, torchrun_command
+
+GRACE_S = 10.0  # after the last step: how long groups get to save and exit before they are stopped
+LIGHTHOUSE_ENV = "SCALETRAIN_LIGHTHOUSE"
+REPLICA_ENV = "SCALETRAIN_REPLICA"
+
+
+def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, steps: int, heartbeat_s: float) -> int:
+    """Run the replica groups of `scaletrain <argv>`; the exit code for the user (0: every step committed)."""
+    logs, rep = out / "logs", out / "replicas"
+    logs.mkdir(parents=True, exist_ok=True)
+    rep.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    lh_log = open(logs / "lighthouse.log", "w")
+    lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain.multinode.lighthouse", "--port", str(port),
+                                   "--groups", str(groups), "--steps", str(steps), "--heartbeat-s", str(heartbeat_s),
+                                   "--log", str(out / "membership.jsonl"), "--linger-s", "2"],
+                                  stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
+    agents = []
+    try:
+        for g in range(groups):
+            env = dict(os.environ)
+            glogs = logs / f"group{g}"
+            glogs.mkdir(exist_ok=True)
+            env.update({LOG_DIR_ENV: str(glogs.resolve()), REPLICA_ENV: str(g), LIGHTHOUSE_ENV: f"127.0.0.1:{port}"})
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // groups)))
+            f = open(logs / f"group{g}.log", "w")
+            agents.append(subprocess.Popen(torchrun_command(1, argv, restarts=restarts), env=env, stdout=f,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+        while lighthouse.poll() is None and any(a.poll() is None for a in agents):
+            time.sleep(0.1)
+        deadline = time.monotonic() + GRACE_S
+        final = _final_members(out)  # the groups of the last step: they save their parameters, the others stop
+        while lighthouse.returncode is not None and any(agents[g].poll() is None for g in final):
+            if time.monotonic() > deadline or all((rep / f"final-group{g}.pt").exists() for g in final):
+                break
+            time.sleep(0.1)
+    finally:
+        for proc in [*agents, lighthouse]:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        stop_workers(rep)
+        lh_log.close()
+    return report(out, groups, steps)
+
+
+def _final_members(out: Path) -> list[int]:
+    path = out / "membership.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    committed = [r for r in rows if r["committed"]]
+    return committed[-1]["members"] if committed else []
+
+
+def stop_workers(rep: Path) -> None:
+    """SIGKILL group processes still alive (a frozen one survives its agent: torchrun starts ranks in a session of
+    their own); each wrote its pid to `replicas/group{g}.pid` at start."""
+    for f in rep.glob("group*.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(f.read_text())
+            if b"scaletrain" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        f.unlink(missing_ok=True)
+
+
+def report(out: Path, groups: int, steps: int) -> int:
+    """Print the failures, steps and tokens lost and heals of the membership log; 0 if every step was committed."""
+    path = out / "membership.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    committed = [r for r in rows if r["committed"]]
+    for r in rows:
+        if r["dropped"]:
+            print(f"step {r['step']}: replica group(s) {r['dropped']} dropped; {len(r['members'])} of {groups} "
+                  "groups went on", flush=True)
+        if not r["committed"]:
+            print(f"step {r['step']}: round {r['round']} failed (a member died mid-step); retried", flush=True)
+        for g, h in r["heal"].items():
+            if r["committed"]:
+                print(f"step {r['step']}: replica group {g} healed from a live group in {h['seconds']:.3f} s "
+                      f"({h['bytes']:,} bytes, {h['retries']} chunk(s) resent after a bad checksum) and rejoined",
+                      flush=True)
+    lost = sum(groups - len(r["members"]) for r in committed)
+    done = committed[-1]["step"] if committed else 0
+    print(f"replica run: {done}/{steps} steps committed in {len(rows)} rounds; group-steps lost {lost} "
+          f"(each is 1/{groups} of a step's batch); membership log {path}", flush=True)
+    finals = list((out / "replicas").glob("final-group*.pt"))
+    if done == steps and finals:
+        return 0
+    print(f"scaletrain: error: the replica run stopped at step {done} of {steps} (logs in {out / 'logs'})",
+          file=sys.stderr)
+    return 1

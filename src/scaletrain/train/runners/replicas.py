@@ -1,0 +1,183 @@
+"""Training one fault-tolerant replica group (parallel.replicas > 1; docs/fault_tolerance.md): HSDP across groups
+with a per-step quorum, as torchft does (github.com/pytorch/torchft), on torch.distributed (distributed/quorum.py).
+
+Each step: join the round's quorum (the lighthouse, multinode/lighthouse.py); if this group is behind (restarted),
+receive parameters, optimizer state and step from a live member, checksummed (distributed/heal.py), and join at
+this step boundary; compute this group's gradient on its own rows of the global batch (group g of R takes rows
+g*B/R .. (g+1)*B/R, as data-parallel rank g of dp = R would), normalised by its own tokens; sum the gradients (and
+losses) over the quorum and divide by the quorum's size; commit through the lighthouse; clip and step.
+
+The missing group's share: skipped. A step with Q of R groups is the mean gradient over the Q groups' rows (the
+batch actually computed) at the step's usual learning rate; the rows of a dead group are not recomputed by the
+others, so a failure costs (R - Q) x B/R sequences of that step and no stop. The membership log records which
+groups computed each step; `scaletrain replay` recomputes exactly that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
+from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient
+from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import Trainer, TrainResult
+
+FAULT_ENV = "SCALETRAIN_FT_FAULT"
+"""Fault drills (tests, benchmarks): `kill:G:S` or `stop:G:S` sends SIGKILL / SIGSTOP to replica group G's
+process when it has joined the quorum of step S, on its first attempt only (a restarted group is not hit again);
+`corrupt:G:0` makes group G, when it sends a heal, corrupt the first chunk once (the receiver must detect it)."""
+PACE_ENV = "SCALETRAIN_FT_PACE_S"
+"""Fault drills: each committed step with fewer than all groups takes at least this many seconds (so the restart of
+a tiny model's group finds the run still going)."""
+
+
+def group_config(cfg: Config) -> Config:
+    """The config one group's trainer runs: its share of the data-parallel dimension, no replicas."""
+    p = cfg.parallel
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=p.dp // p.replicas, replicas=1))
+
+
+class GroupModel:
+    """The model, optimizer and data of one replica group (a one-process `Trainer` without an output folder), and
+    this group's gradient of one step. Shared by the runner and the replay."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.trainer = Trainer(group_config(cfg), None, None)
+        self.opt = self.trainer.engine.optimizer  # plain replicated optimizer: a group is one process (rules)
+        self.tokens = cfg.tokens_per_step // cfg.parallel.replicas  # one group's tokens of a step
+
+    def local_grad(self, step: int, group: int) -> torch.Tensor:
+        """This group's gradient of the mean token loss over its rows, flattened, with that loss appended."""
+        t, r = self.trainer, self.cfg.parallel.replicas
+        micro = t.loader.micro_batches(step, group, r, self.cfg.train.micro_batch, device=t.device)
+        with t.own_rng():
+            loss = t.engine.forward_backward(micro, 1.0 / self.tokens)
+        flat = torch.cat([g.reshape(-1) for g in self.opt.grads] + [loss.reshape(1).to(self.opt.grads[0].dtype)])
+        self.opt.zero_grad()
+        return flat
+
+    def apply(self, step: int, mean: torch.Tensor) -> torch.Tensor:
+        """Set the gradients to `mean` (without its loss entry), clip, update; the step's grad norm."""
+        offset = 0
+        for g in self.opt.grads:
+            g.copy_(mean[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+        norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
+        self.opt.step(lr_at(step, self.cfg.train) * self.trainer.lr_scale)
+        self.opt.zero_grad()
+        return norm
+
+
+class ReplicaRunner:
+    """One replica group's process: the `make_trainer` interface (`step`, `n_params`, `run()`, `full_state()`)."""
+
+    def __init__(self, cfg: Config, out: Path | None):
+        self.cfg, self.out = cfg, out
+        self.group = int(os.environ[REPLICA_ENV])
+        self.model = GroupModel(cfg)
+        self.n_params = self.model.trainer.n_params
+        self.step = 0
+        p = cfg.parallel
+        self.client = QuorumClient(os.environ[LIGHTHOUSE_ENV], self.group, p.heartbeat_s, 2 * p.heartbeat_s)
+        self.fault = _fault(self.group)
+        self.pace = float(os.environ.get(PACE_ENV, "0"))
+        if out is not None:  # the launcher stops a group still alive after the run (a frozen one) by this pid
+            (out / "replicas").mkdir(parents=True, exist_ok=True)
+            (out / "replicas" / f"group{self.group}.pid").write_text(str(os.getpid()))
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return self.model.trainer.full_state()
+
+    def _heal(self, q: Quorum, pg) -> dict | None:
+        """Bring members that are behind to the source's state (the others wait until it is done, so the step's
+        collective does not time out on a long transfer); this member's receive stats (None if not behind)."""
+        link, src = Link(pg), q.members.index(q.source)
+        t = self.model.trainer
+        got = None
+        if self.group == q.source:
+            tamper = _flip_first_chunk if self.fault is not None and self.fault[0] == "corrupt" else None
+            for g in q.behind:
+                send_state(training_state(t.model, t.engine.optimizer, self.step), q.members.index(g), link,
+                           tamper=tamper)
+            self.client.store.set(f"healed/{q.round}", "1")
+        elif self.group in q.behind:
+            state, stats = recv_state(src, link)
+            self.step = load_training_state(t.model, t.engine.optimizer, state)
+            got = {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
+        else:
+            self.client.wait(f"healed/{q.round}", self.cfg.parallel.timeout_s)
+        return got
+
+    def run(self) -> TrainResult:
+        result = TrainResult(params=self.n_params)
+        log = open(self.out / "replicas" / f"group{self.group}.jsonl", "a") if self.out is not None else None
+        local: tuple[int, torch.Tensor] | None = None  # (step, this group's gradient) kept across failed rounds
+        try:
+            while True:
+                q = self.client.join(self.step)
+                if q is None:
+                    break
+                if self.fault is not None and self.fault[1] == q.step and self.fault[0] != "corrupt":
+                    os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
+                t0 = time.perf_counter()
+                try:
+                    heal = self._heal(q, self.client.process_group(q)) if q.behind else None
+                except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
+                    self.client.commit(q, False)
+                    continue
+                if local is None or local[0] != q.step:
+                    local = (q.step, self.model.local_grad(q.step, self.group))
+                total = self.client.gather_sum(q, local[1])
+                if not self.client.commit(q, total is not None, heal):
+                    continue
+                mean = total / len(q.members)
+                norm = self.model.apply(q.step, mean)
+                if len(q.members) < self.cfg.parallel.replicas:
+                    time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
+                self.step = q.step
+                row = {"step": q.step, "loss": float(mean[-1]), "grad_norm": float(norm), "members": q.members,
+                       "round": q.round, "step_time_s": time.perf_counter() - t0}
+                if heal is not None:
+                    row["heal"] = heal
+                result.losses[q.step] = row["loss"]
+                if log is not None:
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+        finally:
+            self.client.close()
+            if log is not None:
+                log.close()
+        result.final_step = self.step
+        if self.out is not None and self.step >= self.cfg.train.steps:
+            path = self.out / "replicas" / f"final-group{self.group}.pt"
+            torch.save({"step": self.step, "params": self.full_state()}, path.with_suffix(".part"))
+            os.replace(path.with_suffix(".part"), path)  # whole or absent: the launcher stops groups once it sees it
+        return result
+
+
+def _fault(group: int) -> tuple[str, int] | None:
+    """This group's drill from FAULT_ENV (a comma list of `kill:G:S`, `stop:G:S`, or `corrupt:G:0`: as the heal
+    source, group G corrupts the first chunk it sends once), on the first attempt only."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+    for item in spec.split(","):
+        kind, g, step = item.split(":")
+        if int(g) == group:
+            return kind, int(step)
+    return None
+
+
+def _flip_first_chunk(index: int, attempt: int, chunk: torch.Tensor) -> torch.Tensor:
+    if index == 0 and attempt == 0:
+        chunk[0] ^= 0xFF
+    return chunk

@@ -1,0 +1,130 @@
+"""Fault-tolerant replica groups (parallel.replicas; docs/fault_tolerance.md): a killed group is dropped while the
+others go on, restarts, heals from a live group through a corrupted chunk (detected, resent) and rejoins; the run's
+final parameters equal the replay of its membership log in fp64; a frozen group is dropped within the heartbeat
+bound; the replay itself equals the plain single-process Trainer when every group computed every step; bad input
+is one line and exit 2.
+
+Runs are `scaletrain train` subprocesses (3 replica groups of one process each, gloo on CPU) with the fault drills
+of train/runners/replicas.py."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from scaletrain.cli import main
+from scaletrain.config import load_config
+from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
+from tests.harness import TINY, train_reference
+
+HEARTBEAT_S = 2.0  # a live group is never starved of the CPU this long, even on a loaded CI machine
+RUN = {**TINY, "train.global_batch": 6, "train.checkpoint_every": 0, "parallel.dp": 3, "parallel.replicas": 3,
+       "parallel.heartbeat_s": HEARTBEAT_S}
+
+
+def _sets(overrides: dict) -> list[str]:
+    return [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+
+
+def _train(out, overrides: dict, fault: str, *extra: str, pace: float = 0.0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SCALETRAIN_FT_FAULT": fault, "SCALETRAIN_FT_PACE_S": str(pace)}
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--out", str(out), *_sets(overrides), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _finals(out) -> dict[str, dict[str, torch.Tensor]]:
+    return {f.stem: torch.load(f, weights_only=True)["params"] for f in sorted((out / "replicas").glob("final-*.pt"))}
+
+
+def _group_steps(out, g: int) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "replicas" / f"group{g}.jsonl").read_text().splitlines()]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_replay_of_full_quorums_equals_the_single_process_trainer():
+    """Independent of the lighthouse: R=3 groups' gradients averaged every step (the replay's arithmetic) is the
+    plain one-process Trainer on the whole batch (fp64; measured difference ~1e-16)."""
+    cfg = load_config(None, [f"{k}={v}" for k, v in RUN.items()])
+    rows = [{"step": s, "members": [0, 1, 2], "committed": True} for s in range(1, cfg.train.steps + 1)]
+    params = replay_rounds(cfg, rows)
+    _, ref = train_reference({k: v for k, v in RUN.items() if not k.startswith("parallel.")})
+    assert _max_diff(params, ref) <= 1e-12
+
+
+def test_killed_group_is_dropped_restarts_heals_through_a_corrupt_chunk_and_the_run_equals_its_replay(tmp_path):
+    out = tmp_path / "run"
+    run = {**RUN, "train.steps": 16}
+    # group 1 is SIGKILLed after joining step 3's quorum; group 0 (the heal source) corrupts its first chunk once;
+    # steps without every group take >= 2 s so that the restarted group finds the run still going
+    p = _train(out, run, "kill:1:3,corrupt:0:0", "--restarts", "1", pace=2.0)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = load_log(out)
+    failed = [(r["step"], r["members"]) for r in rows if not r["committed"]]
+    assert (3, [0, 1, 2]) in failed  # the round group 1 died in (a failed round is only ever retried)
+    committed = [r for r in rows if r["committed"]]
+    assert [r["step"] for r in committed] == list(range(1, 17))
+    after = next(r for r in committed if r["step"] == 3)
+    assert after["members"] == [0, 2] and after["dropped"] == [1]
+    healed = [r for r in committed if r["behind"]]
+    assert len(healed) == 1 and healed[0]["behind"] == [1] and healed[0]["members"] == [0, 1, 2]
+    heal = healed[0]["heal"]["1"]
+    assert heal["retries"] == 1 and heal["bytes"] > 0  # the corrupted chunk was detected and sent again
+    assert committed[-1]["members"] == [0, 1, 2]
+    for g in (0, 2):  # the survivors never stopped: each committed every step once, in one process
+        assert _group_steps(out, g) == list(range(1, 17))
+    assert _group_steps(out, 1) == [1, 2] + list(range(healed[0]["step"], 17))
+    finals = _finals(out)
+    assert sorted(finals) == ["final-group0", "final-group1", "final-group2"]
+    assert all(_max_diff(finals["final-group0"], f) == 0.0 for f in finals.values())  # the healed group is bit-equal
+    cfg = load_config(out / "config.yaml")
+    mine = replay_rounds(cfg, rows)
+    assert _max_diff(mine, finals["final-group0"]) <= TOLERANCE
+    assert "replica group(s) [1] dropped" in p.stdout and "healed from a live group" in p.stdout
+
+
+def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    p = _train(out, {**RUN, "train.steps": 5}, "stop:2:3")  # SIGSTOP inside step 3's collective
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert time.monotonic() - t0 < 200
+    rows = load_log(out)
+    failed = next(r for r in rows if not r["committed"] and r["step"] == 3 and 2 in r["members"])
+    retry = next(r for r in rows if r["committed"] and r["step"] == 3)
+    assert retry["members"] == [0, 1] and retry["dropped"] == [2]
+    # frozen inside the collective: the members' group times out after 2 x heartbeat_s; 2 s of scheduling slack
+    # (measured 2.07 s with heartbeat_s = 1)
+    assert retry["time"] - failed["time"] <= 2 * HEARTBEAT_S + 2.0
+    assert [r["step"] for r in rows if r["committed"]] == [1, 2, 3, 4, 5]
+    assert "final-group2" not in _finals(out)
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"parallel.dp": 4, "parallel.replicas": 3}, "parallel.replicas (3) must divide parallel.dp (4)"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.sync": "ps"}, "is for parallel.sync=bsp"),
+    ({"parallel.dp": 4, "parallel.replicas": 2}, "one process per replica group"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "train.checkpoint_every": 5}, "train.checkpoint_every"),
+])
+def test_replicas_refused_where_they_cannot_work(tmp_path, capsys, sets, message):
+    overrides = {**RUN, "train.global_batch": 8, **sets}
+    assert main(["train", "--out", str(tmp_path / "o"), *_sets(overrides)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_replay_of_a_replica_run_without_its_membership_log_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text(load_config(None, [f"{k}={v}" for k, v in RUN.items()]).to_yaml())
+    assert main(["replay", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no membership log" in err and len(err.strip().splitlines()) == 1
