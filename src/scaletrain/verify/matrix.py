@@ -82,9 +82,14 @@ def check(layout: Layout, got: Run, root: str | None = None, dtype: str | None =
     """The layout's run against one process: the whole run (fp64; references shared through `references`, keyed
     by `reference_key`) or step by step from the layout's checkpoints in `root` (fp32, bf16, fp16)."""
     if stepwise(layout, dtype):
+        from scaletrain.model.routing_tape import MissingDecision
         from scaletrain.verify import stepwise as sw
 
-        return sw.compare(layout, sw.reference(layout, root, got, dtype), dtype)
+        try:
+            return sw.compare(layout, sw.reference(layout, root, got, dtype), dtype)
+        except MissingDecision as e:  # the layout routed other tokens than one process does: not the same run
+            return Outcome(layout.name, layout.world, dtype or layout["dtype"], False, math.nan, math.nan, math.nan,
+                           "", str(e), math.nan)
     references = {} if references is None else references
     key = reference_key(layout, dtype)
     if key not in references:
