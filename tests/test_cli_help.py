@@ -14,7 +14,8 @@ from scaletrain.commands.train import SAMPLE_EXAMPLES, TRAIN_EXAMPLES
 
 def commands(epilog: str) -> list[list[str]]:
     """The `scaletrain ...` lines of an epilog, split as a shell would (without the leading `scaletrain`)."""
-    return [shlex.split(line.strip())[1:] for line in epilog.splitlines() if line.strip().startswith("scaletrain ")]
+    text = epilog.replace("\\\n", " ")  # a command continued on the next line with a backslash, as in a shell
+    return [shlex.split(line.strip())[1:] for line in text.splitlines() if line.strip().startswith("scaletrain ")]
 
 
 @pytest.mark.parametrize("command,epilog,least", [("train", TRAIN_EXAMPLES, 4), ("plan", PLAN_EXAMPLES, 4),

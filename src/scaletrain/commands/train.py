@@ -81,16 +81,17 @@ DEFAULT_TRAIN_ROOT = "runs/train"
 TRAIN_EXAMPLES = """examples:
   scaletrain train --set train.steps=50
       one process, the default small GPT on the embedded corpus; output in a new runs/train/<time> folder
-  scaletrain train --nproc 2 --set parallel.dp=2 --set parallel.zero=3 --out runs/zero3
+  scaletrain train --nproc 2 --set parallel.dp=2 --set parallel.zero=3 --set train.steps=30 --out runs/zero3
       2 processes, data parallel with ZeRO-3; run it again with the same --out to resume
-  scaletrain train --nproc 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --out runs/zero3 --reshard
-      resume runs/zero3 under another layout (tensor + sequence parallel)
-  scaletrain train --set model.preset=gpt2 --set model.n_layers=2 --set train.steps=20 --out runs/gpt2-2l
+  scaletrain train --nproc 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.steps=60 \\
+      --out runs/zero3 --reshard
+      continue runs/zero3 to step 60 under another layout (tensor + sequence parallel)
+  scaletrain train --set model.preset=gpt2 --set model.n_layers=2 --set train.steps=50 --out runs/gpt2-2l
       a catalog model's shape (scaletrain plan --help lists them), made smaller
   scaletrain train --set data.source=notes.txt --out runs/notes
       your own text file (or .jsonl, .parquet, a token .bin), one token per byte; `scaletrain data --help`
   scaletrain train --init-from hf/gpt2 --set train.steps=100 --out runs/ft
-      continue from a Hugging Face GPT-2 / Llama / Mistral / Qwen2 folder (config.json + safetensors)
+      start from a Hugging Face GPT-2 / Llama / Mistral / Qwen2 folder such as hf/gpt2 (config.json + safetensors)
 
 see every key with `scaletrain config show --doc`; docs/training.md
 """
