@@ -125,9 +125,10 @@ def key_bias_slices(layout: Layout) -> dict[str, slice]:
         return {}
     from scaletrain.config.sizes import kv_heads
 
-    hs, kv = m.d_model // m.n_heads, kv_heads(m)
+    width = m.d_model // 2 if m.reversible else m.d_model  # RevNet blocks: F and G are half width
+    hs, kv = width // m.n_heads, kv_heads(m)
     if kv == m.n_heads:  # fused q, k, v
-        return {f"blocks.{i}.attn.qkv.bias": slice(m.d_model, 2 * m.d_model) for i in range(m.n_layers)}
+        return {f"blocks.{i}.attn.qkv.bias": slice(width, 2 * width) for i in range(m.n_layers)}
     return {f"blocks.{i}.attn.kv.bias": slice(0, kv * hs) for i in range(m.n_layers)}  # k then v
 
 
