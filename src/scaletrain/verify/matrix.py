@@ -86,7 +86,7 @@ def check(layout: Layout, got: Run, root: str | None = None, dtype: str | None =
         from scaletrain.verify import stepwise as sw
 
         try:
-            return sw.compare(layout, sw.reference(layout, root, got, dtype), dtype)
+            return sw.compare(layout, sw.reference(layout, root, got, dtype, key_bias_slices(layout)), dtype)
         except MissingDecision as e:  # the layout routed other tokens than one process does: not the same run
             return Outcome(layout.name, layout.world, dtype or layout["dtype"], False, math.nan, math.nan, math.nan,
                            "", str(e), math.nan)
