@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MiB = float(1 << 20)
 BASE = {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 2, "model.seq_len": 32, "train.warmup_steps": 2,
         "train.eval_batches": 1, "train.device": "cpu", "train.lr": 3e-3}
+NO_EVAL = {k: v for k, v in BASE.items() if k != "train.eval_batches"}  # validate() refuses it without evaluation
 DENSE = {**BASE, "train.steps": 6, "train.global_batch": 4, "train.micro_batch": 2, "train.eval_every": 3,
          "train.checkpoint_every": 3, "train.tensorboard": "true", "train.profile_steps": "2:3"}
 PP = {**BASE, "parallel.pp": 2, "train.global_batch": 4, "train.micro_batch": 1, "train.steps": 4,
@@ -192,7 +193,7 @@ def test_fp16_loss_scale_and_skipped_steps(tmp_path):
     """A real fp16 run whose first loss scale overflows: the skipped steps and the backed-off scale."""
     from scaletrain.train.trainer import Trainer
 
-    cfg = make_config({**BASE, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
+    cfg = make_config({**NO_EVAL, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
                        "train.micro_batch": 2, "train.eval_every": 0, "train.dtype": "fp16",
                        "train.loss_scale": 1e30, "train.loss_scale_hysteresis": 1, "train.loss_scale_backoff": 1e-15,
                        "train.profile_steps": "2:100"})
@@ -289,7 +290,7 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, capsys)
 
     (tmp_path / "report.html").mkdir()  # the report cannot replace a directory
     (tmp_path / "report.html" / "keep").write_text("x")
-    cfg = make_config({**BASE, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
+    cfg = make_config({**NO_EVAL, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
                        "train.micro_batch": 2, "train.eval_every": 0, "train.checkpoint_every": 2,
                        "train.profile_steps": "3"})
     result = Trainer(cfg, tmp_path).run()
