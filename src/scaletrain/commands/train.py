@@ -11,6 +11,7 @@ from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.config.load import load_config_keys
+from scaletrain.config.sizes import moe_layers
 from scaletrain.errors import UserError
 from scaletrain.guards import (
     MAX_GPUS,
@@ -331,7 +332,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
                     print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
                 result = trainer.run()
                 if rank == 0:
-                    summary(out, trainer.n_params, result, time.time() - start)
+                    summary(out, trainer.n_params, result, time.time() - start, moe_layers(cfg.model))
         except BaseException:
             distributed.shutdown(clean=False)
             raise
@@ -339,7 +340,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     return 0
 
 
-def summary(out: Path, n_params: int, result, seconds: float) -> None:
+def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[int] | None = None) -> None:
     from scaletrain.report.plots import plot_expert_load, plot_loss, read_metrics
 
     metrics = out / "metrics.jsonl"
@@ -347,7 +348,7 @@ def summary(out: Path, n_params: int, result, seconds: float) -> None:
     if not rows:
         return
     png = plot_loss(metrics, out / "loss.png", title=shown(out))  # printable: a name need not be UTF-8
-    load_png = plot_expert_load(metrics, out / "expert_load.png")
+    load_png = plot_expert_load(metrics, out / "expert_load.png", moe_blocks)
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     lines = [
         f"parameters      {n_params:,}",
