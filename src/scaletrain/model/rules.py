@@ -204,8 +204,8 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
         errors.append(f"memory.compress={mem.compress} with model.reversible: reversible blocks save nothing for "
                       "backward to encode")
     if p.pp > 1 and p.schedule in ("zb-h1", "zb-v"):
-        errors.append(f"parallel.schedule={p.schedule} with model.reversible: the reverse pass rebuilds a block's input "
-                      "and its weight gradients together, so zero bubble cannot defer the weight part")
+        errors.append(f"parallel.schedule={p.schedule} with model.reversible: the reverse pass rebuilds a block's "
+                      "input and its weight gradients together, so zero bubble cannot defer the weight part")
     return errors
 
 
