@@ -67,8 +67,6 @@ def _pp2_configs() -> dict[str, dict]:
     out["zb-h1-untied-rope-swiglu"] = {**_cfg(2, "zb-h1", 4, 2, 4), "model.tie_embeddings": False,
                                        "model.position": "rope", "model.mlp": "swiglu"}
     out["zb-v-m3"] = _cfg(2, "zb-v", 3, 2, 4, v=2)  # V placement: first and last stage on rank 0 (tied: no copy)
-    out["zb-v-m4-untied-rope-swiglu"] = {**_cfg(2, "zb-v", 4, 1, 4, v=2), "model.tie_embeddings": False,
-                                         "model.position": "rope", "model.mlp": "swiglu"}
     return out
 
 
@@ -82,7 +80,9 @@ def _pp4_configs() -> dict[str, dict]:
     out["2bw-m4"] = _cfg(4, "2bw", 4, 1, 4)
     out["pp2-dp2-1f1b"] = _cfg(2, "1f1b", 2, 2, 4, **{"parallel.dp": 2})
     out["zb-v-m7"] = _cfg(4, "zb-v", 7, 1, 8, v=2)
-    out["pp2-dp2-zb-v"] = _cfg(2, "zb-v", 4, 1, 4, v=2, **{"parallel.dp": 2})
+    out["pp2-dp2-zb-v-untied-rope-swiglu"] = {**_cfg(2, "zb-v", 4, 1, 4, v=2, **{"parallel.dp": 2}),
+                                              "model.tie_embeddings": False, "model.position": "rope",
+                                              "model.mlp": "swiglu"}
     if _layout_available("scaletrain.parallel.zero"):
         out["pp2-dp2-zero1"] = _cfg(2, "1f1b", 2, 2, 4, **{"parallel.dp": 2, "parallel.zero": 1})
     if _layout_available("scaletrain.parallel.tensor_parallel"):
