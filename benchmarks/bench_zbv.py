@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python benchmarks/bench_zbv.py " + " ".join(sys.argv[1:]) if argv is None else "bench_zbv.main()"
     lines = [f"Model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, vocab 256,"
              f" fp32, untied; 2 processes (gloo, CPU, 1 thread each); {args.microbatches} microbatches of"
-             f" {args.micro_batch} sequences ({tokens} tokens per step); {args.repeats} steps after {args.warmup} warm-up, runners"
-             " alternating.", "",
+             f" {args.micro_batch} sequences ({tokens} tokens per step); {args.repeats} steps after {args.warmup}"
+             " warm-up, runners alternating.", "",
              "| runner | tokens/s (median step) | spread (min-max tokens/s) | median step / scaletrain 1f1b's |",
              "|---|---|---|---|"]
     for name, ts in times.items():

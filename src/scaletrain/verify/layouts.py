@@ -466,7 +466,8 @@ MEANING = {
     "compress": "`memory.compress`", "dtype": "`train.dtype`", "optimizer": "`optim.name`",
     "moe": "`model.moe.router` with 4 experts (`dense`: no experts; `importance`: topk with aux_loss=importance and "
            "router_noise 0.5; `hierarchical`: that with groups=2, top_k 1)",
-    "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation; zb-v twice that)",
+    "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation; zb-v: "
+                    "twice that)",
     "partition": "`parallel.partition` (`uneven`: the first chunk holds one block or segment more)",
     "tie_embeddings": "`model.tie_embeddings`", "position": "`model.position`", "mlp": "`model.mlp`",
     "dropout": "`model.dropout`",
