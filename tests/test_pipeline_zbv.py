@@ -1,8 +1,8 @@
 """ZB-V, zero bubble with two chunks per rank placed in a V (Qi et al., arXiv 2401.10241 section 6): the schedule.
 
 Equivalence with one process (pp 2 tied and untied, pp 4, dp 2 x pp 2, fp64, loss of every step and every final
-parameter) runs in tests/test_pipeline_exec.py's shared process pools (configs `zb-v-*`). Here: the placement, the
-lists checked by check.py for every p <= 8 and enough microbatches, the compute order op for op against
+parameter) runs in tests/test_pipeline_exec.py's shared process pools (configs `zb-v-*`); check.py's checks of the
+lists for p <= 8, m <= 16 in tests/test_pipeline_schedules.py. Here: the placement, the compute order op for op against
 torch.distributed.pipelining's own ScheduleZBVZeroBubble (its per-rank `pipeline_order`, computed without
 running), the simulated bubble against 1F1B and ZB-H1, the activation peak, and what validate() refuses.
 """
@@ -37,15 +37,6 @@ def test_v_placement_puts_stage_r_and_2p_minus_1_minus_r_on_rank_r():
             r, c = stage_to_rank_chunk(s, p, "zb-v")
             assert rank_chunk_to_stage(r, c, p, "zb-v") == s and {s, 2 * p - 1 - s} == {
                 rank_chunk_to_stage(r, 0, p, "zb-v"), rank_chunk_to_stage(r, 1, p, "zb-v")}
-
-
-def test_zbv_lists_pass_check_for_p_1_to_8_and_every_m_from_2p_minus_1():
-    n = 0
-    for p in range(1, 9):
-        for m in range(2 * p - 1, 2 * p + 9):
-            check_schedule(build_schedule("zb-v", p, m, 2), p, m, 2, "zb-v")
-            n += 1
-    assert n == 80
 
 
 def test_check_rejects_zbv_lists_read_with_the_loop_placement():
@@ -138,8 +129,8 @@ def _planned_vs_simulated(p: int, m: int, blocks: int, head: float) -> tuple[flo
 
 def test_planned_zbv_step_equals_the_simulator_on_equal_stages_and_is_close_with_a_head():
     """m·max W + (p-1)/(2p)·sum fill: exact on equal stages; with a head of one block on rank 0 the plan is slower
-    than the simulated schedule by 0.3%..4.4% over these cases (measured), bound 5%."""
-    for p, blocks in ((2, 3), (4, 3), (8, 12), (16, 3)):
+    than the simulated schedule by 0.5%..4.4% over these cases (measured), bound 5%."""
+    for p, blocks in ((2, 3), (4, 3), (8, 12)):
         for m in (2 * p, 4 * p):
             t_sim, closed = _planned_vs_simulated(p, m, blocks, 0.0)
             assert closed == pytest.approx(t_sim, rel=1e-12)
