@@ -1,0 +1,222 @@
+"""PipeDream (Narayanan et al., SOSP 2019; Harlap et al., arXiv 1806.03377): asynchronous 1F1B without a flush,
+weight stashing and vertical sync, `parallel.schedule=pipedream`.
+
+Its proof is a replay, as for the asynchronous data-parallel modes: every stage logs the weight version each
+forward and backward read, and a plain single-process fp64 loop written from the paper (tests/pipedream_replay.py,
+independent of the executor) recomputes exactly what the stages computed from that log. Claims checked here:
+
+- the per-step lists are sound over runs of steps with and without drains (matching, no deadlock, minibatch t's
+  backward in step t, p - r minibatches in flight on stage r before each update);
+- executed at pp2, pp4 (with and without vertical sync) and dp2 x pp2: the losses of every step and all final
+  parameters equal the replay's (rtol 1e-10); the stashing invariant holds (a minibatch's backward reads its
+  forward's version on every stage; with vertical sync the same version on all stages, the one stage 0 read); the
+  versions are the paper's (`forward_version`): without vertical sync stage r reads t - (p - r) for minibatch t,
+  with it every stage reads t - p; a stage held at most p - r versions (p with vertical sync);
+- the steps are really asynchronous: the losses differ from the synchronous 1F1B run of the same data;
+- bad settings are refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness import make_config, run_ranks
+from pipedream_replay import forward_versions, replay
+
+from scaletrain.config import load_config, validate
+from scaletrain.errors import ConfigError
+from scaletrain.parallel.pipeline.pipedream import (
+    build_pipedream_step,
+    check_pipedream,
+    forward_version,
+    phases,
+    versions_kept,
+)
+from scaletrain.parallel.pipeline.schedules import Op, build_schedule
+from scaletrain.parallel.pipeline.simulate import simulate_steps
+
+RTOL, ATOL = 1e-10, 1e-12  # fp64: the replay runs the same operations on the same weights, measured max 2e-15
+BASE = {"model.n_layers": 4, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32,
+        "model.tie_embeddings": "false", "train.steps": 6, "train.global_batch": 2, "train.micro_batch": 2,
+        "train.warmup_steps": 2, "train.eval_every": 0, "train.dtype": "fp64", "train.lr": 3e-3,
+        "parallel.schedule": "pipedream"}
+
+
+# --------------------------------------------------------------------------- lists, checker, simulator
+
+
+def test_lists_pass_the_checker_for_p_1_to_8_with_and_without_drains():
+    for p in range(1, 9):
+        check_pipedream(p, n_steps=6)
+        check_pipedream(p, n_steps=7, drains=(1, 2, 4))
+        check_pipedream(p, n_steps=1)
+
+
+def test_steady_step_is_one_forward_of_a_later_minibatch_and_this_minibatch_backward():
+    p = 4
+    for r in range(p):
+        w = p - r - 1
+        first, steady, drain = (build_pipedream_step(p, f, la)[r] for f, la in ((True, False), (False, False),
+                                                                              (False, True)))
+        assert [(a.op, a.batch) for a in steady if a.op.is_compute] == [(Op.FORWARD, w), (Op.BACKWARD, 0)]
+        assert [a.batch for a in first if a.op is Op.FORWARD] == list(range(w + 1))
+        assert [a.op for a in drain if a.op.is_compute] == ([Op.FORWARD] if w == 0 else []) + [Op.BACKWARD]
+    assert build_pipedream_step(p, True, True) == build_schedule("pipedream", p, 1)
+
+
+def test_checker_rejects_a_step_whose_forward_runs_ahead_of_the_paper_order():
+    import scaletrain.parallel.pipeline.pipedream as pd
+
+    real = pd.build_pipedream_step
+
+    def one_ahead(p, first, last):  # stage 0 starts one more minibatch: p + 1 in flight
+        out = real(p, first, last)
+        if first and not last:
+            out[0] = [a for a in out[0]]
+            out[0].insert(0, type(out[0][0])(Op.FORWARD, 0, 0, None, p))
+        return out
+
+    pd.build_pipedream_step = one_ahead
+    try:
+        with pytest.raises(ValueError, match="in flight"):
+            check_pipedream(3, n_steps=4)
+    finally:
+        pd.build_pipedream_step = real
+
+
+def test_simulated_steady_state_has_no_bubble_beyond_the_step_barrier():
+    p, n = 4, 12
+    res = simulate_steps([build_pipedream_step(p, f, la) for f, la in phases(n)], 1.0, 2.0)
+    steady = res.step_makespans[p:-1]
+    # one forward and one backward per rank per step, plus the backward chain to stage 0 the barrier waits for
+    assert steady == [1.0 + 2.0 + (p - 1) * 2.0] * len(steady)
+    assert max(res.window.peak_in_flight) == p
+
+
+def test_versions_follow_the_paper():
+    p = 4
+    assert [forward_version(10, r, p, False) for r in range(p)] == [6, 7, 8, 9]  # W_r^(t - p + r + 1), 1-based
+    assert [forward_version(10, r, p, True) for r in range(p)] == [6] * p
+    assert forward_version(2, 0, p, False) == 0
+    assert [versions_kept(p, r, False) for r in range(p)] == [4, 3, 2, 1]
+    assert versions_kept(p, 3, True) == 4
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"parallel.pp": 2}, "must be 1"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "model.tie_embeddings": "true"}, "tie_embeddings=true"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "parallel.virtual_stages": 2}, "needs parallel.schedule=interleaved"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "parallel.zero": 1}, "parallel.zero"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "model.dropout": 0.1}, "model.dropout"),
+    ({"parallel.pp": 1, "train.global_batch": 2}, "needs parallel.pp > 1"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "parallel.schedule": "1f1b", "parallel.vertical_sync": "true"},
+     "vertical_sync"),
+])
+def test_bad_settings_are_refused_with_one_line(sets, message):
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**BASE, "train.global_batch": 4, **sets}.items()])
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(cfg, 2)
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- execution and replay
+
+
+def _run(rank, world, runs):
+    from scaletrain.distributed.process_group import DistEnv
+    from scaletrain.train.trainer import Trainer
+
+    out = []
+    for overrides in runs:
+        cfg = make_config({k: v for k, v in {**BASE, **overrides}.items() if not k.startswith("_")})
+        t = Trainer(cfg, overrides.get("_out"), DistEnv(rank, world, 0, "test"))
+        result = t.run()
+        state = t.full_state()
+        stash = t.engine.pipeline.stash
+        out.append({"losses": result.losses, "state": state if rank == 0 else None,
+                    "log": stash.log if stash is not None else None,
+                    "peak": stash.peak_versions if stash is not None else None})
+    return out
+
+
+PP2 = {"pp2": {"parallel.pp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.schedule": "1f1b"},
+       "pp2-drain": {"parallel.pp": 2, "train.checkpoint_every": 3, "_out": ""}}
+FOUR = {"pp4": {"parallel.pp": 4}, "pp4-vsync": {"parallel.pp": 4, "parallel.vertical_sync": "true"},
+        "dp2-pp2": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4},
+        "dp2-pp2-vsync": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4,
+                          "parallel.vertical_sync": "true"}}
+
+
+@pytest.fixture(scope="module")
+def runs2(tmp_path_factory):
+    PP2["pp2-drain"]["_out"] = str(tmp_path_factory.mktemp("pipedream"))
+    outs = run_ranks(_run, 2, list(PP2.values()), timeout=240)
+    return {name: [o[i] for o in outs] for i, name in enumerate(PP2)}
+
+
+@pytest.fixture(scope="module")
+def runs4():
+    outs = run_ranks(_run, 4, list(FOUR.values()), timeout=400)
+    return {name: [o[i] for o in outs] for i, name in enumerate(FOUR)}
+
+
+def _assert_replayed(name: str, ranks: list[dict], overrides: dict) -> None:
+    p = overrides["parallel.pp"]
+    rows = [row for r in ranks[:p] for row in r["log"]]  # the first dp replica's stages (ranks 0 .. p-1)
+    losses, state = replay({**BASE, **overrides}, rows, p)
+    got = ranks[0]
+    for step, want in losses.items():
+        assert abs(got["losses"][step] - want) <= ATOL + RTOL * abs(want), f"{name} step {step}"
+    for n, want in state.items():
+        assert got["state"][n].sub(want).abs().max() <= ATOL + RTOL * want.abs().max(), f"{name}: {n}"
+
+
+def _assert_stashing(ranks: list[dict], p: int, vertical: bool, steps: int) -> None:
+    rows = [row for r in ranks for row in r["log"]]
+    fwd = forward_versions(rows)
+    for row in rows:
+        if row["pass"] == "backward":
+            assert row["version"] == fwd[(row["minibatch"], row["stage"])], f"stashing broken: {row}"
+    for t in range(1, steps + 1):
+        got = [fwd[(t, r)] for r in range(p)]
+        assert got == [forward_version(t, r, p, vertical) for r in range(p)], f"minibatch {t}: versions {got}"
+        if vertical:
+            assert len(set(got)) == 1
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2-drain"])
+def test_pp2_replays_exactly_and_stashes(runs2, name):
+    ranks = runs2[name]
+    _assert_replayed(name, ranks, PP2[name])
+    if name == "pp2":
+        _assert_stashing(ranks, 2, False, BASE["train.steps"])
+        assert [r["peak"] for r in ranks] == [2, 1]  # p - r versions
+    else:  # a drain after step 3 (the checkpoint): minibatch 4 is forwarded again, with the newest weights
+        fwd = forward_versions([row for r in ranks for row in r["log"]])
+        assert [fwd[(3, 0)], fwd[(4, 0)], fwd[(5, 0)], fwd[(6, 0)]] == [1, 3, 3, 4]
+        logged = [json.loads(line) for r in (0, 1) for line in
+                  (Path(PP2[name]["_out"]) / "pipedream_versions" / f"rank{r}.jsonl").read_text().splitlines()]
+        assert logged == ranks[0]["log"] + ranks[1]["log"]  # the run folder's version log is the one replayed
+
+
+def test_pipedream_steps_are_asynchronous_unlike_1f1b(runs2):
+    async_, sync = runs2["pp2"][0]["losses"], runs2["pp2-1f1b"][0]["losses"]
+    assert async_[1] == pytest.approx(sync[1], rel=1e-12)  # the same first minibatch at the initial weights
+    assert all(abs(async_[t] - sync[t]) > 1e-6 for t in range(3, BASE["train.steps"] + 1))
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_pp4_and_dp2_pp2_replay_exactly_and_keep_the_versions(runs4, name):
+    ranks, overrides = runs4[name], FOUR[name]
+    p, vertical = overrides["parallel.pp"], "parallel.vertical_sync" in overrides
+    _assert_replayed(name, ranks, overrides)
+    _assert_stashing(ranks, p, vertical, BASE["train.steps"])
+    if p == 2:  # data parallelism: the replicas of a stage read the same versions
+        assert ranks[0]["log"] == ranks[2]["log"] or ranks[0]["log"] == ranks[1]["log"]
+    peaks = [r["peak"] for r in ranks[:p]]
+    assert peaks == ([p] * p if vertical else [p - r for r in range(p)]), peaks
