@@ -198,18 +198,23 @@ def _assert_stashing(ranks: list[dict], p: int, vertical: bool, steps: int) -> N
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2-drain"])
-def test_pp2_replays_exactly_and_stashes(runs2, name):
-    ranks = runs2[name]
-    _assert_replayed(name, ranks, PP2[name])
-    if name == "pp2":
-        _assert_stashing(ranks, 2, False, BASE["train.steps"])
-        assert [r["peak"] for r in ranks] == [2, 1]  # p - r versions
-    else:  # a drain after step 3 (the checkpoint): minibatch 4 is forwarded again, with the newest weights
-        fwd = forward_versions([row for r in ranks for row in r["log"]])
-        assert [fwd[(3, 0)], fwd[(4, 0)], fwd[(5, 0)], fwd[(6, 0)]] == [1, 3, 3, 4]
-        logged = [json.loads(line) for r in (0, 1) for line in
-                  (Path(PP2[name]["_out"]) / "pipedream_versions" / f"rank{r}.jsonl").read_text().splitlines()]
-        assert logged == ranks[0]["log"] + ranks[1]["log"]  # the run folder's version log is the one replayed
+def test_pp2_replays_exactly_from_the_version_log(runs2, name):
+    _assert_replayed(name, runs2[name], PP2[name])
+
+
+def test_pp2_backward_reads_the_version_its_forward_read(runs2):
+    ranks = runs2["pp2"]
+    _assert_stashing(ranks, 2, False, BASE["train.steps"])
+    assert [r["peak"] for r in ranks] == [2, 1]  # p - r versions
+
+
+def test_pp2_drain_forwards_the_dropped_minibatch_again_and_writes_the_log(runs2):
+    ranks = runs2["pp2-drain"]  # a drain after step 3 (the checkpoint): minibatch 4 is forwarded again, newest weights
+    fwd = forward_versions([row for r in ranks for row in r["log"]])
+    assert [fwd[(3, 0)], fwd[(4, 0)], fwd[(5, 0)], fwd[(6, 0)]] == [1, 3, 3, 4]
+    logged = [json.loads(line) for r in (0, 1) for line in
+              (Path(PP2["pp2-drain"]["_out"]) / "pipedream_versions" / f"rank{r}.jsonl").read_text().splitlines()]
+    assert logged == ranks[0]["log"] + ranks[1]["log"]  # the run folder's version log is the one replayed
 
 
 def test_pipedream_steps_are_asynchronous_unlike_1f1b(runs2):
