@@ -64,7 +64,7 @@ def replay(overrides: dict, rows: list[dict], p: int) -> tuple[dict, dict]:
         loss = loss_sum(at(x), y) / cfg.tokens_per_step
         loss.backward()
         losses[step] = loss.item()
-        for (n, q), (_, g) in zip(named.items(), at.named_parameters()):
+        for q, g in zip(named.values(), at.parameters()):
             q.grad = g.grad.clone()
         norm = torch.sqrt(sum(q.grad.square().sum() for q in params)).item()
         if t.grad_clip > 0 and t.grad_clip / (norm + 1e-6) < 1:

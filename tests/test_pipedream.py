@@ -19,6 +19,7 @@ independent of the executor) recomputes exactly what the stages computed from th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,16 +27,22 @@ from harness import make_config, run_ranks
 from pipedream_replay import forward_versions, replay
 
 from scaletrain.config import load_config, validate
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.pipeline.pipedream import (
     build_pipedream_step,
     check_pipedream,
     forward_version,
     phases,
+    stash_copies,
     versions_kept,
 )
 from scaletrain.parallel.pipeline.schedules import Op, build_schedule
 from scaletrain.parallel.pipeline.simulate import simulate_steps
+from scaletrain.plan.analytic.estimate import estimate, pipeline_stages
+from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, DTYPES, Layout, Training
+from scaletrain.plan.analytic.stages import inflight_count, pipeline_makespan, rank_params
+from scaletrain.plan.catalog import get_model
+from scaletrain.plan.hardware import get_gpu
 
 RTOL, ATOL = 1e-10, 1e-12  # fp64: the replay runs the same operations on the same weights, measured max 2e-15
 BASE = {"model.n_layers": 4, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32,
@@ -104,6 +111,31 @@ def test_versions_follow_the_paper():
     assert versions_kept(p, 3, True) == 4
 
 
+def test_planner_bubble_is_the_simulated_steady_step():
+    for p in range(2, 9):
+        res = simulate_steps([build_pipedream_step(p, f, la) for f, la in phases(p + 4)], 1.0, 2.0)
+        assert pipeline_makespan("pipedream", p, 1, 1, [3.0] * p, [3.0] * p) == pytest.approx(res.step_makespans[p])
+
+
+def test_planner_counts_the_stashed_versions_and_the_minibatches_in_flight():
+    m = get_model("gpt3-1.3b")
+    train = Training(8)
+    lay = Layout(dp=8, pp=4, micro_batch=1, schedule="1f1b")
+    sync = estimate(m, get_gpu("h100-80gb"), train, lay, memory_only=True)
+    pd = estimate(m, get_gpu("h100-80gb"), train, replace(lay, schedule="pipedream"), memory_only=True)
+    vs = estimate(m, get_gpu("h100-80gb"), train, replace(lay, schedule="pipedream", vertical_sync=True),
+                  memory_only=True)
+    gpu, pd_lay = get_gpu("h100-80gb"), replace(lay, schedule="pipedream")
+    first = rank_params(m, pd_lay, pipeline_stages(m, gpu, train, pd_lay, DEFAULT_ASSUMPTIONS))[0]
+    pb = DTYPES[train.dtype][0]
+    assert pd.memory["params"] == pytest.approx((1 + 4) * first.total * pb)  # rank 0, the most loaded: 4 copies
+    assert vs.memory["params"] == pytest.approx(pd.memory["params"])  # rank 0 keeps p either way
+    assert [inflight_count("pipedream", 4, 1, 1, r) for r in range(4)] == [4, 3, 2, 1]  # minibatches, across steps
+    assert pd.memory["activations"] > 2.5 * sync.memory["activations"]  # 1f1b at m = 1 holds one per rank
+    with pytest.raises(UserError, match="microbatches \\(2\\) must be 1"):
+        estimate(m, get_gpu("h100-80gb"), Training(16), replace(lay, schedule="pipedream"), memory_only=True)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -140,7 +172,8 @@ def _run(rank, world, runs):
         stash = t.engine.pipeline.stash
         out.append({"losses": result.losses, "state": state if rank == 0 else None,
                     "log": stash.log if stash is not None else None,
-                    "peak": stash.peak_versions if stash is not None else None})
+                    "peak": stash.peak_versions if stash is not None else None,
+                    "copies": stash.peak_copies if stash is not None else None})
     return out
 
 
@@ -206,6 +239,7 @@ def test_pp2_backward_reads_the_version_its_forward_read(runs2):
     ranks = runs2["pp2"]
     _assert_stashing(ranks, 2, False, BASE["train.steps"])
     assert [r["peak"] for r in ranks] == [2, 1]  # p - r versions
+    assert [r["copies"] for r in ranks] == [stash_copies(2, r, False) for r in (0, 1)] == [2, 0]
 
 
 def test_pp2_drain_forwards_the_dropped_minibatch_again_and_writes_the_log(runs2):
@@ -233,3 +267,5 @@ def test_pp4_and_dp2_pp2_replay_exactly_and_keep_the_versions(runs4, name):
         assert r["log"] == _one_replica(ranks)[r["log"][0]["stage"]]["log"]
     peaks = [r["peak"] for r in _one_replica(ranks)]
     assert peaks == ([p] * p if vertical else [p - r for r in range(p)]), peaks
+    copies = [r["copies"] for r in _one_replica(ranks)]
+    assert copies == [stash_copies(p, r, vertical) for r in range(p)], copies  # what the planner counts

@@ -82,6 +82,17 @@ def versions_kept(p: int, r: int, vertical_sync: bool) -> int:
     return p if vertical_sync else p - r
 
 
+def stash_copies(p: int, r: int, vertical_sync: bool) -> int:
+    """Frozen copies of stage r's weights held at most besides the live ones (`stash.WeightStash`): without vertical
+    sync p - r (the versions of the minibatches in flight), none on the last stage (its forward and backward run in
+    one step, on the live weights); with vertical sync p on every stage (p = 1: none)."""
+    if p == 1:
+        return 0
+    if vertical_sync:
+        return p
+    return 0 if r == p - 1 else p - r
+
+
 def check_pipedream(p: int, n_steps: int = 5, drains: tuple[int, ...] = ()) -> None:
     """Raise ValueError naming the first problem of PipeDream's lists over a run of steps.
 

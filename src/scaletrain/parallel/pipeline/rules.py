@@ -44,7 +44,8 @@ def schedule(cfg: Config, world_size: int | None) -> list[str]:
                           "two weight versions in the module's parameters, which ZeRO-3 holds only as shards")
         return errors
     if p.virtual_stages > 1 or p.schedule in ("2bw", "pipedream"):
-        what = f"parallel.virtual_stages ({p.virtual_stages})" if p.virtual_stages > 1 else f"parallel.schedule={p.schedule}"
+        what = (f"parallel.virtual_stages ({p.virtual_stages})" if p.virtual_stages > 1
+                else f"parallel.schedule={p.schedule}")
         return [f"{what} needs parallel.pp > 1, got parallel.pp ({p.pp})"]
     return []
 
@@ -58,8 +59,8 @@ def pipedream(cfg: Config, world_size: int | None) -> list[str]:
         return []
     why = "with parallel.schedule=pipedream"
     refusals = [
-        (p.zero > 0, f"parallel.zero ({p.zero}) > 0 {why}: the stashed weight versions live in the module's parameters,"
-                     " which ZeRO keeps in its flat buffers"),
+        (p.zero > 0, f"parallel.zero ({p.zero}) > 0 {why}: the stashed weight versions live in the module's "
+                     "parameters, which ZeRO keeps in its flat buffers"),
         (p.tp > 1, f"parallel.tp ({p.tp}) > 1 {why}: the stashed versions are not wired to tensor parallelism"),
         (m.tie_embeddings, f"model.tie_embeddings=true {why}: the first and last stages would share one weight at two "
                            "different versions; set model.tie_embeddings=false"),

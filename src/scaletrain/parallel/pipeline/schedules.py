@@ -199,8 +199,8 @@ def schedule_constraints(name: str, p: int, m: int, v: int) -> list[str]:
         )
     if name == "pipedream" and m != 1:
         errors.append(
-            f"parallel.schedule=pipedream runs one minibatch per optimizer step, as the paper does: parallel.microbatches"
-            f" ({m}) must be 1 (train.global_batch = train.micro_batch x parallel.dp)"
+            f"parallel.schedule=pipedream runs one minibatch per optimizer step, as the paper does:"
+            f" parallel.microbatches ({m}) must be 1 (train.global_batch = train.micro_batch x parallel.dp)"
         )
     return errors
 

@@ -39,6 +39,7 @@ class WeightStash:
         self.current = 0  # the version the parameters point at
         self.step = 0
         self.peak_versions = 1  # most versions held at once, the live one included
+        self.peak_copies = 0  # most frozen copies of the weights held at once (memory besides the live weights)
         self.log: list[dict] = []
 
     @torch.no_grad()
@@ -55,6 +56,7 @@ class WeightStash:
         if version not in self.store:
             self.store[version] = [t.clone() for t in self.live]
             self.peak_versions = max(self.peak_versions, len(self.store) + (self.newest not in self.store))
+            self.peak_copies = max(self.peak_copies, len(self.store))
         return self.store[version]
 
     def _point(self, version: int) -> None:
