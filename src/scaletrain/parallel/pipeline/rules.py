@@ -70,7 +70,7 @@ def pipedream(cfg: Config, world_size: int | None) -> list[str]:
         (t.dtype == "fp16", f"train.dtype=fp16 {why}: the dynamic loss scaler skips steps, and a skipped update would "
                             "leave stashed versions of minibatches already in flight"),
         (p.offload != "none", f"parallel.offload={p.offload} {why}: the offloaded copies hold one weight version"),
-        (p.sync != "bsp", f"parallel.sync={p.sync} {why}: the asynchronous data-parallel modes have their own versions"),
+        (p.sync != "bsp", f"parallel.sync={p.sync} {why}: asynchronous data parallelism keeps its own versions"),
         (t.precision == "fp8", f"train.precision=fp8 {why}: the FP8 scales are not kept per stashed version"),
         (m.reversible or m.share_blocks, f"model.{'reversible' if m.reversible else 'share_blocks'}=true {why}: "
                                          "not wired to the stashed versions"),
