@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from harness import make_config, run_ranks
+from harness import make_config, run_ranks, train_reference_rules
 from pipedream_replay import forward_versions, replay
 
 from scaletrain.config import load_config, validate
@@ -178,7 +178,8 @@ def _run(rank, world, runs):
 
 
 PP2 = {"pp2": {"parallel.pp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.schedule": "1f1b"},
-       "pp2-drain": {"parallel.pp": 2, "train.checkpoint_every": 3, "_out": ""}}
+       "pp2-drain": {"parallel.pp": 2, "train.checkpoint_every": 3, "_out": ""},
+       "pp2-vsync": {"parallel.pp": 2, "parallel.vertical_sync": "true"}}
 FOUR = {"pp4": {"parallel.pp": 4}, "pp4-vsync": {"parallel.pp": 4, "parallel.vertical_sync": "true"},
         "dp2-pp2": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4},
         "dp2-pp2-vsync": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4,
@@ -230,7 +231,7 @@ def _assert_stashing(ranks: list[dict], p: int, vertical: bool, steps: int) -> N
             assert len(set(got)) == 1
 
 
-@pytest.mark.parametrize("name", ["pp2", "pp2-drain"])
+@pytest.mark.parametrize("name", ["pp2", "pp2-drain", "pp2-vsync"])
 def test_pp2_replays_exactly_from_the_version_log(runs2, name):
     _assert_replayed(name, runs2[name], PP2[name])
 
@@ -249,6 +250,18 @@ def test_pp2_drain_forwards_the_dropped_minibatch_again_and_writes_the_log(runs2
     logged = [json.loads(line) for r in (0, 1) for line in
               (Path(PP2["pp2-drain"]["_out"]) / "pipedream_versions" / f"rank{r}.jsonl").read_text().splitlines()]
     assert logged == ranks[0]["log"] + ranks[1]["log"]  # the run folder's version log is the one replayed
+
+
+def test_pp2_vertical_sync_is_the_2bw_rule_of_an_independent_single_process_run(runs2):
+    """At p = 2 vertical sync reads W(t - 2) for minibatch t on both stages and updates W(t - 1): PipeDream-2BW's
+    rule W(t+1) = W(t) - lr grad f(W(t-1)) (arXiv 2006.09503) in its numbering, which harness.train_reference_rules
+    computes in one process without any pipeline code."""
+    losses, state = train_reference_rules({**BASE, "parallel.pp": 2}, ("2bw",) * BASE["train.steps"])
+    got = runs2["pp2-vsync"][0]
+    for step, want in losses.items():
+        assert abs(got["losses"][step] - want) <= ATOL + RTOL * abs(want), f"step {step}"
+    for n, want in state.items():
+        assert got["state"][n].sub(want).abs().max() <= ATOL + RTOL * want.abs().max(), n
 
 
 def test_pipedream_steps_are_asynchronous_unlike_1f1b(runs2):
