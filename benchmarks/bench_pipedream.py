@@ -4,9 +4,10 @@ At pp = 2 and pp = 4 (local gloo processes) every schedule trains the same small
 the same number of steps with the same tokens per step: 1f1b and 2bw as `--microbatches` micro-batches of
 global_batch / m sequences, pipedream as one minibatch of global_batch sequences (its unit). The schedules run
 alternated, `--repeats` times, after one unrecorded 2-step warm-up run of each. Printed per schedule: tokens/s
-(median and spread over the repeats, and the ratio to 1f1b), the weight bytes each stage holds beyond its live
-weights (2bw: one older version; pipedream: the frozen copies the executor measured, `WeightStash.peak_copies`),
-the activation bytes the first step saved for backward on stage 0 (`SavedTensorCounter`, the executor's measurement), and the validation loss after the last step.
+(median and spread over the repeats, and the ratio to 1f1b); the weight bytes each stage holds beyond its live
+weights (2bw: one older version; pipedream: the frozen copies the executor measured, `WeightStash.peak_copies`);
+the activation bytes the first step saved for backward on stage 0 (`SavedTensorCounter`, the executor's
+measurement); the validation loss after the last step.
 
     nice -n 10 .venv/bin/python benchmarks/bench_pipedream.py [--steps 30] [--repeats 3] [--pp 2 4]
 """
