@@ -46,7 +46,7 @@ from scaletrain.plan.hardware import get_gpu
 
 RTOL, ATOL = 1e-10, 1e-12  # fp64: the replay runs the same operations on the same weights, measured max 2e-15
 BASE = {"model.n_layers": 4, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32,
-        "model.tie_embeddings": "false", "train.steps": 6, "train.global_batch": 2, "train.micro_batch": 2,
+        "model.tie_embeddings": "false", "train.steps": 5, "train.global_batch": 2, "train.micro_batch": 2,
         "train.warmup_steps": 2, "train.eval_every": 0, "train.dtype": "fp64", "train.lr": 3e-3,
         "parallel.schedule": "pipedream"}
 
@@ -181,9 +181,7 @@ PP2 = {"pp2": {"parallel.pp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.sched
        "pp2-drain": {"parallel.pp": 2, "train.checkpoint_every": 3, "_out": ""},
        "pp2-vsync": {"parallel.pp": 2, "parallel.vertical_sync": "true"}}
 FOUR = {"pp4": {"parallel.pp": 4}, "pp4-vsync": {"parallel.pp": 4, "parallel.vertical_sync": "true"},
-        "dp2-pp2": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4},
-        "dp2-pp2-vsync": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4,
-                          "parallel.vertical_sync": "true"}}
+        "dp2-pp2": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +244,7 @@ def test_pp2_backward_reads_the_version_its_forward_read(runs2):
 def test_pp2_drain_forwards_the_dropped_minibatch_again_and_writes_the_log(runs2):
     ranks = runs2["pp2-drain"]  # a drain after step 3 (the checkpoint): minibatch 4 is forwarded again, newest weights
     fwd = forward_versions([row for r in ranks for row in r["log"]])
-    assert [fwd[(3, 0)], fwd[(4, 0)], fwd[(5, 0)], fwd[(6, 0)]] == [1, 3, 3, 4]
+    assert [fwd[(3, 0)], fwd[(4, 0)], fwd[(5, 0)]] == [1, 3, 3]
     logged = [json.loads(line) for r in (0, 1) for line in
               (Path(PP2["pp2-drain"]["_out"]) / "pipedream_versions" / f"rank{r}.jsonl").read_text().splitlines()]
     assert logged == ranks[0]["log"] + ranks[1]["log"]  # the run folder's version log is the one replayed
