@@ -25,6 +25,9 @@ Schedules (names of `parallel.schedule`):
   during batch t's cool-down (tagged `batch=1`; they read W(t)), so only the first step fills the
   pipeline and only the last one drains it. Needs m >= p so that two weight versions suffice (at most p
   microbatches in flight).
+- `pipedream`: PipeDream's asynchronous 1F1B without a flush, with weight stashing and optional vertical
+  sync (Narayanan et al., SOSP 2019; arXiv 1806.03377); one minibatch per step. `build_schedule("pipedream",
+  p, 1)` is one isolated step; the lists of a run of steps are `pipedream.build_pipedream_step`'s.
 - `zb-v`: zero bubble V (Qi et al., arXiv 2401.10241 section 6): two chunks per rank placed in a V, so
   rank r holds stages r and 2p-1-r and the first and last stages share rank 0; backwards split into
   BACKWARD_INPUT and BACKWARD_WEIGHT as in zb-h1. Warm-up: rank r runs 2(p-r)-1 chunk-0 forwards, then
@@ -227,6 +230,11 @@ def schedule_constraints(name: str, p: int, m: int, v: int) -> list[str]:
             f"parallel.schedule=2bw needs at least as many microbatches as stages:"
             f" parallel.microbatches ({m}) < parallel.pp ({p})"
         )
+    if name == "pipedream" and m != 1:
+        errors.append(
+            f"parallel.schedule=pipedream runs one minibatch per optimizer step, as the paper does:"
+            f" parallel.microbatches ({m}) must be 1 (train.global_batch = train.micro_batch x parallel.dp)"
+        )
     return errors
 
 
@@ -354,6 +362,7 @@ _BUILDERS: dict[str, Callable[[int, int, int], list[Slots]]] = {
     "interleaved": _interleaved,
     "zb-h1": _zb_h1,
     "2bw": _one_f_one_b,
+    "pipedream": _one_f_one_b,  # one isolated step; the run of steps: pipedream.build_pipedream_step
     "zb-v": _zb_v,
 }
 
