@@ -18,6 +18,7 @@ import torch
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
+from scaletrain.report import page as pg
 from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from tests.harness import TINY, train_reference
 
@@ -88,6 +89,14 @@ def test_killed_group_is_dropped_restarts_heals_through_a_corrupt_chunk_and_the_
     mine = replay_rounds(cfg, rows)
     assert _max_diff(mine, finals["final-group0"]) <= TOLERANCE
     assert "replica group(s) [1] dropped" in p.stdout and "healed from a live group" in p.stdout
+    # the run report (written by the launcher) shows the failure, what it cost and the heal, from the log
+    back, group_tokens = healed[0]["step"], cfg.tokens_per_step // 3
+    text = (out / "report.html").read_text()
+    cells = [3, 1, back - 3, f"{(back - 3) * group_tokens:,}", back, f"{heal['seconds']:.3f}", f"{heal['bytes']:,}", 1]
+    assert "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>" in text
+    members = pg.figures_of(text)["replica-members"]["data"][0]
+    assert members["x"] == list(range(1, 17))
+    assert members["y"] == [3, 3] + [2] * (back - 3) + [3] * (17 - back)
 
 
 def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
@@ -111,7 +120,8 @@ def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
     ({"parallel.dp": 4, "parallel.replicas": 3}, "parallel.replicas (3) must divide parallel.dp (4)"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.sync": "ps"}, "is for parallel.sync=bsp"),
     ({"parallel.dp": 4, "parallel.replicas": 2}, "one process per replica group"),
-    ({"parallel.dp": 2, "parallel.replicas": 2, "train.checkpoint_every": 5}, "train.checkpoint_every"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "model.dropout": 0.1}, "does not support train.dtype=fp16, MoE or "
+                                                                       "dropout"),
 ])
 def test_replicas_refused_where_they_cannot_work(tmp_path, capsys, sets, message):
     overrides = {**RUN, "train.global_batch": 8, **sets}

@@ -120,3 +120,13 @@ def test_whole_job_kill_resumes_from_the_newest_checkpoint_and_equals_the_uninte
     one = {**RUN, "parallel.dp": 1, "parallel.replicas": 1}
     assert main(["train", "--out", str(plain), *_sets(one), "--reshard"]) == 0
     assert _ckpt_diff(ckpt.latest(plain / "checkpoints"), ref) <= EQUAL
+
+
+def test_a_replica_run_without_a_checkpoint_is_not_resumed_and_nothing_is_touched(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "membership.jsonl").write_text('{"round": 0}\n')
+    assert main(["train", "--out", str(out), *_sets(RUN)]) == 2
+    err = capsys.readouterr().err
+    assert "without a complete checkpoint to resume from" in err and len(err.strip().splitlines()) == 1
+    assert (out / "membership.jsonl").read_text() == '{"round": 0}\n'

@@ -257,7 +257,13 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
         if found is None:
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
         p = cfg.parallel
-        return launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s)
+        code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s)
+        if cfg.train.report:  # the groups train without an output folder: the launcher writes the report
+            from scaletrain.report.observers import safely
+            from scaletrain.report.run_page import write_report
+
+            safely(f"writing the run report {out / 'report.html'}", lambda: write_report(out))
+        return code
     if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
         from scaletrain.train.runners.launch import launch_ps
 
