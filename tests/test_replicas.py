@@ -19,6 +19,7 @@ import torch
 from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.report import page as pg
+from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from tests.harness import TINY, train_reference
 
@@ -85,6 +86,11 @@ def test_killed_group_is_dropped_restarts_heals_through_a_corrupt_chunk_and_the_
     finals = _finals(out)
     assert sorted(finals) == ["final-group0", "final-group1", "final-group2"]
     assert all(_max_diff(finals["final-group0"], f) == 0.0 for f in finals.values())  # the healed group is bit-equal
+    last = ckpt.latest(out / "checkpoints")  # the last step's checkpoint, by the lowest member (group 0)
+    assert last is not None and ckpt.read_meta(last)["replicas"] == {"writer": 0, "members": [0, 1, 2], "round":
+                                                                     committed[-1]["round"]}
+    saved = ckpt.read_tensors(last)
+    assert all(torch.equal(saved[k], finals["final-group0"][k]) for k in saved)
     cfg = load_config(out / "config.yaml")
     mine = replay_rounds(cfg, rows)
     assert _max_diff(mine, finals["final-group0"]) <= TOLERANCE
@@ -102,7 +108,7 @@ def test_killed_group_is_dropped_restarts_heals_through_a_corrupt_chunk_and_the_
 def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()
-    p = _train(out, {**RUN, "train.steps": 5}, "stop:2:3")  # SIGSTOP inside step 3's collective
+    p = _train(out, {**RUN, "train.steps": 5, "train.report": False}, "stop:2:3")  # SIGSTOP inside step 3's collective
     assert p.returncode == 0, p.stdout + p.stderr
     assert time.monotonic() - t0 < 200
     rows = load_log(out)
