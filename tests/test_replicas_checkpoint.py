@@ -88,7 +88,7 @@ def _ckpt_diff(directory: Path, ref: dict) -> float:
     return max(float((saved[k] - ref[k]).abs().max()) for k in saved)
 
 
-def test_whole_job_kill_resumes_from_the_newest_checkpoint_and_equals_the_uninterrupted_run(tmp_path):
+def test_whole_job_kill_resumes_from_the_newest_checkpoint_and_equals_the_uninterrupted_run(tmp_path, capsys):
     out = tmp_path / "run"
     _kill_job_after_checkpoint(out)
     newest = ckpt.latest(out / "checkpoints")
@@ -118,6 +118,13 @@ def test_whole_job_kill_resumes_from_the_newest_checkpoint_and_equals_the_uninte
     assert _max_diff(finals["final-group0"], ref) <= EQUAL
     assert _max_diff(replay_rounds(load_config(out / "config.yaml"), rows), finals["final-group0"]) <= TOLERANCE
     assert _ckpt_diff(ckpt.latest(out / "checkpoints"), ref) <= EQUAL  # the final checkpoint
+
+    # another number of groups is another layout: refused in one line, and --reshard into replica groups too
+    four = {**RUN, "parallel.dp": 4, "parallel.replicas": 4}
+    for extra, message in (([], "add --reshard"), (["--reshard"], "resumes only its own layout")):
+        assert main(["train", "--out", str(out), *_sets(four), *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
 
     # a replica checkpoint is a plain one: one process resumes it under replicas=1 with --reshard (`scaletrain
     # train --reshard`'s Trainer; the launcher's own checks of a resume are the plain runs' and tested there)

@@ -276,8 +276,8 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
 def check_replica_run(args, out: Path) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
     if args.rdzv_endpoint or args.nnodes != 1 or args.reshard or args.init_from is not None:
-        raise UserError("parallel.replicas > 1 runs on one machine from scratch: --nnodes/--rdzv-endpoint, --reshard "
-                        "and --init-from are not supported with it")
+        raise UserError("parallel.replicas > 1 runs on one machine and resumes only its own layout: --nnodes/"
+                        "--rdzv-endpoint, --reshard and --init-from are not supported with it")
     from scaletrain.train.checkpoint_dirs import latest
 
     if (out / "membership.jsonl").exists() and latest(out / "checkpoints") is None:
