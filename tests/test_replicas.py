@@ -105,6 +105,11 @@ def test_killed_group_is_dropped_restarts_heals_through_a_corrupt_chunk_and_the_
     text = (out / "report.html").read_text()
     cells = [3, 0, back - 3, f"{(back - 3) * group_tokens:,}", back, f"{heal['seconds']:.3f}", f"{heal['bytes']:,}", 1]
     assert "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>" in text
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # by each step's writer
+    survivor = [json.loads(x) for x in (out / "replicas" / "group1.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["loss"], m["replica_groups"]) for m in metrics] == \
+        [(r["step"], r["loss"], len(r["members"])) for r in survivor]
+    assert pg.figures_of(text)["loss-step"]["data"][0]["x"] == list(range(1, 17))
     members = pg.figures_of(text)["replica-members"]["data"][0]
     assert members["x"] == list(range(1, 17))
     assert members["y"] == [3, 3] + [2] * (back - 3) + [3] * (17 - back)
@@ -133,6 +138,8 @@ def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
     ({"parallel.dp": 4, "parallel.replicas": 2}, "one process per replica group"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "model.dropout": 0.1}, "does not support train.dtype=fp16, MoE or "
                                                                        "dropout"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "train.profile_steps": "2:3"}, "writes no TensorBoard events or "
+                                                                               "profiler traces"),
 ])
 def test_replicas_refused_where_they_cannot_work(tmp_path, capsys, sets, message):
     overrides = {**RUN, "train.global_batch": 8, **sets}

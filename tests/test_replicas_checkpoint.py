@@ -106,6 +106,8 @@ def test_whole_job_kill_resumes_from_the_newest_checkpoint_and_equals_the_uninte
     rows = load_log(out)
     assert [r.get("resumed_from") for r in rows[len(killed):]][0] == 4
     assert [r["step"] for r in effective_rows(rows)] == list(range(1, 9))
+    metrics = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == list(range(1, 9))  # step 5's row of the killed launch was trimmed at the resume
     history = [json.loads(x) for x in (out / "resumes.jsonl").read_text().splitlines()]
     assert [h["from_step"] for h in history] == [4]  # one whole-job resume, written once
     assert [c.name for c in ckpt.checkpoint_dirs.complete_checkpoints(out / "checkpoints")][-2:] == \

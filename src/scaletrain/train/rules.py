@@ -74,4 +74,8 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     if t.on_nan != "stop" or t.log_noise_scale or t.eval_every:
         errors.append("parallel.replicas > 1 needs train.on_nan=stop, no train.log_noise_scale and "
                       "train.eval_every=0")
+    if t.tensorboard or t.profile_steps:
+        errors.append(f"parallel.replicas > 1 writes no TensorBoard events or profiler traces (got "
+                      f"train.tensorboard={str(t.tensorboard).lower()}, train.profile_steps={t.profile_steps!r}): its "
+                      "groups train without an output folder; the report and metrics.jsonl have the run")
     return errors

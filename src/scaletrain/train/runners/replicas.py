@@ -122,6 +122,7 @@ class ReplicaRunner:
         self.step = int(meta["step"])
         if self.group == 0:  # resumes.jsonl records whole-job resumes only (heals go to the membership log)
             resume.record_resume(self.out, self.step, diffs, checkpoint=found.name)
+            resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
 
     def _save(self, q: Quorum) -> None:
         """Write the checkpoint of the step just committed (this group is the quorum's lowest member)."""
@@ -190,6 +191,8 @@ class ReplicaRunner:
                 if log is not None:
                     log.write(json.dumps(row) + "\n")
                     log.flush()
+                if self.out is not None and self.group == q.members[0]:  # the lowest member speaks for the step
+                    self._metrics(row, lr_at(q.step, self.cfg.train) * self.model.trainer.lr_scale)
                 every, last = self.cfg.train.checkpoint_every, self.cfg.train.steps
                 if self.saver is not None and self.group == q.members[0] and (
                         (every and self.step % every == 0) or self.step == last):
@@ -208,6 +211,19 @@ class ReplicaRunner:
             os.replace(path.with_suffix(".part"), path)  # whole or absent: the launcher stops groups once it sees it
         return result
 
+
+    def _metrics(self, row: dict, lr: float) -> None:
+        """The step's row of `OUT/metrics.jsonl` (every train.log_every steps and the last), for the report: loss
+        and gradient norm of the quorum's mean, lr, step time, tokens/s of the rows actually computed."""
+        t = self.cfg.train
+        if self.step % t.log_every and self.step != t.steps:
+            return
+        tokens = len(row["members"]) * self.model.tokens
+        line = {"step": self.step, "loss": row["loss"], "grad_norm": row["grad_norm"], "lr": lr,
+                "step_time_s": row["step_time_s"], "tokens_per_s": tokens / row["step_time_s"],
+                "replica_groups": len(row["members"])}
+        with open(self.out / "metrics.jsonl", "a") as f:  # one short line, appended: whole or absent
+            f.write(json.dumps(line) + "\n")
 
     def _drill(self) -> None:
         assert self.fault is not None
