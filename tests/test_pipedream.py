@@ -146,6 +146,9 @@ def test_planner_counts_the_stashed_versions_and_the_minibatches_in_flight():
     ({"parallel.pp": 2, "train.global_batch": 2, "parallel.zero": 1}, "parallel.zero"),
     ({"parallel.pp": 2, "train.global_batch": 2, "model.dropout": 0.1}, "model.dropout"),
     ({"parallel.pp": 1, "train.global_batch": 2}, "needs parallel.pp > 1"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "memory.recompute": "full"}, "memory.recompute=full"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "memory.compress": "bf16"}, "memory.compress=bf16"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "train.compile": "true"}, "train.compile=true"),
     ({"parallel.pp": 2, "train.global_batch": 2, "parallel.schedule": "1f1b", "parallel.vertical_sync": "true"},
      "vertical_sync"),
 ])
