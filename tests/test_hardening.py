@@ -259,15 +259,18 @@ def test_a_full_disk_while_writing_the_token_cache_is_one_line(capsys, small_dis
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == ["earlier.bin"]  # no partial
 
 
-@pytest.mark.parametrize("command", ["export", "convert"])
+@pytest.mark.parametrize("command", ["export", "convert", "convert-dp2"])
 def test_a_full_disk_while_exporting_removes_the_partial_output(capsys, small_disk, finished_run, command):
+    """convert-dp2: the conversion runs on 2 ranks (torchrun); the job's logs live outside the output, so the ranks'
+    disk-full record is read, and the launcher says the single-process line."""
     disk, fill = small_disk
     (disk / "notes.txt").write_text("the user's earlier file")
     fill()
     before = hashes(disk)
     to = disk / "out"
     argv = (["export", str(finished_run), "--format", "hf", "--to", str(to)] if command == "export"
-            else ["checkpoint", "convert", str(finished_run), "--to", str(to)])
+            else ["checkpoint", "convert", str(finished_run), "--to", str(to)]
+            + (["--layout", "dp=2"] if command == "convert-dp2" else []))
     what = "the export" if command == "export" else "the converted run"
     one_line(capsys, main(argv), 1, f"cannot write {what} {to}: the disk is full", f"({to} is empty)")
     assert hashes(disk) == before and list(to.iterdir()) == []
