@@ -161,6 +161,10 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
 
     # what the folder, the config and the memory plan refuse is said before the data is read or tokenized
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
+    if (done := complete_step(out, cfg)) is not None:  # said before the data is read or any process starts
+        print(f"already complete at step {done}: nothing to do" + (
+            f" (train.steps is {cfg.train.steps})" if done > cfg.train.steps else ""), flush=True)
+        return 0
     if args.init_from is not None:  # weights whose shapes disagree with config.json fail here, before any process
         from scaletrain.interop.hf import check_hf_weights
 
@@ -195,6 +199,20 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     if args.rdzv_endpoint:
         return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
     return launch_local(nproc, argv, out, args.restarts)
+
+
+def complete_step(out: Path, cfg: Config) -> int | None:
+    """The step of `out`'s newest complete checkpoint when it is at or past train.steps (the run has nothing left to
+    do), else None. check_run has already checked that checkpoint against the config."""
+    from scaletrain.train import checkpoint as ckpt
+
+    if not (out / "checkpoints").is_dir():
+        return None
+    found, _ = ckpt.usable_latest(out / "checkpoints")
+    if found is None:
+        return None
+    step = int(ckpt.read_meta(found).get("step", 0))
+    return step if step >= cfg.train.steps else None
 
 
 def check_replica_run(args, out: Path) -> None:
@@ -260,12 +278,12 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
             # the asynchronous modes supervise their own ranks (docs/async.md); bsp runs get docs/multinode.md's
             with supervise(cfg, out, env, device) if supervised else contextlib.nullcontext() as job:
                 start = time.time()
-                trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard,
+                trainer = make_trainer(cfg, out, env, progress=True, reshard=reshard,  # a bar or log lines
                                        init_from=init_from)  # bsp: the Trainer (train/resume.py)
                 if job is not None:
                     job.attach(trainer)
                 if trainer.step >= cfg.train.steps and rank == 0:
-                    print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
+                    print(f"already complete at step {trainer.step}: nothing to do")
                 result = trainer.run()
                 if rank == 0:
                     summary(out, trainer.n_params, result, time.time() - start)

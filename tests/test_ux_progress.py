@@ -1,0 +1,131 @@
+"""A run whose output is not a terminal prints plain progress lines on stderr (train/progress.py), and `train --out`
+on a finished run says "already complete at step N: nothing to do" without reading data or starting a process
+(commands/train.py)."""
+
+import contextlib
+import hashlib
+import io
+import json
+import re
+import subprocess
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.train import progress
+
+TINY = ["--set", "model.n_layers=1", "--set", "model.d_model=16", "--set", "model.n_heads=2",
+        "--set", "model.seq_len=16", "--set", "train.steps=4", "--set", "train.global_batch=4",
+        "--set", "train.micro_batch=2", "--set", "train.eval_every=0", "--set", "train.log_every=1",
+        "--set", "train.warmup_steps=1", "--set", "train.dtype=fp64", "--set", "train.device=cpu"]
+LINE = re.compile(r"^train: step (\d+)/4 \((\d+)%\), loss (\d+\.\d{4}), ([\d,]+) tokens/s \(mean over wall time\), "
+                  r"ETA (.+)$")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 4-step run in process with stdout and stderr captured (not terminals), lines every 0 s: (out, stdout,
+    stderr)."""
+    out = tmp_path_factory.mktemp("ux") / "run"
+    so, se = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(progress, "LOG_EVERY_S", 0.0)
+        with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+            assert main(["train", "--out", str(out), *TINY]) == 0
+    return out, so.getvalue(), se.getvalue()
+
+
+def test_captured_run_prints_a_progress_line_per_logged_step(finished_run):
+    out, stdout, stderr = finished_run
+    lines = [m for m in map(LINE.match, stderr.splitlines()) if m]
+    assert [int(m[1]) for m in lines] == [1, 2, 3, 4], stderr
+    assert [int(m[2]) for m in lines] == [25, 50, 75, 100]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m[3] for m in lines] == [f"{r['loss']:.4f}" for r in rows]  # the logged losses, to the digit shown
+    assert all(int(m[4].replace(",", "")) > 0 for m in lines)
+    assert lines[-1][5] == "0 s"
+    assert not any(map(LINE.match, stdout.splitlines()))  # the lines go to stderr only
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_plain_lines_every_interval_and_at_the_last_step(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "monotonic", clock)
+    buf = io.StringIO()
+    bar = progress.PlainProgress(total=100, start=20, stream=buf)  # a run resumed at step 20
+    row = {"loss": 2.5, "tokens_per_s": 400.0, "step_time_s": 0.5}  # 200 tokens a step
+    for step in range(21, 101):
+        clock.now += 0.5  # 2 steps a second
+        bar.update(step, row)
+    lines = buf.getvalue().splitlines()
+    # 10 s = 20 steps after the start, then every 20 steps, and step 100 (also 10 s after step 80)
+    assert [int(x.split()[2].split("/")[0]) for x in lines] == [40, 60, 80, 100]
+    assert lines[0] == ("train: step 40/100 (40%), loss 2.5000, 400 tokens/s (mean over wall time), "
+                        "ETA 30 s")  # 60 steps left at 2 steps/s
+    assert lines[-1].endswith("ETA 0 s")
+
+
+def test_last_step_gets_a_line_before_the_interval(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "monotonic", clock)
+    buf = io.StringIO()
+    bar = progress.PlainProgress(total=3, start=0, stream=buf)
+    for step in (1, 2, 3):
+        clock.now += 1.0
+        bar.update(step, {"loss": 1.0, "tokens_per_s": 10.0, "step_time_s": 1.0})
+    assert buf.getvalue() == "train: step 3/3 (100%), loss 1.0000, 10 tokens/s (mean over wall time), ETA 0 s\n"
+
+
+def test_terminal_gets_the_bar(monkeypatch):
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: True, raising=False)
+    p = progress.Progress(4, 0)
+    try:
+        assert isinstance(p.impl, progress._Bar)
+    finally:
+        p.close()
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: False, raising=False)
+    assert isinstance(progress.Progress(4, 0).impl, progress.PlainProgress)
+
+
+def digest(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class Started(Exception):
+    pass
+
+
+def refuse(*a, **k):
+    raise Started("a process or the data was started")
+
+
+@pytest.mark.parametrize("extra, said", [
+    ([], "already complete at step 4: nothing to do\n"),
+    (["--nproc", "2", "--reshard", "--set", "parallel.dp=2"], "already complete at step 4: nothing to do\n"),
+    (["--set", "train.steps=3"], "already complete at step 4: nothing to do (train.steps is 3)\n"),
+])
+def test_finished_run_starts_nothing_and_changes_nothing(finished_run, monkeypatch, capsys, extra, said):
+    out = finished_run[0]
+    before = digest(out)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr("scaletrain.distributed.launch.launch_local", refuse)
+    monkeypatch.setattr("scaletrain.commands.train.run_single", refuse)
+    monkeypatch.setattr("scaletrain.data.run.prepare", refuse)
+    assert main(["train", "--out", str(out), *TINY, *extra]) == 0
+    assert capsys.readouterr().out.endswith(said)
+    assert digest(out) == before
+
+
+def test_unfinished_run_goes_on_to_train(finished_run, monkeypatch):
+    """The check above is not vacuous: with steps left the same command reaches the data and the launch."""
+    monkeypatch.setattr("scaletrain.data.run.prepare", refuse)
+    with pytest.raises(Started):
+        main(["train", "--out", str(finished_run[0]), *TINY, "--set", "train.steps=5"])
