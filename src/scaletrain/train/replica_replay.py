@@ -69,13 +69,22 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
     finals = sorted((out / "replicas").glob("final-group*.pt"))
     if not finals:
         raise CheckpointError(f"{out}: no group saved final parameters (replicas/final-group*.pt)")
+    saved_runs = {f.stem: torch.load(f, weights_only=True) for f in finals}
+    # the groups' thread count: a matmul splits its sums by thread, so the same count is what makes equal bit-equal
+    threads = {int(s.get("threads", 0)) for s in saved_runs.values()} - {0}
+    before = torch.get_num_threads()
+    if len(threads) == 1:
+        torch.set_num_threads(threads.pop())
     t0 = time.perf_counter()
-    mine = replay_rounds(cfg, rows)
+    try:
+        mine = replay_rounds(cfg, rows)
+    finally:
+        torch.set_num_threads(before)
     seconds = time.perf_counter() - t0
     diffs = {}
-    for f in finals:
-        saved = torch.load(f, weights_only=True)["params"]
-        diffs[f.stem] = max(float((mine[k] - saved[k]).abs().max()) for k in saved)
+    for stem, run in saved_runs.items():
+        saved = run["params"]
+        diffs[stem] = max(float((mine[k] - saved[k]).abs().max()) for k in saved)
     worst = max(diffs.values())
     summary = {"run": str(out), **summarize(cfg, rows), "max_abs_diff": diffs, "replay_s": seconds,
                "pass": worst <= TOLERANCE}

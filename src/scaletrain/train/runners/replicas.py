@@ -159,7 +159,8 @@ class ReplicaRunner:
         result.final_step = self.step
         if self.out is not None and self.step >= self.cfg.train.steps:
             path = self.out / "replicas" / f"final-group{self.group}.pt"
-            torch.save({"step": self.step, "params": self.full_state()}, path.with_suffix(".part"))
+            torch.save({"step": self.step, "params": self.full_state(), "threads": torch.get_num_threads()},
+                       path.with_suffix(".part"))
             os.replace(path.with_suffix(".part"), path)  # whole or absent: the launcher stops groups once it sees it
         return result
 
