@@ -147,7 +147,7 @@ CLI_ROWS = [
      ["--capacity-factor", "finite"]),
     (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--top", "0"], ["--top must be >= 1"]),
     (["plan", "--model", "gpt2", "--gpus", "0", "--global-batch", "8"], ["--gpus must be >= 1"]),
-    (["plan", "--model", "gpt2", "--gpus", "8"], ["--global-batch is required"]),
+    (["plan", "--model", "llama3-8b", "--gpus", "8"], ["--global-batch is required", "no published batch"]),
     (["plan", "--model", "gpt9", "--gpus", "8", "--global-batch", "8"], ["gpt9"]),
     (["plan", "--model", "gpt2", "--gpu", "tpu9", "--gpus", "8", "--global-batch", "8"], ["tpu9"]),
     (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--zero3-bw", "0"], ["--zero3-bw"]),

@@ -50,7 +50,8 @@ def snapshot(path: Path) -> dict:
     (["train", "--set", "model.d_model=100", "--set", "model.n_heads=3"], ["d_model (100)", "n_heads (3)"]),
     (["train", "--set", "train.global_batch=10", "--set", "train.micro_batch=4"], ["global_batch (10)"]),
     (["train", "--set", "parallel.dp=2", "--nproc", "4"], ["does not match the number of processes (4)"]),
-    (["train", "--set", "data.source=/no/such/data.txt"], ["data.source not found", "/no/such/data.txt"]),
+    # against an existing run the checkpoint check (before any data is read) names it first
+    (["train", "--set", "data.source=/no/such/data.txt"], ["data.source", "/no/such/data.txt"]),
     (["train", "--nproc", "0"], ["--nproc must be >= 1"]),
     (["config", "show", "--set", "parallel.zero=9"], ["parallel.zero", "9"]),
     (["train", "--bogus-flag"], ["unrecognized arguments", "--bogus-flag"]),

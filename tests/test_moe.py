@@ -307,7 +307,9 @@ WORLD2 = {
     "topk+noise+random-routing": {**MOE, "model.moe.router_noise": 0.5, "model.moe.random_routing": True},
     "switch+jitter+small-init": {**MOE, "model.moe.router": "switch", "model.moe.router_noise": 0.1,
                                  "model.moe.switch_init_scale": 0.1},
-    "expert-choice": {**MOE, "model.moe.router": "expert_choice", "model.moe.capacity_factor": 0.75},
+    # expert choice has no balance loss: validate() refuses an aux_loss_weight it would ignore
+    "expert-choice": {**{k: v for k, v in MOE.items() if k != "model.moe.aux_loss_weight"},
+                      "model.moe.router": "expert_choice", "model.moe.capacity_factor": 0.75},
 }
 WORLD4 = {
     "ep4": {**MOE, "parallel.dp": 4, "parallel.ep": 4},

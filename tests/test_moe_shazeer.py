@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import TINY, make_config, run_ranks
+from test_moe import _check, _rank_runs, _run
 
 from scaletrain.config import MoEConfig, load_config, validate
 from scaletrain.errors import ConfigError
@@ -214,31 +215,10 @@ CASES = {
 }
 
 
-def _run(overrides: dict, rank: int = 0, world: int = 1):
-    from scaletrain.distributed.process_group import DistEnv
-    from scaletrain.train.trainer import Trainer
-
-    cfg = make_config({**TINY, **overrides})
-    t = Trainer(cfg, None, DistEnv(rank, world, 0, "test") if world > 1 else None)
-    rows = [t.train_step(s) for s in range(1, cfg.train.steps + 1)]
-    return [(r["loss"], r["loss_aux"], r["loss_z"], r["moe_dropped"]) for r in rows], t.full_state()
-
-
-def _rank_runs(rank, world, configs):
-    return [(rows, state if rank == 0 else None) for rows, state in (_run(o, rank, world) for o in configs)]
-
-
 def test_importance_and_hierarchical_moe_under_dp_ep_and_tp_match_single_process():
     outs = run_ranks(_rank_runs, 2, list(CASES.values()), timeout=300)[0]
     for (name, o), (par_rows, par_state) in zip(CASES.items(), outs):
         ref_rows, ref_state = _run({**o, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1,
                                     "parallel.sequence_parallel": False})
         assert all(r[1] > 0 for r in ref_rows), f"{name}: the balancing loss should be on"
-        for step, (a, b) in enumerate(zip(ref_rows, par_rows), 1):
-            for i, what in enumerate(("loss", "loss_aux", "loss_z")):
-                assert abs(a[i] - b[i]) <= 1e-9 * abs(a[i]) + 1e-12, f"{name} step {step} {what}: {b[i]} vs {a[i]}"
-            assert a[3] == b[3], f"{name} step {step}: dropped {b[3]} vs {a[3]}"
-        assert ref_state.keys() == par_state.keys()
-        for key in ref_state:
-            torch.testing.assert_close(par_state[key], ref_state[key], rtol=1e-9, atol=1e-11,
-                                       msg=lambda m, n=key, w=name: f"{w} {n}: {m}")
+        _check((ref_rows, ref_state), (par_rows, par_state), name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MiB = float(1 << 20)
 BASE = {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 2, "model.seq_len": 32, "train.warmup_steps": 2,
         "train.eval_batches": 1, "train.device": "cpu", "train.lr": 3e-3}
+NO_EVAL = {k: v for k, v in BASE.items() if k != "train.eval_batches"}  # validate() refuses it without evaluation
 DENSE = {**BASE, "train.steps": 6, "train.global_batch": 4, "train.micro_batch": 2, "train.eval_every": 3,
          "train.checkpoint_every": 3, "train.tensorboard": "true", "train.profile_steps": "2:3"}
 PP = {**BASE, "parallel.pp": 2, "train.global_batch": 4, "train.micro_batch": 1, "train.steps": 4,
@@ -105,7 +107,8 @@ def test_dense_report_shows_the_numbers_of_metrics_jsonl(dense):
     for fig, key in (("lr", "lr"), ("grad-norm", "grad_norm"), ("tokens-per-s", "tokens_per_s"),
                      ("step-time", "step_time_s")):
         _same(figs[fig]["data"][0]["y"], [r[key] for r in rows])
-    _same(figs["memory-peak"]["data"][0]["y"], [r["mem_peak"] / MiB for r in rows])
+    div = dict((u, d) for d, u in pg.BYTE_UNITS)[figs["memory-peak"]["layout"]["yaxis"]["title"]["text"]]
+    _same(figs["memory-peak"]["data"][0]["y"], [r["mem_peak"] / div for r in rows])
     assert f"{6 * tokens_per_step:,}" in text  # tokens seen, in the summary table
     for s in SECTIONS:
         assert f'<section id="{s}">' in text
@@ -183,8 +186,9 @@ def test_moe_and_communication_sections_follow_metrics(pp_moe):
     _same(_trace(figs["moe-losses"], "loss_aux")["y"], [r["loss_aux"] for r in rows])
     kinds = [k for k in rows[-1] if k.startswith("comm_")]
     assert "comm_ep.all_to_all_bytes" in kinds
+    div = dict((u, d) for d, u in pg.BYTE_UNITS)[figs["comm-bytes"]["layout"]["yaxis"]["title"]["text"]]
     for k in kinds:
-        _same(_trace(figs["comm-bytes"], k[5:-6])["y"], [r[k] for r in rows])
+        _same(_trace(figs["comm-bytes"], k[5:-6])["y"], [r[k] / div for r in rows])
     _same(figs["comm-time"]["data"][0]["y"], [r["moe_all_to_all_s"] for r in rows])
 
 
@@ -192,7 +196,7 @@ def test_fp16_loss_scale_and_skipped_steps(tmp_path):
     """A real fp16 run whose first loss scale overflows: the skipped steps and the backed-off scale."""
     from scaletrain.train.trainer import Trainer
 
-    cfg = make_config({**BASE, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
+    cfg = make_config({**NO_EVAL, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
                        "train.micro_batch": 2, "train.eval_every": 0, "train.dtype": "fp16",
                        "train.loss_scale": 1e30, "train.loss_scale_hysteresis": 1, "train.loss_scale_backoff": 1e-15,
                        "train.profile_steps": "2:100"})
@@ -289,7 +293,7 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, capsys)
 
     (tmp_path / "report.html").mkdir()  # the report cannot replace a directory
     (tmp_path / "report.html" / "keep").write_text("x")
-    cfg = make_config({**BASE, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
+    cfg = make_config({**NO_EVAL, "model.n_layers": 1, "train.steps": 3, "train.global_batch": 2,
                        "train.micro_batch": 2, "train.eval_every": 0, "train.checkpoint_every": 2,
                        "train.profile_steps": "3"})
     result = Trainer(cfg, tmp_path).run()
@@ -483,3 +487,96 @@ def test_plan_page_loads_in_a_browser(browser, tmp_path, capsys):
     for chart in ("plan-memory", "plan-time", "plan-comm"):
         assert page.locator(f"#{chart} .main-svg").count() >= 1
     page.close()
+
+
+# --------------------------------------------------------------------------- pictures a reviewer accepts (issue 36)
+
+
+def test_axes_read_as_sizes_units_and_resume_marks(dense, pp_moe):
+    """The figure data: sizes from zero with fixed-precision ticks, byte axes in binary units, the dense run's resume
+    from its step-3 checkpoint marked on both loss charts, MoE panels named by block."""
+    _, figs = _page(dense)
+    for chart in ("tokens-per-s", "step-time", "memory-peak"):
+        assert figs[chart]["layout"]["yaxis"]["rangemode"] == "tozero", chart
+    assert figs["tokens-per-s"]["layout"]["yaxis"]["tickformat"] == ",.0f"
+    assert figs["memory-peak"]["layout"]["yaxis"]["title"]["text"] in {u for _, u in pg.BYTE_UNITS}
+    for chart, x in (("loss-step", 3), ("loss-tokens", 3 * 4 * 32)):
+        (shape,), (note,) = figs[chart]["layout"]["shapes"], figs[chart]["layout"]["annotations"]
+        assert shape["x0"] == shape["x1"] == x and note["text"] == "resumed", chart
+    _, moe = pp_moe
+    _, figs = _page(moe)
+    assert figs["comm-bytes"]["layout"]["yaxis"]["title"]["text"] in {u for _, u in pg.BYTE_UNITS}
+    assert (moe / "report.html").stat().st_size < 2.3e6  # plotly.js packed: 4.8 MB -> 1.96 MB
+
+
+def test_fit_axis_gives_constant_series_a_range_and_log_axes_sparse_labels():
+    assert pg.fit_axis({}, [1179648.0] * 5, zero=True)["range"] == [0.0, 1179648.0 * 1.1]
+    assert pg.fit_axis({}, [2.5, 2.5])["range"] == [2.25, 2.75]
+    assert "range" not in pg.fit_axis({}, [1.0, 2.0])
+    assert pg.fit_axis({}, [0.01, 50.0], log=True)["dtick"] == 1
+    assert pg.fit_axis({}, [0.5, 20.0], log=True)["dtick"] == "D2"
+    assert pg.byte_unit(500e9) == (float(1 << 30), "GiB") and pg.byte_unit(100) == (1.0, "bytes")
+
+
+def test_expert_load_png_names_blocks_and_has_a_legend_on_every_panel(pp_moe, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from scaletrain.report.plots import plot_expert_load
+
+    _, moe = pp_moe
+    seen = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: seen.append(fig))
+    assert plot_expert_load(moe / "metrics.jsonl", tmp_path / "load.png", [1, 3]) is not None
+    (fig,) = seen
+    axes = [ax for ax in fig.axes]
+    assert [ax.get_title() for ax in axes] == ["block 1 (MoE): load per expert", "block 3 (MoE): load per expert"]
+    assert all(ax.get_legend() is not None for ax in axes)
+
+
+_GEOMETRY = """() => {
+  const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  return [...document.querySelectorAll('.chart-box')].map(b => {
+    const chart = b.querySelector('.chart');
+    const labels = {};
+    for (const ax of ['xtick', 'ytick', 'y2tick']) {
+      labels[ax] = [...chart.querySelectorAll('g.' + ax + ' text')].map(t => [t.textContent, box(t)]);
+    }
+    const bar = chart.querySelector('.modebar');
+    return {id: chart.id, title: box(b.querySelector('h3')), modebar: bar ? box(bar) : null, labels: labels};
+  });
+}"""
+
+
+_NUMBER = re.compile(r"^[\u2212+-]?[\d.,]+(e[\u2212+-]?\d+)?[%kMGTPmµnp]?$")
+
+
+def _overlap(a, b, slack: float = 0.5) -> bool:
+    return a[0] < b[2] - slack and b[0] < a[2] - slack and a[1] < b[3] - slack and b[1] < a[3] - slack
+
+
+@pytest.mark.parametrize("width,height", [(1280, 800), (1920, 1080)])
+def test_titles_clear_of_the_toolbar_and_tick_labels_apart_in_a_browser(browser, dense, pp_moe, tmp_path, capsys,
+                                                                        width, height):
+    """Layout properties, not pixels: in every chart of the three run reports and a plan page, the title is clear
+    of plotly's toolbar, and no two tick labels of one axis overlap or repeat."""
+    assert main(["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256", "--seq-len", "128",
+                 "--gpus", "8", "--global-batch", "32", "--top", "5", "--html", str(tmp_path / "plan.html")]) == 0
+    capsys.readouterr()
+    pp, moe = pp_moe
+    for path in (dense / "report.html", pp / "report.html", moe / "report.html", tmp_path / "plan.html"):
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.goto(path.resolve().as_uri())
+        page.wait_for_function("document.body.getAttribute('data-charts-drawn') !== null", timeout=60_000)
+        charts = page.evaluate(_GEOMETRY)
+        assert charts
+        for c in charts:
+            assert c["modebar"] is not None and not _overlap(c["title"], c["modebar"]), (path.name, c["id"])
+            for axis, labels in c["labels"].items():
+                texts = [t for t, _ in labels if _NUMBER.match(t)]  # category axes may repeat their names
+                assert len(texts) == len(set(texts)), (path.name, c["id"], axis, texts)
+                assert all(len(t) <= 9 for t in texts), (path.name, c["id"], axis, texts)
+                boxes = [b for t, b in labels if t]
+                for i in range(len(boxes)):
+                    for j in range(i + 1, len(boxes)):
+                        assert not _overlap(boxes[i], boxes[j]), (path.name, c["id"], axis, labels[i][0], labels[j][0])
+        page.close()

@@ -31,7 +31,7 @@ from scaletrain.config import load_config, validate
 from scaletrain.errors import ConfigError, UserError
 
 RTOL, ATOL = 1e-11, 1e-12
-BASE = {**TINY, "train.steps": 2, "train.eval_batches": 1}
+BASE = {**TINY, "train.steps": 2}  # TINY has no evaluation (eval_batches would be refused as ignored)
 G2 = {"parallel.tp": 4, "parallel.tp_mode": "2d"}
 G3 = {"parallel.tp": 8, "parallel.tp_mode": "3d", "train.micro_batch": 4}
 G25 = {"parallel.tp": 8, "parallel.tp_mode": "2.5d", "parallel.tp_depth": 2, "train.micro_batch": 4}

@@ -133,8 +133,12 @@ def test_kill_and_resume_is_exact_under_zero(tmp_path, zero):
     proc.wait()
     kept = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "step_00000008" not in kept, "finished before the kill"
-    time.sleep(2.0)  # an orphaned rank would write its next checkpoint within a second (it did, before the fix)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == kept, "the ranks trained on after the kill"
+    # orphaned ranks trained on to the end within a second, before the fix; now a rank whose torchrun died writes
+    # nothing more: at most the checkpoint whose commit was already under way when the kill landed completes
+    time.sleep(2.0)
+    after = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
+    newest = max(int(name.split("_")[1]) for name in kept)
+    assert all(int(name.split("_")[1]) <= newest + 2 for name in after), f"the ranks trained on: {kept} -> {after}"
     resumed = subprocess.run(_launch(run, 8, zero), env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
     rows = lambda d: [__import__("json").loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731

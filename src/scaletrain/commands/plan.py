@@ -1,13 +1,4 @@
-"""`scaletrain plan`: predict memory, step time, MFU, bubble and communication of parallel layouts.
-
-Examples:
-    scaletrain plan --model gpt3-175b --gpu a100-80gb --gpus 1024 --global-batch 1536
-    scaletrain plan --model megatron-1t --gpus 3072 --global-batch 3072 --layout "tp=8,pp=64" --json
-    scaletrain plan --layers 24 --hidden 2048 --heads 16 --vocab 50257 --seq-len 2048 --gpus 64 \\
-        --global-batch 512
-    scaletrain plan --params 7.5e9 --gpus 64            # model states only (ZeRO paper Table 1)
-    scaletrain plan --config run.yaml --calibrate       # the run `scaletrain train --config` will do
-"""
+"""`scaletrain plan`: predict memory, step time, MFU, bubble and communication of parallel layouts."""
 
 from __future__ import annotations
 
@@ -23,10 +14,46 @@ from scaletrain.optim import optimizer_spec
 from scaletrain.plan import catalog, hardware
 from scaletrain.plan.analytic.inputs import DTYPES, OPTIMIZERS, Assumptions, Layout, Training
 
+EXAMPLES = """examples:
+  scaletrain plan --model gpt3-175b --gpus 1024
+      the best layouts of GPT-3 175B on 1,024 A100-80GB at its published batch (1,536 sequences)
+  scaletrain plan --model llama2-70b --gpu h100-80gb --gpus 512 --global-batch 1024 --top 3
+  scaletrain plan --model megatron-1t --gpus 3072 --layout "tp=8,pp=64" --json
+      fix some layout fields, search the rest; machine-readable output
+  scaletrain plan --layers 24 --hidden 2048 --heads 16 --vocab 50257 --seq-len 2048 --gpus 64 --global-batch 512
+      a model of your own dimensions
+  scaletrain plan --params 7.5e9 --gpus 64
+      model-state memory only (ZeRO paper, Table 1)
+  scaletrain plan --config run.yaml --calibrate
+      the run `scaletrain train --config run.yaml` will do, with this machine's measured speeds (about a minute)
+
+--model without --global-batch uses the batch its paper trained with, where the catalog has one; docs/planner.md
+"""
+"""`plan --help`'s examples: each parses with the real parser, and the --model / --layers / --params ones run
+(tests/test_cli_help.py)."""
+
+PUBLISHED_BATCH = {
+    **{name: (512, "Radford et al. 2019, section 2.3") for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")},
+    **{name: (batch, "Brown et al., arXiv 2005.14165, Table 2.1 (0.5M-3.2M tokens)") for name, batch in (
+        ("gpt3-125m", 256), ("gpt3-350m", 256), ("gpt3-760m", 256), ("gpt3-1.3b", 512), ("gpt3-2.7b", 512),
+        ("gpt3-6.7b", 1024), ("gpt3-13b", 1024), ("gpt3-175b", 1536))},
+    **{name: (batch, "Narayanan et al., arXiv 2104.04473, Table 1") for name, batch in (
+        ("megatron-1.7b", 512), ("megatron-3.6b", 512), ("megatron-7.5b", 512), ("megatron-18b", 1024),
+        ("megatron-39b", 1536), ("megatron-76b", 1792), ("megatron-146b", 2304), ("megatron-310b", 2160),
+        ("megatron-530b", 2520), ("megatron-1t", 3072))},
+    "megatron-22b": (4, "Korthikanti et al., arXiv 2205.05198, Table 3"),
+    **{name: (1024, "Touvron et al., arXiv 2307.09288, section 2.2 (4M tokens)")
+       for name in ("llama2-7b", "llama2-13b", "llama2-70b")},
+}
+"""Global batch (sequences of the catalog's seq_len) each catalog model was trained with in its paper; `plan --model`
+uses it when --global-batch is not given. Llama 3 (a batch that grows during training) and Mixtral (not published)
+have none."""
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="predict memory and time of parallel layouts and find the best",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.splitlines()[0].split(": ", 1)[1], epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model (one of)")
     src.add_argument("--model", help=f"catalog name ({', '.join(catalog.MODELS)})")
     src.add_argument("--config", help="a scaletrain YAML config: predict that run")
@@ -64,7 +91,8 @@ def add_parser(subparsers) -> None:
     hw.add_argument("--calibrate", action="store_true",
                     help="measure this machine's matmul FLOP/s, memory and gloo bandwidth and use them")
     tr = p.add_argument_group("training")
-    tr.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    tr.add_argument("--global-batch", type=int,
+                    help="sequences per optimizer step (default with --model: the model's published batch)")
     tr.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                     help="optimizer state: adamw (K = 12 bytes/param in bf16/fp16), adafactor or sm3 (fp32 master "
@@ -236,7 +264,7 @@ def run(args) -> int:
     if args.gpus is None:
         raise UserError("--gpus is required (or a cluster file with gpus)")
     if args.global_batch is None:
-        raise UserError("--global-batch is required")
+        args.global_batch = published_batch(args.model, model)
     if args.global_batch < 1:
         raise UserError(f"--global-batch must be >= 1, got {args.global_batch}")
     cluster = hardware.Cluster(gpu, args.gpus)
@@ -249,6 +277,22 @@ def run(args) -> int:
     if args.baseline:
         extra = {**(extra or {}), "baseline": _baseline(args, model, gpu, train)}
     return _emit(args, model, cluster, train, top, result.evaluated, result.offload_needed, extra)
+
+
+def published_batch(name: str | None, model: catalog.ModelSpec) -> int:
+    """The catalog model's published global batch (PUBLISHED_BATCH), announced in one line on stderr; a UserError
+    when there is none or --seq-len changed the sequences it counts."""
+    entry = PUBLISHED_BATCH.get(model.name) if name else None
+    if entry is None:
+        what = f"{model.name} has no published batch in the catalog" if name else "custom dimensions"
+        raise UserError(f"--global-batch is required ({what})")
+    published_seq = catalog.MODELS[model.name].seq_len
+    if model.seq_len != published_seq:
+        raise UserError(f"--global-batch is required: {model.name}'s published batch ({entry[0]:,} sequences) is at "
+                        f"seq_len {published_seq:,}, not --seq-len {model.seq_len:,}")
+    sys.stderr.write(f"global batch {entry[0]:,} sequences x {published_seq:,} tokens: {model.name}'s published "
+                     f"batch ({entry[1]}); set it with --global-batch\n")
+    return entry[0]
 
 
 def _baseline(args, model, gpu, train):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from scaletrain.config import Config, load_config, validate
 from scaletrain.config.load import load_config_keys
+from scaletrain.config.sizes import moe_layers
 from scaletrain.errors import UserError
 from scaletrain.guards import (
     MAX_GPUS,
@@ -28,11 +29,17 @@ from scaletrain.multinode import launcher as multinode_launcher
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)")
+    p = sub.add_parser("train", help="train a model (N local processes with --nproc, or inside torchrun/SLURM)",
+                       description="Train a model: one process, N local processes (--nproc), several machines "
+                                   "(--nnodes), or one rank of a torchrun / SLURM job.",
+                       epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_args(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to start on this machine (default: the layout's size / --nnodes)")
-    p.add_argument("--out", default="runs/train", help="output directory; an existing run there is resumed")
+    p.add_argument("--out", default=None,
+                   help=f"output directory; an existing run there is resumed (default: a new folder "
+                        f"{DEFAULT_TRAIN_ROOT}/<YYYYmmdd-HHMMSS>, printed at the start; required under torchrun/SLURM "
+                        "and with --nnodes > 1)")
     p.add_argument("--reshard", action="store_true",
                    help="resume the run in --out under a different layout or number of processes")
     p.add_argument("--init-from", default=None, metavar="HF_DIR",
@@ -50,8 +57,10 @@ def add_parser(sub) -> None:
                         "checkpoint intervals scale with it)")
     d.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("sample", help="generate text from a run's newest checkpoint (any layout)")
-    s.add_argument("--out", required=True, help="the run's output directory (or a folder of runs: the newest)")
+    s = sub.add_parser("sample", help="generate text from a run's newest checkpoint (any layout)",
+                       epilog=SAMPLE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--run", "--out", dest="run", required=True, metavar="DIR",
+                   help="the run's output directory (or a folder of runs: the newest); --out is the older spelling")
     s.add_argument("--prompt", default="def ", help="text to continue")
     s.add_argument("--tokens", type=bounded_int(1, MAX_SAMPLE_TOKENS), default=200,
                    help=f"tokens to generate (1 to {MAX_SAMPLE_TOKENS:,})")
@@ -67,6 +76,58 @@ def add_parser(sub) -> None:
     _config_args(show)
     show.add_argument("--doc", action="store_true", help="print each key's documentation")
     show.set_defaults(func=cmd_config_show)
+
+
+DEFAULT_TRAIN_ROOT = "runs/train"
+TRAIN_EXAMPLES = """examples:
+  scaletrain train --set train.steps=50
+      one process, the default small GPT on the embedded corpus; output in a new runs/train/<time> folder
+  scaletrain train --nproc 2 --set parallel.dp=2 --set parallel.zero=3 --set train.steps=30 --out runs/zero3
+      2 processes, data parallel with ZeRO-3; run it again with the same --out to resume
+  scaletrain train --nproc 2 --set parallel.tp=2 --set parallel.sequence_parallel=true --set train.steps=60 \\
+      --out runs/zero3 --reshard
+      continue runs/zero3 to step 60 under another layout (tensor + sequence parallel)
+  scaletrain train --set model.preset=gpt2 --set model.n_layers=2 --set train.steps=50 --out runs/gpt2-2l
+      a catalog model's shape (scaletrain plan --help lists them), made smaller
+  scaletrain train --set data.source=notes.txt --out runs/notes
+      your own text file (or .jsonl, .parquet, a token .bin), one token per byte; `scaletrain data --help`
+  scaletrain train --init-from hf/gpt2 --set train.steps=100 --out runs/ft
+      start from a Hugging Face GPT-2 / Llama / Mistral / Qwen2 folder such as hf/gpt2 (config.json + safetensors)
+
+see every key with `scaletrain config show --doc`; docs/training.md
+"""
+"""`train --help`'s examples: each `scaletrain train` line parses with the real parser and its config validates
+(tests/test_cli_help.py)."""
+SAMPLE_EXAMPLES = """examples:
+  scaletrain sample --run runs/zero3
+  scaletrain sample --run runs/train --prompt "import os" --tokens 50 --temperature 0
+      runs/train is a folder of runs: the newest one is sampled
+"""
+
+
+def fresh_out(root: str, now: float | None = None) -> str:
+    """A run folder under `root` named by the local time (YYYYmmdd-HHMMSS) that does not exist yet: a second run in
+    the same second gets `-2`, `-3`, ... so a run started without --out never resumes or overwrites another."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    name, n = f"{root}/{stamp}", 1
+    while Path(name).exists():
+        n += 1
+        name = f"{root}/{stamp}-{n}"
+    return name
+
+
+def _default_out(args) -> None:
+    """`train` without --out: a fresh folder under runs/train (fresh_out), announced in _launch. Every rank of a
+    torchrun/SLURM job and every node of --nnodes must name one folder, which separate clocks cannot promise."""
+    from scaletrain.distributed.process_group import detect_env
+
+    args.out_defaulted = args.out is None
+    if args.out is not None:
+        return
+    if detect_env() is not None or args.nnodes > 1 or args.rdzv_endpoint:
+        raise UserError("--out is required under torchrun/SLURM and with --nnodes/--rdzv-endpoint: every rank and "
+                        "node must name the same run folder")
+    args.out = fresh_out(DEFAULT_TRAIN_ROOT)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -89,6 +150,7 @@ def cmd_config_show(args) -> int:
 def cmd_train(args) -> int:
     import os
 
+    _default_out(args)  # no --out: a new runs/train/<time> folder
     check_path(args.out, "--out")  # before torch is imported: a path no file system takes costs no start-up
 
     from scaletrain.data.tokenizer import folder_tokenizer
@@ -157,6 +219,8 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     from scaletrain.train.announce import first_line, status
 
     first_line(cfg, nproc, out)  # the run in one line as soon as the config is valid (train/announce.py)
+    if getattr(args, "out_defaulted", False):
+        print(f"  no --out given: a new run folder {shown(out)} (resume it with --out {shown(out)})", flush=True)
     from scaletrain.train.runner import check_run
 
     # what the folder, the config and the memory plan refuse is said before the data is read or tokenized
@@ -286,7 +350,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
                     print(f"already complete at step {trainer.step}: nothing to do")
                 result = trainer.run()
                 if rank == 0:
-                    summary(out, trainer.n_params, result, time.time() - start)
+                    summary(out, trainer.n_params, result, time.time() - start, moe_layers(cfg.model))
         except BaseException:
             distributed.shutdown(clean=False)
             raise
@@ -294,7 +358,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     return 0
 
 
-def summary(out: Path, n_params: int, result, seconds: float) -> None:
+def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[int] | None = None) -> None:
     from scaletrain.report.plots import plot_expert_load, plot_loss, read_metrics
 
     metrics = out / "metrics.jsonl"
@@ -302,7 +366,7 @@ def summary(out: Path, n_params: int, result, seconds: float) -> None:
     if not rows:
         return
     png = plot_loss(metrics, out / "loss.png", title=shown(out))  # printable: a name need not be UTF-8
-    load_png = plot_expert_load(metrics, out / "expert_load.png")
+    load_png = plot_expert_load(metrics, out / "expert_load.png", moe_blocks)
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     lines = [
         f"parameters      {n_params:,}",
@@ -353,7 +417,7 @@ def cmd_demo(args) -> int:
     with resources.as_file(text) as path:
         cfg = load_config(path, demo_steps(args.steps) + list(args.set))
     validate(cfg, 1)
-    out = check_out_dir(args.out if args.out is not None else f"runs/demo/{time.strftime('%Y%m%d-%H%M%S')}")
+    out = check_out_dir(args.out if args.out is not None else fresh_out("runs/demo"))
     with lock_run(out) or contextlib.nullcontext():
         return _demo(args, cfg, out)
 
@@ -392,7 +456,7 @@ def cmd_sample(args) -> int:
                         f"({args.temperature}) finite and >= 0")
     if not args.prompt:
         raise UserError("--prompt must not be empty")
-    directory = find_checkpoint(args.out)
+    directory = find_checkpoint(args.run)
     cfg, model = load_model(directory)
     tok = run_tokenizer(cfg.data.tokenizer, cfg.data.eot_token, directory)  # the run's own (data/tokenizer.py)
     idx = torch.tensor([tok.encode(args.prompt)], dtype=torch.int64)

@@ -37,6 +37,10 @@ Decisions = dict[tuple[int, int], torch.Tensor]
 choice the group's (E x K) slot tokens at its first token's id; -1 where nothing was recorded."""
 
 
+class MissingDecision(RuntimeError):
+    """The replaying run routed tokens the recording run never routed: the two did not compute the same batch."""
+
+
 class RoutingTape:
     """Records routing decisions (`decisions=None`) or replays `decisions` in every MoE layer it is attached to."""
 
@@ -73,7 +77,7 @@ class RoutingTape:
             return own
         table = self.decisions.get(key)
         if table is None or int(where.max()) >= table.shape[0] or bool((table[where.cpu()] < 0).any()):
-            raise RuntimeError(f"teacher-forced routing: the tape has no decision for layer {moe.layer} step {step} "
+            raise MissingDecision(f"teacher-forced routing: the tape has no decision for layer {moe.layer} step {step} "
                                f"(tokens {int(where.min())}..{int(where.max())})")
         forced = table[where.cpu()].to(mine.device)
         self.differ += int((forced != mine).any(-1).sum()) if len(own.decision) == 2 else int((forced != mine).sum())

@@ -40,7 +40,10 @@ def layout_label(layout: dict[str, Any]) -> str:
 def build(doc: dict[str, Any], explanation: str = "", command: str = "") -> pg.Page:
     model, cluster, cands = doc.get("model", {}), doc.get("cluster", {}), doc.get("candidates", [])
     gpu = cluster.get("gpu", {})
-    labels = [f"#{i} {layout_label(c['layout'])}" for i, c in enumerate(cands, 1)]
+    # bars are labelled by rank (#1, #2, ...) with the layout in the hover and in the table above: long layout
+    # labels on a category axis get rotated and cut off
+    labels = [f"#{i}" for i in range(1, len(cands) + 1)]
+    hover = [layout_label(c["layout"]) for c in cands]
     sections = [_setting(doc, command)]
 
     ranked = Section("layouts", "Layouts, best first")
@@ -65,8 +68,11 @@ def build(doc: dict[str, Any], explanation: str = "", command: str = "") -> pg.P
     mem = Section("memory", "Memory per GPU by category")
     traces = [{"type": "bar", "name": k, "x": labels,
                "y": [pg.finite(c["memory_bytes"].get(k, 0) / GiB) for c in cands],
-               "marker": {"color": pg.COLOURS[i]}} for i, k in enumerate(MEM_KEYS)]
-    layout = {"title": {"text": "planned bytes per GPU (GiB)"}, "barmode": "stack", "yaxis": pg.axis("GiB"),
+               "marker": {"color": pg.COLOURS[i]}, **_hover(hover, k, "%{y:,.3f} GiB")}
+              for i, k in enumerate(MEM_KEYS)]
+    layout = {"title": {"text": "planned bytes per GPU (GiB)"}, "barmode": "stack",
+              "xaxis": pg.axis("layout (# in the table above)", type="category"),
+              "yaxis": pg.axis("GiB", rangemode="tozero"),
               "margin": {"t": 40}, "legend": {"orientation": "h", "y": -0.35}}
     if gpu.get("memory_bytes"):
         cap = gpu["memory_bytes"] / GiB
@@ -84,18 +90,25 @@ def build(doc: dict[str, Any], explanation: str = "", command: str = "") -> pg.P
             parts += [k for k in c.get("time_breakdown_s", {}) if k not in parts]
         t_traces = [{"type": "bar", "name": k, "x": labels,
                      "y": [pg.finite(c.get("time_breakdown_s", {}).get(k, 0.0)) for c in cands],
-                     "marker": {"color": pg.COLOURS[i % len(pg.COLOURS)]}} for i, k in enumerate(parts)]
+                     "marker": {"color": pg.COLOURS[i % len(pg.COLOURS)]}, **_hover(hover, k, "%{y:.4~g} s")}
+                    for i, k in enumerate(parts)]
         dims: list[str] = []
         for c in cands:
             dims += [k for k in c.get("comm_bytes_per_step", {}) if k not in dims]
+        div, unit = pg.byte_unit(max((c.get("comm_bytes_per_step", {}).get(k, 0) for c in cands for k in dims),
+                                     default=None))
         c_traces = [{"type": "bar", "name": k, "x": labels,
-                     "y": [pg.finite(c.get("comm_bytes_per_step", {}).get(k, 0)) for c in cands],
-                     "marker": {"color": pg.COLOURS[i % len(pg.COLOURS)]}} for i, k in enumerate(dims)]
+                     "y": pg.in_unit([c.get("comm_bytes_per_step", {}).get(k, 0) for c in cands], div),
+                     "marker": {"color": pg.COLOURS[i % len(pg.COLOURS)]}, **_hover(hover, k, f"%{{y:,.4~r}} {unit}")}
+                    for i, k in enumerate(dims)]
+        x_axis = pg.axis("layout (# in the table above)", type="category")
         time_s.add([Chart("plan-time", t_traces, {"title": {"text": "step time by part (seconds)"},
-                                                  "barmode": "stack", "yaxis": pg.axis("s"), "margin": {"t": 40},
+                                                  "barmode": "stack", "xaxis": x_axis,
+                                                  "yaxis": pg.axis("s", rangemode="tozero"), "margin": {"t": 40},
                                                   "legend": {"orientation": "h", "y": -0.35}}, 400),
-                    Chart("plan-comm", c_traces, {"title": {"text": "bytes per GPU per step, by dimension"},
-                                                  "barmode": "group", "yaxis": pg.axis("bytes"), "margin": {"t": 40},
+                    Chart("plan-comm", c_traces, {"title": {"text": f"{unit} per GPU per step, by dimension"},
+                                                  "barmode": "group", "xaxis": x_axis,
+                                                  "yaxis": pg.axis(unit, rangemode="tozero"), "margin": {"t": 40},
                                                   "legend": {"orientation": "h", "y": -0.35}}, 400)])
         time_s.add(Text("The parts overlap where the planner says they do (e.g. data-parallel communication with "
                         "the backward); the bars show each part's own time. docs/planner.md has the formulas.",
@@ -115,6 +128,11 @@ def build(doc: dict[str, Any], explanation: str = "", command: str = "") -> pg.P
     size = f"{n / 1e9:,.2f}B params" if n and n >= 1e9 else (f"{n / 1e6:,.2f}M params" if n else "")
     subtitle = f"{name} {size} on {cluster.get('gpus', '?')} x {gpu.get('name', '?')}"
     return pg.Page(f"scaletrain plan: {name}", subtitle, sections)
+
+
+def _hover(layouts: list[str], part: str, value: str) -> dict:
+    """A bar's hover: the layout it stands for, the part, the value with its unit."""
+    return {"customdata": layouts, "hovertemplate": f"%{{x}} %{{customdata}}<br>{part}: {value}<extra></extra>"}
 
 
 def _setting(doc: dict[str, Any], command: str) -> Section:

@@ -39,8 +39,10 @@ def plot_loss(metrics_path: Path, png: Path, title: str = "") -> Path:
     return png
 
 
-def plot_expert_load(metrics_path: Path, png: Path) -> Path | None:
-    """Fraction of routed tokens per expert over training, one panel per MoE layer (`moe_load` rows)."""
+def plot_expert_load(metrics_path: Path, png: Path, blocks: list[int] | None = None) -> Path | None:
+    """Fraction of routed tokens per expert over training, one panel per MoE layer (`moe_load` rows), each panel
+    named by its transformer block (`blocks`: the block index of each MoE layer, `config.sizes.moe_layers`) and
+    carrying its own legend."""
     rows = [r for r in read_metrics(metrics_path) if r.get("moe_load")]
     if not rows:
         return None
@@ -51,17 +53,19 @@ def plot_expert_load(metrics_path: Path, png: Path) -> Path | None:
 
     steps = [r["step"] for r in rows]
     layers = len(rows[0]["moe_load"])
-    fig, axes = plt.subplots(1, layers, figsize=(4 * layers, 3.2), squeeze=False)
+    names = blocks if blocks is not None and len(blocks) == layers else None
+    fig, axes = plt.subplots(1, layers, figsize=(4 * layers, 3.4), squeeze=False)
     for li, ax in enumerate(axes[0]):
         experts = len(rows[0]["moe_load"][li])
         for e in range(experts):
             ax.plot(steps, [r["moe_load"][li][e] for r in rows], lw=1, label=f"expert {e}")
-        ax.axhline(1 / experts, color="k", ls=":", lw=0.8)
-        ax.set_title(f"MoE layer {li}: load per expert")
+        ax.axhline(1 / experts, color="k", ls=":", lw=0.8, label="uniform 1/E")
+        ax.set_title(f"block {names[li]} (MoE): load per expert" if names else f"MoE layer {li}: load per expert",
+                     fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.set_ylim(0, 1)
+        ax.legend(fontsize=7, ncol=2 if experts > 4 else 1)
     axes[0][0].set_ylabel("fraction of tokens")
-    axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

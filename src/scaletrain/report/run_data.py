@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from scaletrain.config import Config, config_from_dict, validate
-from scaletrain.config.run import current_config
+from scaletrain.config.run import HISTORY, current_config
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.report.runinfo import MEMORY_RANKS, RUN_INFO
 
@@ -92,6 +92,19 @@ class RunData:
 
     def sessions(self) -> list[dict]:
         return list(self.info.get("sessions", []))
+
+    def resumes(self) -> list[dict]:
+        """The resumes recorded in `resumes.jsonl` (from_step, changed {key: [old, new]}), a cut line skipped."""
+        path = self.out / HISTORY
+        out = []
+        for line in (path.read_text().splitlines() if path.is_file() else []):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("from_step"), int):
+                out.append(rec)
+        return out
 
     def device_types(self) -> set[str]:
         return {str(r.get("device", "cpu")).split(":")[0] for s in self.sessions() for r in s.get("ranks", [])}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from scaletrain.config.sizes import moe_layers
 from scaletrain.parallel.pipeline.draw import OP_COLOURS, OP_LABELS
 from scaletrain.parallel.pipeline.schedules import rank_chunk_to_stage
 from scaletrain.report import page as pg
@@ -97,11 +98,40 @@ def loss(run: RunData) -> Section:
     if ce:
         traces.append(series(csteps, ce, "train cross-entropy (MoE: without aux/z losses)", visible="legendonly"))
     by_tokens = [dict(t, x=finite_list(run.tokens(t["x"]))) for t in traces]
-    s.add([line_chart("loss-step", "loss vs optimizer step", "step", "nats / token", traces),
-           line_chart("loss-tokens", "loss vs tokens", "tokens", "nats / token", by_tokens)])
+    marks = run.resumes()
+    s.add([line_chart("loss-step", "loss vs optimizer step", "step", "nats / token", traces,
+                      **_resume_marks(marks, lambda k: k)),
+           line_chart("loss-tokens", "loss vs tokens", "tokens", "nats / token", by_tokens,
+                      **_resume_marks(marks, lambda k: k * run.tokens_per_step))])
     if not steps:
         s.add(Text("No metrics yet.", "note"))
+    if marks:
+        s.add(Text("Dashed lines: where the run resumed from a checkpoint (resumes.jsonl), with the settings that "
+                   "invocation changed. " + "; ".join(f"step {m['from_step']}: {_changes(m)}" for m in marks) + ".",
+                   "note"))
     return s
+
+
+def _changes(mark: dict) -> str:
+    changed = mark.get("changed") or {}
+    layout = mark.get("layout")
+    parts = [f"layout {layout.get('from')} -> {layout.get('to')}"] if isinstance(layout, dict) else []
+    parts += [f"{k} {v[0]} -> {v[1]}" for k, v in changed.items() if isinstance(v, list) and len(v) == 2]
+    return "resumed with " + ", ".join(parts) if parts else "resumed, same settings"
+
+
+def _resume_marks(marks: list[dict], x_of) -> dict:
+    """Plotly shapes and labels: one dashed vertical line per resume, labelled "resumed" or "layout changed"
+    (the resume recorded a layout change, train/resume.py)."""
+    shapes, notes = [], []
+    for m in marks:
+        x = x_of(m["from_step"])
+        layout = "layout" in m or any(k.startswith("parallel.") for k in m.get("changed") or {})
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
+                       "line": {"dash": "dash", "color": pg.COLOURS[3] if layout else "#555", "width": 1}})
+        notes.append({"xref": "x", "yref": "paper", "x": x, "y": 1, "yanchor": "bottom", "showarrow": False,
+                      "text": "layout changed" if layout else "resumed", "font": {"size": 10}})
+    return {"shapes": shapes, "annotations": notes} if marks else {}
 
 
 def optimizer(run: RunData) -> Section:
@@ -140,10 +170,12 @@ def throughput(run: RunData, peak: Peak | None, flops: float) -> Section:
     layout = {}
     if peak is not None:
         traces.append(series(steps, [mfu(x, flops, run.world_size, peak) for x in tps], "MFU", yaxis="y2"))
-        layout["yaxis2"] = pg.axis("MFU", overlaying="y", side="right", tickformat=".1%", rangemode="tozero")
-    s.add([line_chart("tokens-per-s", "tokens/s" + (" and MFU" if peak else ""), "step", "tokens / s", traces,
-                      **layout),
-           line_chart("step-time", "step time", "step", "seconds", [series(tsteps, st, "step time")])])
+        layout["yaxis2"] = pg.fit_axis(pg.axis("MFU", overlaying="y", side="right", tickformat=".1%",
+                                               hoverformat=".2%"), pg.y_values(traces, "y2"), zero=True)
+    s.add([line_chart("tokens-per-s", "tokens/s per logged step" + (" and MFU" if peak else ""), "step",
+                      "tokens / s", traces, zero=True, y_format=",.0f", **layout),
+           line_chart("step-time", "step time", "step", "seconds", [series(tsteps, st, "step time")], zero=True,
+                      y_format=".3~g")])
     if peak is not None:
         s.add(Text(f"MFU = tokens/s x {pg.fmt(flops)} model FLOPs per token (planner) / ({run.world_size} ranks x "
                    f"{pg.fmt(peak.flops)} FLOP/s); peak: {peak.source}.", "note"))
@@ -185,8 +217,9 @@ def memory(run: RunData) -> Section:
                                          "barmode": "stack", "yaxis": pg.axis("MiB"), "margin": {"t": 40},
                                          "legend": {"orientation": "h", "y": -0.3}}, 380))
     psteps, peak = run.column("mem_peak")
-    s.add(line_chart("memory-peak", "peak memory (max over ranks)", "step", "MiB",
-                     [series(psteps, [_mib_num(v) for v in peak], "peak")]))
+    div, unit = pg.byte_unit(max((v for v in peak if pg.finite(v) is not None), default=None))
+    s.add(line_chart("memory-peak", "peak memory (max over ranks)", "step", unit,
+                     [series(psteps, pg.in_unit(peak, div), "peak")], zero=True, y_format=",.4~r"))
     s.add(Table(["rank", "category", "measured MiB", "planned MiB"], rows, id="memory-table"))
     notes = ["Measured: bytes of the tensors each rank holds per category after its first step "
              "(device/accounting.py); planned: plan.exact.run_memory for the rank's pipeline stage. Peak: "
@@ -206,12 +239,12 @@ def communication(run: RunData) -> Section:
     kinds = run.comm_kinds()
     charts = []
     if kinds:
-        traces = []
-        for k in kinds:
-            steps, v = run.column(k)
-            traces.append(series(steps, v, k.removeprefix("comm_").removesuffix("_bytes")))
+        columns = [run.column(k) for k in kinds]
+        div, unit = pg.byte_unit(max((v for _, vs in columns for v in vs if pg.finite(v) is not None), default=None))
+        traces = [series(steps, pg.in_unit(v, div), k.removeprefix("comm_").removesuffix("_bytes"))
+                  for k, (steps, v) in zip(kinds, columns)]
         charts.append(line_chart("comm-bytes", "bytes sent by rank 0 per step, per collective kind", "step",
-                                 "bytes", traces))
+                                 unit, traces, zero=True, y_format=",.4~r"))
     timed = []
     asteps, a2a = run.column("moe_all_to_all_s")
     if a2a:
@@ -304,7 +337,7 @@ def moe(run: RunData) -> Section:
     if not rows:
         return s.add(Text("No MoE statistics logged yet.", "note"))
     steps = [r["step"] for r in rows]
-    layers = rows[0].get("moe_layers", list(range(len(rows[0]["moe_load"]))))
+    layers = moe_layers(run.cfg.model)  # the block index of each MoE layer, in the order metrics list them
     charts = []
     for li, layer in enumerate(layers):
         n = len(rows[0]["moe_load"][li])

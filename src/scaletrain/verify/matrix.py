@@ -82,9 +82,14 @@ def check(layout: Layout, got: Run, root: str | None = None, dtype: str | None =
     """The layout's run against one process: the whole run (fp64; references shared through `references`, keyed
     by `reference_key`) or step by step from the layout's checkpoints in `root` (fp32, bf16, fp16)."""
     if stepwise(layout, dtype):
+        from scaletrain.model.routing_tape import MissingDecision
         from scaletrain.verify import stepwise as sw
 
-        return sw.compare(layout, sw.reference(layout, root, got, dtype), dtype)
+        try:
+            return sw.compare(layout, sw.reference(layout, root, got, dtype, key_bias_slices(layout)), dtype)
+        except MissingDecision as e:  # the layout routed other tokens than one process does: not the same run
+            return Outcome(layout.name, layout.world, dtype or layout["dtype"], False, math.nan, math.nan, math.nan,
+                           "", str(e), math.nan)
     references = {} if references is None else references
     key = reference_key(layout, dtype)
     if key not in references:
@@ -120,9 +125,10 @@ def key_bias_slices(layout: Layout) -> dict[str, slice]:
         return {}
     from scaletrain.config.sizes import kv_heads
 
-    hs, kv = m.d_model // m.n_heads, kv_heads(m)
+    width = m.d_model // 2 if m.reversible else m.d_model  # RevNet blocks: F and G are half width
+    hs, kv = width // m.n_heads, kv_heads(m)
     if kv == m.n_heads:  # fused q, k, v
-        return {f"blocks.{i}.attn.qkv.bias": slice(m.d_model, 2 * m.d_model) for i in range(m.n_layers)}
+        return {f"blocks.{i}.attn.qkv.bias": slice(width, 2 * width) for i in range(m.n_layers)}
     return {f"blocks.{i}.attn.kv.bias": slice(0, kv * hs) for i in range(m.n_layers)}  # k then v
 
 

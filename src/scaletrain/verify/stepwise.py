@@ -120,9 +120,11 @@ def merge(tables: list[dict]) -> dict:
     return out
 
 
-def reference(layout: Layout, root: str | Path, got: Run, dtype: str | None = None) -> Stepwise:
+def reference(layout: Layout, root: str | Path, got: Run, dtype: str | None = None,
+              masked: dict[str, slice] | None = None) -> Stepwise:
     """One process, each step from the layout's checkpoint of the step before (written by `run_layout` into
-    `root`), on the layout's routes (`got.decisions`)."""
+    `root`), on the layout's routes (`got.decisions`). `masked`: parameter entries left out of the comparison
+    (key biases under scale-free optimizers: `matrix.key_bias_slices`)."""
     import torch
 
     from scaletrain.config import validate
@@ -157,6 +159,9 @@ def reference(layout: Layout, root: str | Path, got: Run, dtype: str | None = No
         row = stale(k) if stale is not None else t.train_step(k)
         theirs = ckpt.read_tensors(ckpt.step_dir(checkpoints(root), k), "model/", torch.float64)
         mine = t.full_state()
+        for name, part in (masked or {}).items():
+            if name in theirs:
+                theirs[name][part] = mine[name][part].to(torch.float64)
         lay = {"loss": got.losses[k], "grad_norm": got.grad_norms[k]}
         steps[k] = _diff(lay, row, theirs, {n: mine[n].to(torch.float64) for n in theirs}, before, dtype)
     routing = (tape.differ, tape.total) if tape is not None else None
