@@ -24,30 +24,32 @@ LINE = re.compile(r"^train: step (\d+)/4 \((\d+)%\), loss (\d+\.\d{4}), ([\d,]+)
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A 4-step run in process with stdout and stderr captured (not terminals), lines every 0 s: (out, stdout,
-    stderr)."""
+    """A 4-step run in process with stdout and stderr captured (not terminals) and an interval no run reaches, so the
+    only plain line is the one every run prints at its last step, whatever the load: (out, stdout, stderr)."""
     out = tmp_path_factory.mktemp("ux") / "run"
     so, se = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(progress, "LOG_EVERY_S", 0.0)
+        mp.setattr(progress, "LOG_EVERY_S", 1e9)
         with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
             assert main(["train", "--out", str(out), *TINY]) == 0
     return out, so.getvalue(), se.getvalue()
 
 
-def test_captured_run_prints_a_progress_line_per_logged_step(finished_run):
+def test_captured_run_prints_its_last_step_as_a_plain_line_on_stderr(finished_run):
     out, stdout, stderr = finished_run
     lines = [m for m in map(LINE.match, stderr.splitlines()) if m]
-    assert [int(m[1]) for m in lines] == [1, 2, 3, 4], stderr
-    assert [int(m[2]) for m in lines] == [25, 50, 75, 100]
+    assert len(lines) == 1, stderr  # the interval is never reached: the last step's line only
+    step, pct, loss, rate, eta = lines[0].groups()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m[3] for m in lines] == [f"{r['loss']:.4f}" for r in rows]  # the logged losses, to the digit shown
-    assert all(int(m[4].replace(",", "")) > 0 for m in lines)
-    assert lines[-1][5] == "0 s"
+    assert (step, pct, eta) == ("4", "100", "0 s")
+    assert loss == f"{rows[-1]['loss']:.4f}"  # the logged loss of step 4, to the digit shown
+    assert int(rate.replace(",", "")) > 0
     assert not any(map(LINE.match, stdout.splitlines()))  # the lines go to stderr only
 
 
 class Clock:
+    """A fake monotonic clock the test advances by hand."""
+
     def __init__(self):
         self.now = 1000.0
 
@@ -55,11 +57,10 @@ class Clock:
         return self.now
 
 
-def test_plain_lines_every_interval_and_at_the_last_step(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(progress.time, "monotonic", clock)
-    buf = io.StringIO()
-    bar = progress.PlainProgress(total=100, start=20, stream=buf)  # a run resumed at step 20
+def test_plain_lines_every_interval_and_at_the_last_step():
+    clock, buf = Clock(), io.StringIO()
+    bar = progress.PlainProgress(total=100, start=20, stream=buf, clock=clock)  # a run resumed at step 20
+    assert bar.every_s == progress.LOG_EVERY_S == 10.0
     row = {"loss": 2.5, "tokens_per_s": 400.0, "step_time_s": 0.5}  # 200 tokens a step
     for step in range(21, 101):
         clock.now += 0.5  # 2 steps a second
@@ -72,15 +73,24 @@ def test_plain_lines_every_interval_and_at_the_last_step(monkeypatch):
     assert lines[-1].endswith("ETA 0 s")
 
 
-def test_last_step_gets_a_line_before_the_interval(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(progress.time, "monotonic", clock)
-    buf = io.StringIO()
-    bar = progress.PlainProgress(total=3, start=0, stream=buf)
+def test_last_step_gets_a_line_before_the_interval():
+    clock, buf = Clock(), io.StringIO()
+    bar = progress.PlainProgress(total=3, start=0, stream=buf, clock=clock)
     for step in (1, 2, 3):
         clock.now += 1.0
         bar.update(step, {"loss": 1.0, "tokens_per_s": 10.0, "step_time_s": 1.0})
     assert buf.getvalue() == "train: step 3/3 (100%), loss 1.0000, 10 tokens/s (mean over wall time), ETA 0 s\n"
+
+
+def test_eta_counts_minutes_and_hours():
+    clock, buf = Clock(), io.StringIO()
+    bar = progress.PlainProgress(total=10_000, start=0, stream=buf, clock=clock, every_s=0.0)
+    clock.now += 2.0
+    bar.update(1, {"loss": 1.0, "tokens_per_s": 5.0, "step_time_s": 2.0})  # 9,999 steps left at 2 s each
+    clock.now += 2.0 * 69
+    bar.update(70, {"loss": 1.0, "tokens_per_s": 5.0, "step_time_s": 2.0})
+    assert [x.rsplit("ETA ", 1)[1] for x in buf.getvalue().splitlines()] == ["5 h 33 min", "5 h 31 min"]
+    assert progress._duration(59.4) == "59 s" and progress._duration(190) == "3 min 10 s"
 
 
 def test_terminal_gets_the_bar(monkeypatch):

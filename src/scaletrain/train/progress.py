@@ -52,18 +52,20 @@ class PlainProgress:
     tokens/s and the ETA are this invocation's steps over its wall time since the first step began (a resumed run
     counts from its resume step), so they include evaluation, checkpoints and the first step's warm-up."""
 
-    def __init__(self, total: int, start: int, stream=None):
+    def __init__(self, total: int, start: int, stream=None, clock=None, every_s: float | None = None):
         self.total, self.start = total, start
         self.stream = stream if stream is not None else sys.stderr
-        self.t0 = self.last = time.monotonic()
+        self.clock = clock if clock is not None else time.monotonic  # injectable (tests drive a fake one)
+        self.every_s = LOG_EVERY_S if every_s is None else every_s
+        self.t0 = self.last = self.clock()
         self.tokens = 0.0
         self.step = start
 
     def update(self, step: int, row: dict[str, Any]) -> None:
         self.tokens += (step - self.step) * _tokens_per_step(row)
         self.step = step
-        now = time.monotonic()
-        if step < self.total and now - self.last < LOG_EVERY_S:
+        now = self.clock()
+        if step < self.total and now - self.last < self.every_s:
             return
         self.last = now
         self.stream.write(self.line(step, row["loss"], now - self.t0) + "\n")
