@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import re
 import subprocess
 
@@ -45,6 +46,19 @@ def test_captured_run_prints_its_last_step_as_a_plain_line_on_stderr(finished_ru
     assert loss == f"{rows[-1]['loss']:.4f}"  # the logged loss of step 4, to the digit shown
     assert int(rate.replace(",", "")) > 0
     assert not any(map(LINE.match, stdout.splitlines()))  # the lines go to stderr only
+
+
+def test_single_process_run_writes_launcher_and_rank0_logs(finished_run):
+    out, stdout, stderr = finished_run
+    log = (out / "logs" / "rank0.log").read_text().splitlines()
+    launcher = (out / "logs" / "launcher.log").read_text().splitlines()
+    assert re.fullmatch(rf"rank 0 of 1, local rank 0, host \S+, pid {os.getpid()}, started .+", log[0])
+    assert launcher[0] == stdout.splitlines()[0] and launcher[0].startswith("scaletrain train: 7,664 parameters")
+    assert launcher[-1] == "  building the model ..."  # the launcher's lines end where the rank's begin
+    assert [x for x in log if x.startswith("train: step")] == [stderr.splitlines()[-1]]
+    assert log[-1].startswith("memory MiB/rank")  # the summary, after the run
+    assert stdout.splitlines() + stderr.splitlines() and all(line in log or line in launcher
+                                                             for line in [*stdout.splitlines(), *stderr.splitlines()])
 
 
 class Clock:

@@ -206,13 +206,16 @@ def cmd_train(args) -> int:
 
     check_fp8_device(cfg)  # no FP8 tensor cores: one line, before data, processes or the run folder
     out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
-    if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
-        return _launch(args, cfg, out, nproc, resume_args)
-    with lock_run(out) or contextlib.nullcontext():  # one run per folder (guards.py), until the ranks have stopped
-        return _launch(args, cfg, out, nproc, resume_args)
+    from scaletrain.distributed.launch import LauncherLines
+
+    with LauncherLines() as said:  # what this command prints before the ranks start: OUT/logs/launcher.log
+        if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
+            return _launch(args, cfg, out, nproc, resume_args, said)
+        with lock_run(out) or contextlib.nullcontext():  # one run per folder (guards.py), until the ranks have stopped
+            return _launch(args, cfg, out, nproc, resume_args, said)
 
 
-def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
+def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -> int:
     """Everything after the folder is ours: data, checks against its checkpoints, the memory plan, then the run."""
     from scaletrain.data.run import keep_tokenizer, prepare
     from scaletrain.plan.budget import check_before_launch
@@ -240,6 +243,8 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     keep_tokenizer(cfg, out)  # OUT/tokenizer/: what sample and export decode with (data/run.py)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
+    host = __import__("socket").gethostname()
+    said.save(out / "logs" / (f"launcher-{host}.log" if args.rdzv_endpoint else "launcher.log"))
     if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
         return run_single(cfg, out, **resume_args)
     from scaletrain.distributed.launch import launch_local
@@ -334,7 +339,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
 
     rank = env.rank if env else 0
     supervised = cfg.parallel.sync == "bsp" and cfg.parallel.replicas == 1  # replica groups: the lighthouse's quorum
-    with WorkerContext(rank):
+    with WorkerContext(rank, out / "logs" if env is None else None):  # logs/rankN.log
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
         if env is not None and not supervised:
             distributed.init(env, cfg.parallel.timeout_s, device)

@@ -1,6 +1,7 @@
 """The progress of a training run (the synchronous trainer and the asynchronous runners alike): a bar on an
 interactive terminal, and plain lines on stderr when the output goes to a pipe, a file or a scheduler's log (CI,
-`| tee`, nohup, SLURM), where the launcher puts them in the run log."""
+`| tee`, nohup, SLURM); rank 0 under `--nproc` writes them on stdout (its stderr is the launcher's log). Both reach
+`OUT/logs/rank0.log` too: the lines, never the bar's escape codes."""
 
 from __future__ import annotations
 
@@ -17,10 +18,18 @@ class Progress:
     `LOG_EVERY_S` seconds and at the last step (`PlainProgress`)."""
 
     def __init__(self, total: int, start: int):
-        self.impl: _Bar | PlainProgress = _Bar(total, start) if sys.stdout.isatty() else PlainProgress(total, start)
+        from scaletrain.distributed.launch import plain_progress_stream
+
+        tty = sys.stdout.isatty()
+        self.impl: _Bar | PlainProgress = _Bar(total, start) if tty else PlainProgress(total, start,
+                                                                                      plain_progress_stream())
+        log = getattr(sys.stdout, "log", None)  # a rank log beside the terminal (distributed/launch.Tee)
+        self.log = PlainProgress(total, start, log) if tty and log is not None else None  # the lines, not the bar
 
     def update(self, step: int, row: dict[str, Any]) -> None:
         self.impl.update(step, row)
+        if self.log is not None:
+            self.log.update(step, row)
 
     def close(self) -> None:
         self.impl.close()
@@ -30,12 +39,15 @@ class _Bar:
     """The rich progress bar of an interactive terminal."""
 
     def __init__(self, total: int, start: int):
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar
 
+        terminal = getattr(sys.stdout, "stream", sys.stdout)  # the bar stays out of the rank log (launch.Tee)
         self.p = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                      TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                     TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+                     TextColumn("ETA"), TimeRemainingColumn(), transient=False,
+                     console=Console(file=terminal))
         self.task = self.p.add_task("train", total=total, completed=start, loss="-", tps="-")
         self.p.start()
 
