@@ -355,7 +355,8 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
                     print(f"already complete at step {trainer.step}: nothing to do")
                 result = trainer.run()
                 if rank == 0:
-                    summary(out, trainer.n_params, result, time.time() - start, moe_layers(cfg.model))
+                    summary(out, trainer.n_params, result, time.time() - start, moe_layers(cfg.model),
+                            cfg.tokens_per_step)
         except BaseException:
             distributed.shutdown(clean=False)
             raise
@@ -363,7 +364,20 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     return 0
 
 
-def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[int] | None = None) -> None:
+def throughput_line(rows: list[dict], steps: int, tokens_per_step: int, seconds: float) -> str:
+    """Both statistics, named: the median over the logged steps (report.html's), then this invocation's tokens
+    over its wall time (start-up, evaluation and checkpoints included)."""
+    from scaletrain.report.run_data import median
+
+    med = median([r.get("tokens_per_s") for r in rows])
+    wall = f"{steps * tokens_per_step / seconds:,.0f} tokens/s mean over the {seconds:.0f} s wall time, start-up " \
+           "included" if seconds > 0 else f"{seconds:.0f} s wall"
+    head = f"{med:,.0f} tokens/s over {steps} steps (median of logged steps, as in report.html); " if med else ""
+    return f"throughput      {head}{wall}"
+
+
+def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[int] | None = None,
+            tokens_per_step: int = 0) -> None:
     from scaletrain.report.plots import plot_expert_load, plot_loss, read_metrics
 
     metrics = out / "metrics.jsonl"
@@ -378,8 +392,8 @@ def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[i
         f"loss            {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} "
         f"(step {rows[-1]['step']})",
         f"validation loss {val[-1]:.4f}" if val else "",
-        f"throughput      {result.tokens_per_s:,.0f} tokens/s over {len(result.losses)} steps "
-        f"({seconds:.0f} s wall){f', resumed from step {result.resumed_from}' if result.resumed_from else ''}",
+        throughput_line(rows, len(result.losses), tokens_per_step, seconds)
+        + (f", resumed from step {result.resumed_from}" if result.resumed_from else ""),
         f"outputs         {out}/metrics.jsonl, {out}/checkpoints/, loss curve {png}"
         + (f", expert load {load_png}" if load_png else "")
         + (f", report {out / 'report.html'}" if (out / "report.html").is_file() else ""),
