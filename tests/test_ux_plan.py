@@ -131,7 +131,10 @@ def test_plan_with_a_named_gpu_says_nothing_of_benchmarks(tmp_path, capsys):
 
 
 def test_console_throughput_names_both_statistics():
-    rows_ = [{"step": s, "tokens_per_s": v} for s, v in ((1, 100.0), (2, 300.0), (3, 200.0), (4, 250.0))]
-    line = throughput_line(rows_, 4, 64, 2.0)
-    assert line == ("throughput      225 tokens/s over 4 steps (median of logged steps, as in report.html); "
-                    "128 tokens/s mean over the 2 s wall time, start-up included")
+    rows_ = [{"step": s, "tokens_per_s": v} for s, v in ((2, 100.0), (4, 300.0), (6, 200.0), (8, 250.0))]
+    assert throughput_line(rows_, 4, 64, 2.0) == (
+        "throughput      225 tokens/s over 8 steps (median of the logged steps, as in report.html); 128 tokens/s over "
+        "this invocation's 2 s wall time (4 steps, start-up included)")
+    assert throughput_line(rows_[:1], 1, 64, 4.0).endswith("16 tokens/s over this invocation's 4 s wall time (1 step, "
+                                                           "start-up included)")
+

@@ -48,6 +48,16 @@ def test_captured_run_prints_its_last_step_as_a_plain_line_on_stderr(finished_ru
     assert not any(map(LINE.match, stdout.splitlines()))  # the lines go to stderr only
 
 
+def test_console_median_is_the_reports(finished_run):
+    """The summary's median and report.html's "tokens/s (median of logged steps)" are one number, to the digit."""
+    out, stdout, _ = finished_run
+    said = re.search(r"^throughput\s+([\d,]+) tokens/s over 4 steps \(median of the logged steps", stdout, re.M)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    page = re.search(r"tokens/s \(median of logged steps\)</td><td>([\d,]+)</td>", (out / "report.html").read_text())
+    median = sum(sorted(r["tokens_per_s"] for r in rows)[1:3]) / 2  # 4 logged steps
+    assert said and page and said[1] == page[1] == f"{median:,.0f}", stdout
+
+
 def test_single_process_run_writes_launcher_and_rank0_logs(finished_run):
     out, stdout, stderr = finished_run
     log = (out / "logs" / "rank0.log").read_text().splitlines()

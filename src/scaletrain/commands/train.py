@@ -365,14 +365,16 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
 
 
 def throughput_line(rows: list[dict], steps: int, tokens_per_step: int, seconds: float) -> str:
-    """Both statistics, named: the median over the logged steps (report.html's), then this invocation's tokens
-    over its wall time (start-up, evaluation and checkpoints included)."""
+    """Both statistics, named: the median over the run's logged steps (report.html's), then this invocation's
+    `steps` over its wall time (start-up, evaluation and checkpoints included)."""
     from scaletrain.report.run_data import median
 
     med = median([r.get("tokens_per_s") for r in rows])
-    wall = f"{steps * tokens_per_step / seconds:,.0f} tokens/s mean over the {seconds:.0f} s wall time, start-up " \
-           "included" if seconds > 0 else f"{seconds:.0f} s wall"
-    head = f"{med:,.0f} tokens/s over {steps} steps (median of logged steps, as in report.html); " if med else ""
+    done = f"{steps} step{'s' if steps != 1 else ''}"
+    wall = (f"{steps * tokens_per_step / seconds:,.0f} tokens/s over this invocation's {seconds:.0f} s wall time "
+            f"({done}, start-up included)") if seconds > 0 else f"{done} in {seconds:.0f} s wall"
+    head = (f"{med:,.0f} tokens/s over {rows[-1]['step']} steps (median of the logged steps, as in report.html); "
+            if med else "")
     return f"throughput      {head}{wall}"
 
 

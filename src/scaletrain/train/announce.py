@@ -44,8 +44,9 @@ def status(text: str) -> None:
 
 
 def resharded(found: Path, old: str, new: str) -> None:
-    """What `--reshard` did, in one line: `resharded step_00000004 from dp=1 tp=1 pp=1 (1 process) to dp=2 tp=1
-    pp=1 (2 processes): 23 tensors, 184,576 bytes read` (the checkpoint's tensors and stored bytes)."""
+    """What `--reshard` did, in one line: `resharded step_00000002 from dp=1 tp=1 pp=1 micro_batch=2 (1 process) to
+    dp=1 tp=1 pp=1 micro_batch=1 (1 process): 65 tensors, 291,497 bytes read` (the checkpoint's tensors and stored
+    bytes)."""
     from scaletrain.train import ckpt_index
 
     tensors = ckpt_index.read_index(found)["tensors"]
@@ -54,6 +55,6 @@ def resharded(found: Path, old: str, new: str) -> None:
 
 
 def initialised(directory: Path, family: str, weights: dict) -> None:
-    """What `--init-from` did, in one line: `initialised from DIR (gpt2 weights): 7,664 parameters in 12 tensors`."""
+    """What `--init-from` did, in one line: `initialised from DIR (gpt2 weights): 7,664 parameters in 16 tensors`."""
     n = sum(int(t.numel()) for t in weights.values())
     _say(f"initialised from {directory} ({family} weights): {n:,} parameters in {len(weights):,} tensors")
