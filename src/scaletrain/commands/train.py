@@ -243,10 +243,10 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     keep_tokenizer(cfg, out)  # OUT/tokenizer/: what sample and export decode with (data/run.py)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
+    if nproc == 1 and not args.restarts and not args.rdzv_endpoint:  # logs written once the checkpoint is read
+        return run_single(cfg, out, **resume_args, launcher_lines=said.text())
     host = __import__("socket").gethostname()
     said.save(out / "logs" / (f"launcher-{host}.log" if args.rdzv_endpoint else "launcher.log"))
-    if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
-        return run_single(cfg, out, **resume_args)
     from scaletrain.distributed.launch import launch_local
 
     argv = ["train", "--out", str(out)] + (["--reshard"] if args.reshard else [])
@@ -319,18 +319,20 @@ def refuse_if_too_big(cfg: Config, nproc: int) -> None:
                         "started)")
 
 
-def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None) -> int:
+def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None,
+               launcher_lines: str | None = None) -> int:
     """The single-process run; a diverged loss is one line on stderr (exit 1), as on N processes."""
     from scaletrain.errors import TrainingDiverged
 
     try:
-        return run_worker(cfg, out, None, reshard, init_from)
+        return run_worker(cfg, out, None, reshard, init_from, launcher_lines)
     except TrainingDiverged as e:
         sys.stderr.write(f"scaletrain: error: training diverged: {e}\n")
         return 1
 
 
-def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None) -> int:
+def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None,
+               launcher_lines: str | None = None) -> int:
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain.distributed import process_group as distributed
     from scaletrain.distributed.launch import WorkerContext
@@ -339,7 +341,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
 
     rank = env.rank if env else 0
     supervised = cfg.parallel.sync == "bsp" and cfg.parallel.replicas == 1  # replica groups: the lighthouse's quorum
-    with WorkerContext(rank, out / "logs" if env is None else None):  # logs/rankN.log
+    with WorkerContext(rank, out / "logs" if env is None else None, launcher_lines) as logs:  # logs/rankN.log
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
         if env is not None and not supervised:
             distributed.init(env, cfg.parallel.timeout_s, device)
@@ -349,6 +351,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
                 start = time.time()
                 trainer = make_trainer(cfg, out, env, progress=True, reshard=reshard,  # a bar or log lines
                                        init_from=init_from)  # bsp: the Trainer (train/resume.py)
+                logs.commit()  # one process: its logs are written from here (the checkpoint was read)
                 if job is not None:
                     job.attach(trainer)
                 if trainer.step >= cfg.train.steps and rank == 0:

@@ -231,6 +231,11 @@ class LauncherLines:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.buf.getvalue())
 
+    def text(self) -> str:
+        """Stop copying; the lines so far (a single-process run writes them once its checkpoint is read)."""
+        self.stop()
+        return self.buf.getvalue()
+
     def stop(self) -> None:
         if self.saved is not None:
             sys.stdout, sys.stderr = self.saved
@@ -258,11 +263,13 @@ class WorkerContext:
     """On a rank: its output in `logs/rankN.log` (rank 0: a copy, beside the terminal), and an error file when the
     rank fails. `logs`: the folder of a single-process run (a launched rank reads the launcher's)."""
 
-    def __init__(self, rank: int, logs: Path | None = None):
+    def __init__(self, rank: int, logs: Path | None = None, launcher_lines: str | None = None):
         self.rank = rank
         self.logs = Path(os.environ[LOG_DIR_ENV]) if LOG_DIR_ENV in os.environ else None  # error records there
         self.log_dir = self.logs if self.logs is not None else logs
+        self.launcher_lines = launcher_lines
         self.saved = None
+        self.pending: io.StringIO | None = None
 
     def __enter__(self) -> WorkerContext:
         if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -276,12 +283,29 @@ class WorkerContext:
             os.dup2(f.fileno(), 2)
             sys.stdout = sys.stderr = f
         elif self.log_dir is not None and self.rank == 0:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            f = open(self.log_dir / "rank0.log", "w", buffering=1)
+            # one process: held in memory until `commit` (a refused resume leaves the run's logs as they were)
+            f = self.pending = io.StringIO() if self.logs is None else self._open()
             f.write(rank_header(0))
             self.saved = (sys.stdout, sys.stderr, f)
             sys.stdout, sys.stderr = Tee(sys.stdout, f), Tee(sys.stderr, f)
         return self
+
+    def _open(self):
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return open(self.log_dir / "rank0.log", "w", buffering=1)
+
+    def commit(self) -> None:
+        """A single-process run whose checkpoint was read: its logs are written from now on (launcher.log with the
+        command's lines, rank0.log with what the rank printed so far)."""
+        if self.pending is None or self.saved is None:
+            return
+        f = self._open()
+        f.write(self.pending.getvalue())
+        if self.launcher_lines is not None:
+            (self.log_dir / "launcher.log").write_text(self.launcher_lines)
+        sys.stdout.log = sys.stderr.log = f
+        self.saved = (*self.saved[:2], f)
+        self.pending = None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
