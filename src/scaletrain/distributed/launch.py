@@ -284,7 +284,10 @@ class WorkerContext:
             sys.stdout = sys.stderr = f
         elif self.log_dir is not None and self.rank == 0:
             # one process: held in memory until `commit` (a refused resume leaves the run's logs as they were)
-            f = self.pending = io.StringIO() if self.logs is None else self._open()
+            if self.logs is None:
+                f = self.pending = io.StringIO()
+            else:
+                f = self._open()
             f.write(rank_header(0))
             self.saved = (sys.stdout, sys.stderr, f)
             sys.stdout, sys.stderr = Tee(sys.stdout, f), Tee(sys.stderr, f)
