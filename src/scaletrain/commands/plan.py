@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 from scaletrain.config.schema import MLPS, POSITIONS
 from scaletrain.errors import UserError
@@ -189,13 +190,25 @@ def _gpu(args, dtype: str) -> hardware.GPU:
     if args.calibrate:
         from scaletrain.plan.calibrate import calibrate
 
-        return calibrate(dtype if dtype in ("fp32", "fp64") else "fp32", max(2, min(args.gpus or 2, 8)))
+        world = max(2, min(args.gpus or 2, 8))
+        benchmarking(f"this machine's matmul FLOP/s, memory bandwidth and gloo bandwidth among {world} local "
+                     "processes")
+        return calibrate(dtype if dtype in ("fp32", "fp64") else "fp32", world)
     if args.cluster:
         gpu, n = hardware.load_cluster(args.cluster)
         if args.gpus is None and n is not None:
             args.gpus = n
         return gpu
     return hardware.get_gpu(args.gpu or "a100-80gb")
+
+
+def benchmarking(what: str) -> float:
+    """Say on stderr, before it starts, that the plan measures the machine and how long that may take (every other
+    plan answers at once); returns the start time for the line that says how long it took."""
+    sys.stderr.write(f"plan: benchmarking {what}; this takes up to about a minute (--gpu NAME or --cluster FILE "
+                     "plans without measuring) ...\n")
+    sys.stderr.flush()
+    return time.monotonic()
 
 
 def _assumptions(args) -> Assumptions:
@@ -451,11 +464,14 @@ def _run_config(args) -> int:
         from scaletrain.plan.exact.run_calibrate import calibrate_run
         from scaletrain.plan.exact.run_time import apply_to_estimate
 
+        started = benchmarking(f"this machine at the run's sizes in {cfg.world_size} local process"
+                               f"{'es' if cfg.world_size > 1 else ''} (9 timed repeats of each block)")
         step, link = calibrate_run(cfg)
         gpu = machine(train.dtype if train.dtype in ("fp32", "fp64") else "fp32", cfg.world_size, link)
         est = estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size, memory_only=True)
         apply_to_estimate(est, cfg, step, gpu.peak_flops)
         extra["run_step_time_s"] = step.step_time_s
+        sys.stderr.write(f"plan: benchmarked in {time.monotonic() - started:.0f} s\n")
     else:
         gpu = _gpu(args, train.dtype)
         est = estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size)
