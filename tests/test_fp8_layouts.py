@@ -52,6 +52,8 @@ LAYOUTS = {  # name: (recipe overrides, layout, tolerance)
     "tp2 sequence parallel": ({}, {"parallel.tp": 2, "parallel.sequence_parallel": True}, BF16),
     "tp2 sequence parallel, recompute full": ({}, {"parallel.tp": 2, "parallel.sequence_parallel": True,
                                                    "memory.recompute": "full"}, BF16),
+    "tp2 sequence parallel, 1 kv head (copied)": ({"model.n_kv_heads": 1},
+                                                  {"parallel.tp": 2, "parallel.sequence_parallel": True}, BF16),
     "tp2 sequence parallel, rowwise": ({"train.fp8_recipe": "rowwise"},
                                        {"parallel.tp": 2, "parallel.sequence_parallel": True}, BF16),
     "tp2 sequence parallel, train.dtype=bf16": ({"train.dtype": "bf16"},

@@ -19,6 +19,15 @@ means in each dtype (docs/verify.md).
     within rounding of zero moves by up to 2 lr more in one run than in the other; if at most a fraction f of the
     elements do, the difference is at most 2 sqrt(f) of the step. The bound allows f = `FLIP_UNITS` u (a gradient
     element within 16 u of its scale of zero). Later steps are smooth in the gradient and far inside it.
+- train.precision=fp8 (fp32 or bf16 parameters; the FP8 GEMMs' inputs are bf16 under autocast or bf16 parameters):
+  step by step as above, with u = `fp8_roundoff()` = sqrt(u_bf16 u_8), u_8 the coarsest float8 format of the recipe
+  (e5m2, 2^-3, for the tensorwise recipe's output gradients; arXiv 2209.05433). From the same state, the layout casts
+  the same bf16 values to float8 with the same scale (an amax along a split dimension is reduced over tp), except
+  where its bf16 inputs differ by rounding (tensor parallelism adds partial products in another order): an element
+  that moves by ~u_bf16 crosses a float8 rounding boundary with probability ~u_bf16 / u_8 and then moves by one
+  float8 step ~u_8, so the elements differ by sqrt(u_bf16 u_8) in root mean square, which plays the role of u in
+  the bounds above. Set before measuring; a layout without tp casts the same bf16 values (its differences are fp32
+  rounding, far inside).
 """
 
 from __future__ import annotations
