@@ -428,7 +428,26 @@ def config_training(cfg) -> Training:
     if t.precision == "autocast-bf16":  # fp32 parameters, gradients and moments; bf16 matmuls and activations
         return Training(t.global_batch, "bf16", attention, True, optimizer_k=4 * moments, grad_bytes=4,
                         param_bytes=4)
-    return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem)
+    gather = fp8_gathered_fraction(cfg) if t.precision == "fp8" and t.fp8_all_gather else 0.0
+    return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem,
+                    fp8_gather=gather)
+
+
+def fp8_gathered_fraction(cfg) -> float:
+    """The fraction of the blocks' parameter elements that are FP8 layers' weights (memory/fp8_layers.py), which
+    train.fp8_all_gather all-gathers as float8 (parallel/zero_fp8.py), counted on the model built on the meta
+    device."""
+    import torch
+
+    from scaletrain.memory.fp8_layers import fp8_layer_names
+    from scaletrain.model import build_gpt
+
+    fp8 = {f"{name}.weight" for name in fp8_layer_names(cfg.model, cfg.train)}
+    counts = [0, 0]
+    for name, p in build_gpt(cfg.model, 0, "meta", torch.float32).named_parameters():
+        if name.startswith("blocks."):
+            counts[name in fp8] += p.numel()
+    return counts[1] / max(sum(counts), 1)
 
 
 def _run_config(args) -> int:
