@@ -79,6 +79,8 @@ IGNORED: tuple[Unused, ...] = (
            "stages)", lambda c: f"parallel.pp={c.parallel.pp}"),
     Unused("parallel.schedule", lambda c: c.parallel.pp > 1 or c.parallel.schedule == "2bw",  # 2bw: its own rule
            "parallel.pp > 1 (a pipeline schedule)", lambda c: f"parallel.pp={c.parallel.pp}"),
+    Unused("parallel.cp_mode", lambda c: c.parallel.cp > 1, "parallel.cp > 1 (how attention is split over the "
+           "context-parallel ranks)", lambda c: f"parallel.cp={c.parallel.cp}"),
     # training: fp16's dynamic loss scaler (train/trainer.py), the schedule, evaluation
     *(Unused(f"train.{k}", lambda c: c.train.dtype == "fp16", "train.dtype=fp16 (dynamic loss scaling)",
              lambda c: f"train.dtype={c.train.dtype}")

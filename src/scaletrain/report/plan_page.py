@@ -18,14 +18,14 @@ from scaletrain.report.page import Chart, Section, Table, Text
 
 GiB = float(1 << 30)
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
-_LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute", "schedule", "virtual_stages",
-                "sequence_parallel", "offload")
+_LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "cp", "cp_mode", "zero", "micro_batch", "recompute", "schedule",
+                "virtual_stages", "sequence_parallel", "offload")
 
 
 def layout_label(layout: dict[str, Any]) -> str:
     """`dp=8 tp=2 pp=4 zero=1 mb=2 ...`: the fields that are not at their single-device default."""
-    defaults = {"tp": 1, "pp": 1, "ep": 1, "recompute": "none", "schedule": "1f1b", "virtual_stages": 1,
-                "sequence_parallel": False, "offload": "none"}
+    defaults = {"tp": 1, "pp": 1, "ep": 1, "cp": 1, "cp_mode": "ring", "recompute": "none", "schedule": "1f1b",
+                "virtual_stages": 1, "sequence_parallel": False, "offload": "none"}
     parts = []
     for k in _LAYOUT_KEYS:
         if k not in layout or (k in defaults and layout[k] == defaults[k]):
