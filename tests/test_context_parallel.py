@@ -34,6 +34,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.parallel.context.kernels import block_backward, block_forward, default_scale, merge_
 from scaletrain.parallel.context.layout import chunks_of, local_positions
 from scaletrain.parallel.context.ring import _block
+from scaletrain.verify.layouts import Layout
 
 RTOL, ATOL = 1e-9, 1e-12
 MOE = {"model.moe.experts": 4, "model.moe.group_tokens": 8}
@@ -45,6 +46,10 @@ CASES = {  # name -> (world, overrides): the two layouts CI trains (the others: 
                                             "model.position": "rope"}),
 }
 FAULTS = ("drop a kv chunk", "no causal mask on the diagonal block")
+# low-precision cp x MoE layouts of the layout matrix, run by its own runner and compared step by step under
+# teacher-forced routing (verify/stepwise.py): token choice on the ring's two chunks, expert choice under Ulysses
+MOE_LAYOUTS = (Layout.of(cp=2, moe="topk", dtype="fp32", position="rope"),
+               Layout.of(cp=2, cp_mode="ulysses", moe="expert_choice", dtype="bf16", dropout=0.1))
 
 
 # --------------------------------------------------------------------------- the ring's geometry and kernels
@@ -194,6 +199,11 @@ def _train_rank(rank, world, jobs):
         if job[0] == "attention":
             out.append(_attention_rank(rank, world, job[1]))
             continue
+        if job[0] == "layout":  # the layout matrix's own runner (teacher-forced routing in low precision)
+            from scaletrain.verify.matrix import run_layout
+
+            out.append(run_layout(job[1], DistEnv(rank, world, 0, "test"), root=job[2]))
+            continue
         overrides, fault, directory, stop, reshard = job
         cfg = make_config({**TINY, **overrides})
         with _fault(fault):
@@ -231,12 +241,16 @@ def runs(tmp_path_factory):
     jobs[2].append(("cp1 -> 2 second half", ({**base, **ckpt, "parallel.cp_mode": "ulysses"}, None, str(up), None,
                                              True)))
     jobs[4].append(("attention at cp4", ("attention", ATTENTION_CASES)))
+    for lay in MOE_LAYOUTS:
+        jobs[lay.world].append((lay.name, ("layout", lay, str(tmp_path_factory.mktemp("tape")))))
     done = {}
     for world, todo in jobs.items():
         results = run_ranks(_train_rank, world, [j for _, j in todo], timeout=900)
         for i, (name, _) in enumerate(todo):
             done[name] = [r[i] for r in results]
     done["cp2 -> 1 dir"] = down
+    for lay in MOE_LAYOUTS:
+        done[lay.name + " dir"] = jobs[lay.world][[n for n, _ in jobs[lay.world]].index(lay.name)][1][2]
     return done
 
 
@@ -286,6 +300,45 @@ def test_checkpoints_reshard_from_cp2_to_one_process_and_from_one_process_to_cp2
     losses, state, _, _ = runs["cp1 -> 2 second half"][0]
     assert min(losses) == 3
     assert_same_run(({k: v for k, v in ref[0].items() if k > 2}, ref[1]), (losses, state), RTOL, ATOL)
+
+
+# --------------------------------------------------------------------------- teacher-forced MoE routing
+
+
+@pytest.mark.parametrize("mode,cp,tp", [("ring", 2, 1), ("ring", 4, 1), ("ulysses", 2, 1), ("ring", 2, 2)])
+def test_routing_tape_keys_every_token_of_every_cp_rank_by_its_global_position(mode, cp, tp):
+    """The tape's token ids of all cp (x sequence-parallel tp) ranks together are each token of the step's batch
+    exactly once, at (global row) x seq_len + global position: what one process records for the same tokens."""
+    from scaletrain.config import MoEConfig
+    from scaletrain.model.moe import MoE
+    from scaletrain.model.routing_tape import RoutingTape
+
+    T, rows, first = 32, 3, 5
+    seen = []
+    for r in range(cp):
+        mine = local_positions(T, cp, r, mode)
+        for shard in mine.chunk(tp):
+            moe = MoE(8, 16, "gelu", MoEConfig(experts=4, group_tokens=4))
+            moe.key, moe.token_positions = (0, 1, first), (shard, T)
+            ids = RoutingTape._token_ids(moe, rows, rows * len(shard)).view(rows, -1)
+            assert torch.equal(ids, (torch.arange(first, first + rows).view(rows, 1) * T + shard.view(1, -1)))
+            seen.append(ids.reshape(-1))
+    single = MoE(8, 16, "gelu", MoEConfig(experts=4, group_tokens=4))
+    single.key = (0, 1, first)
+    assert torch.equal(torch.cat(seen).sort().values, RoutingTape._token_ids(single, rows, rows * T))
+
+
+@pytest.mark.parametrize("lay", MOE_LAYOUTS, ids=[lay.name.replace(" ", ",") for lay in MOE_LAYOUTS])
+def test_cp_moe_layout_matches_one_process_under_teacher_forced_routing(runs, lay):
+    """The matrix's check of a low-precision cp x MoE layout: one process replays the layout's routes, every token
+    found (a token keyed by its rank-local position is a missing decision, a FAIL), and the step-by-step differences
+    within the dtype's bounds; the one process's own router agrees on all but a few (ROUTING_DISAGREEMENT)."""
+    from scaletrain.verify.matrix import check, table
+
+    outcome = check(lay, runs[lay.name][0], runs[lay.name + " dir"])
+    assert outcome.ok and not outcome.error, "\n" + table([outcome], width=200)
+    assert math.isfinite(outcome.routing)  # the tape replayed decisions (its disagreement bound is in `check`)
+    print(table([outcome], width=160))
 
 
 # --------------------------------------------------------------------------- bad input, planner
