@@ -248,7 +248,7 @@ def runs(tmp_path_factory):
         results = run_ranks(_train_rank, world, [j for _, j in todo], timeout=900)
         for i, (name, _) in enumerate(todo):
             done[name] = [r[i] for r in results]
-    done["cp2 -> 1 dir"] = down
+    done["cp2 -> 1 dir"], done["cp1 -> 2 dir"] = down, up
     for lay in MOE_LAYOUTS:
         done[lay.name + " dir"] = jobs[lay.world][[n for n, _ in jobs[lay.world]].index(lay.name)][1][2]
     return done
@@ -300,6 +300,15 @@ def test_checkpoints_reshard_from_cp2_to_one_process_and_from_one_process_to_cp2
     losses, state, _, _ = runs["cp1 -> 2 second half"][0]
     assert min(losses) == 3
     assert_same_run(({k: v for k, v in ref[0].items() if k > 2}, ref[1]), (losses, state), RTOL, ATOL)
+
+
+def test_run_report_of_a_cp_run_compares_each_ranks_memory_with_its_stage_plan(runs):
+    """The run page places a cp rank on its pipeline stage (grid pp x dp x cp x tp) for the planned memory."""
+    from scaletrain.report.run_page import write_report
+
+    write_report(runs["cp1 -> 2 dir"])
+    page = (runs["cp1 -> 2 dir"] / "report.html").read_text()
+    assert "rank 1" in page and "planned" in page
 
 
 # --------------------------------------------------------------------------- teacher-forced MoE routing
