@@ -62,9 +62,16 @@ def test_widenet_dp2_equals_one_process(widenet_reference):
     assert_same_run(widenet_reference, train_parallel({**WIDENET, "parallel.dp": 2}, 2), rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_widenet_under_zero_equals_one_process(widenet_reference, zero):
+    """A shared weight is one parameter: ZeRO shards its optimizer state (and, at 2, its gradient) once."""
+    got = train_parallel({**WIDENET, "parallel.dp": 2, "parallel.zero": zero}, 2)
+    assert_same_run(widenet_reference, got, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("key,value,word", [
     ("model.reversible", "true", "reversible"), ("parallel.tp", 2, "parallel.tp=2"),
-    ("parallel.pp", 2, "parallel.pp=2"), ("parallel.zero", 1, "parallel.zero=1"),
+    ("parallel.pp", 2, "parallel.pp=2"), ("parallel.zero", 3, "parallel.zero=3"),
     ("model.dropout", 0.1, "dropout"), ("model.moe.every", 2, "every=2"),
     ("model.moe.router_noise", 1.0, "router_noise"), ("parallel.ep", 2, "parallel.ep=2"),
 ])
