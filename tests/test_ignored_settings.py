@@ -39,6 +39,9 @@ CASES: dict[str, tuple[list[list[str]], list[str]]] = {
     "parallel.partition": ([["parallel.partition=params"]], ["parallel.pp=2", "parallel.partition=params"]),
     "parallel.schedule": ([["parallel.schedule=gpipe"]], ["parallel.pp=2", "parallel.schedule=gpipe"]),
     "parallel.cp_mode": ([["parallel.cp_mode=ulysses"]], ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
+    "parallel.vertical_sync": ([["parallel.vertical_sync=true"], ["parallel.pp=2", "parallel.vertical_sync=true"]],
+                               ["parallel.pp=2", "parallel.schedule=pipedream", "parallel.vertical_sync=true",
+                                "train.global_batch=2", "train.micro_batch=2", "model.tie_embeddings=false"]),
     **{f"train.{k}": ([[f"train.{k}={v}"], ["train.dtype=bf16", f"train.{k}={v}"]], [*FP16, f"train.{k}={v}"])
        for k, v in (("loss_scale", 1024.0), ("loss_scale_window", 100), ("loss_scale_backoff", 0.25),
                     ("loss_scale_hysteresis", 1), ("loss_scale_min", 2.0))},

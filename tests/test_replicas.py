@@ -18,6 +18,8 @@ import torch
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
+from scaletrain.report import page as pg
+from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from tests.harness import TINY, train_reference
 
@@ -61,39 +63,62 @@ def test_replay_of_full_quorums_equals_the_single_process_trainer():
 
 def test_killed_group_is_dropped_restarts_heals_through_a_corrupt_chunk_and_the_run_equals_its_replay(tmp_path):
     out = tmp_path / "run"
-    run = {**RUN, "train.steps": 16}
-    # group 1 is SIGKILLed after joining step 3's quorum; group 0 (the heal source) corrupts its first chunk once;
+    run = {**RUN, "train.steps": 16, "train.checkpoint_every": 1, "train.keep_checkpoints": 100}
+    # group 0 is SIGKILLed after joining step 3's quorum; group 1 (the heal source) corrupts its first chunk once;
     # steps without every group take >= 2 s so that the restarted group finds the run still going
-    p = _train(out, run, "kill:1:3,corrupt:0:0", "--restarts", "1", pace=2.0)
+    p = _train(out, run, "kill:0:3,corrupt:1:0", "--restarts", "1", pace=2.0)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = load_log(out)
     failed = [(r["step"], r["members"]) for r in rows if not r["committed"]]
-    assert (3, [0, 1, 2]) in failed  # the round group 1 died in (a failed round is only ever retried)
+    assert (3, [0, 1, 2]) in failed  # the round group 0 died in (a failed round is only ever retried)
     committed = [r for r in rows if r["committed"]]
     assert [r["step"] for r in committed] == list(range(1, 17))
     after = next(r for r in committed if r["step"] == 3)
-    assert after["members"] == [0, 2] and after["dropped"] == [1]
+    assert after["members"] == [1, 2] and after["dropped"] == [0]
     healed = [r for r in committed if r["behind"]]
-    assert len(healed) == 1 and healed[0]["behind"] == [1] and healed[0]["members"] == [0, 1, 2]
-    heal = healed[0]["heal"]["1"]
+    assert len(healed) == 1 and healed[0]["behind"] == [0] and healed[0]["members"] == [0, 1, 2]
+    heal, back = healed[0]["heal"]["0"], healed[0]["step"]
     assert heal["retries"] == 1 and heal["bytes"] > 0  # the corrupted chunk was detected and sent again
     assert committed[-1]["members"] == [0, 1, 2]
-    for g in (0, 2):  # the survivors never stopped: each committed every step once, in one process
+    for g in (1, 2):  # the survivors never stopped: each committed every step once, in one process
         assert _group_steps(out, g) == list(range(1, 17))
-    assert _group_steps(out, 1) == [1, 2] + list(range(healed[0]["step"], 17))
+    assert _group_steps(out, 0) == [1, 2] + list(range(back, 17))
     finals = _finals(out)
     assert sorted(finals) == ["final-group0", "final-group1", "final-group2"]
     assert all(_max_diff(finals["final-group0"], f) == 0.0 for f in finals.values())  # the healed group is bit-equal
+    # every step's checkpoint is written by that step's lowest member: group 1 while group 0 is out, group 0 again
+    # from the step it healed in (heal and checkpoint in one step: the healed group writes it)
+    writers = [ckpt.read_meta(ckpt.checkpoint_dirs.step_dir(out / "checkpoints", s))["replicas"]["writer"]
+               for s in range(1, 17)]
+    assert writers == [0, 0] + [1] * (back - 3) + [0] * (17 - back)
     cfg = load_config(out / "config.yaml")
+    at_heal = ckpt.read_tensors(ckpt.checkpoint_dirs.step_dir(out / "checkpoints", back))
+    replayed = replay_rounds(cfg, [r for r in rows if r["step"] <= back])
+    assert max(float((at_heal[k] - replayed[k]).abs().max()) for k in at_heal) <= TOLERANCE
+    saved = ckpt.read_tensors(ckpt.latest(out / "checkpoints"))  # the last step's, by group 0
+    assert all(torch.equal(saved[k], finals["final-group0"][k]) for k in saved)
     mine = replay_rounds(cfg, rows)
     assert _max_diff(mine, finals["final-group0"]) <= TOLERANCE
-    assert "replica group(s) [1] dropped" in p.stdout and "healed from a live group" in p.stdout
+    assert "replica group(s) [0] dropped" in p.stdout and "healed from a live group" in p.stdout
+    # the run report (written by the launcher) shows the failure, what it cost and the heal, from the log
+    group_tokens = cfg.tokens_per_step // 3
+    text = (out / "report.html").read_text()
+    cells = [3, 0, back - 3, f"{(back - 3) * group_tokens:,}", back, f"{heal['seconds']:.3f}", f"{heal['bytes']:,}", 1]
+    assert "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>" in text
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # by each step's writer
+    survivor = [json.loads(x) for x in (out / "replicas" / "group1.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["loss"], m["replica_groups"]) for m in metrics] == \
+        [(r["step"], r["loss"], len(r["members"])) for r in survivor]
+    assert pg.figures_of(text)["loss-step"]["data"][0]["x"] == list(range(1, 17))
+    members = pg.figures_of(text)["replica-members"]["data"][0]
+    assert members["x"] == list(range(1, 17))
+    assert members["y"] == [3, 3] + [2] * (back - 3) + [3] * (17 - back)
 
 
 def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()
-    p = _train(out, {**RUN, "train.steps": 5}, "stop:2:3")  # SIGSTOP inside step 3's collective
+    p = _train(out, {**RUN, "train.steps": 5, "train.report": False}, "stop:2:3")  # SIGSTOP inside step 3's collective
     assert p.returncode == 0, p.stdout + p.stderr
     assert time.monotonic() - t0 < 200
     rows = load_log(out)
@@ -111,7 +136,10 @@ def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
     ({"parallel.dp": 4, "parallel.replicas": 3}, "parallel.replicas (3) must divide parallel.dp (4)"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.sync": "ps"}, "is for parallel.sync=bsp"),
     ({"parallel.dp": 4, "parallel.replicas": 2}, "one process per replica group"),
-    ({"parallel.dp": 2, "parallel.replicas": 2, "train.checkpoint_every": 5}, "train.checkpoint_every"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "model.dropout": 0.1}, "does not support train.dtype=fp16, MoE or "
+                                                                       "dropout"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "train.profile_steps": "2:3"}, "writes no TensorBoard events or "
+                                                                               "profiler traces"),
 ])
 def test_replicas_refused_where_they_cannot_work(tmp_path, capsys, sets, message):
     overrides = {**RUN, "train.global_batch": 8, **sets}

@@ -393,7 +393,7 @@ def config_layout(cfg) -> Layout:
     par, t = cfg.parallel, cfg.train
     return Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero, micro_batch=t.micro_batch,
                   recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
-                  virtual_stages=par.virtual_stages,
+                  virtual_stages=par.virtual_stages, vertical_sync=par.vertical_sync,
                   sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
                   tp_mode=par.tp_mode, tp_depth=par.tp_depth, cp=par.cp, cp_mode=par.cp_mode,
                   # `time` profiles the run's own blocks: predicted, as predict_run does, with the parameter balance

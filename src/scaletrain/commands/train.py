@@ -248,10 +248,22 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
         argv += ["--set", item]
     if cfg.parallel.replicas > 1:  # fault-tolerant replica groups (docs/fault_tolerance.md)
         from scaletrain.multinode.replicas import launch_replicas
+        from scaletrain.train.checkpoint_dirs import latest
 
-        (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
+        found = latest(out / "checkpoints")  # a whole-job resume: every group loads it (train/runners/replicas.py)
+        if found is not None and int(found.name.split("_")[-1]) >= cfg.train.steps:
+            print(f"run in {out} is already complete ({cfg.train.steps} steps); nothing to do", flush=True)
+            return 0
+        if found is None:
+            (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
         p = cfg.parallel
-        return launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s)
+        code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s)
+        if cfg.train.report:  # the groups train without an output folder: the launcher writes the report
+            from scaletrain.report.observers import safely
+            from scaletrain.report.run_page import write_report
+
+            safely(f"writing the run report {out / 'report.html'}", lambda: write_report(out))
+        return code
     if cfg.parallel.sync == "ps":  # supervised ranks: a worker's death may be tolerated (docs/async.md)
         from scaletrain.train.runners.launch import launch_ps
 
@@ -264,11 +276,13 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
 def check_replica_run(args, out: Path) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
     if args.rdzv_endpoint or args.nnodes != 1 or args.reshard or args.init_from is not None:
-        raise UserError("parallel.replicas > 1 runs on one machine from scratch: --nnodes/--rdzv-endpoint, --reshard "
-                        "and --init-from are not supported with it")
-    if (out / "membership.jsonl").exists():
-        raise UserError(f"{out} holds a replica run (membership.jsonl); replica runs do not resume from a folder: "
-                        "use a new --out")
+        raise UserError("parallel.replicas > 1 runs on one machine and resumes only its own layout: --nnodes/"
+                        "--rdzv-endpoint, --reshard and --init-from are not supported with it")
+    from scaletrain.train.checkpoint_dirs import latest
+
+    if (out / "membership.jsonl").exists() and latest(out / "checkpoints") is None:
+        raise UserError(f"{out} holds a replica run (membership.jsonl) without a complete checkpoint to resume from "
+                        "(set train.checkpoint_every): use a new --out")
 
 
 def refuse_if_too_big(cfg: Config, nproc: int) -> None:

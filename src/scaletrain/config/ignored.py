@@ -77,10 +77,12 @@ IGNORED: tuple[Unused, ...] = (
            "input over the tensor-parallel ranks)", lambda c: f"parallel.tp={c.parallel.tp}"),
     Unused("parallel.partition", lambda c: c.parallel.pp > 1, "parallel.pp > 1 (it splits the blocks into pipeline "
            "stages)", lambda c: f"parallel.pp={c.parallel.pp}"),
-    Unused("parallel.schedule", lambda c: c.parallel.pp > 1 or c.parallel.schedule == "2bw",  # 2bw: its own rule
+    Unused("parallel.schedule", lambda c: c.parallel.pp > 1 or c.parallel.schedule in ("2bw", "pipedream"),  # own rule
            "parallel.pp > 1 (a pipeline schedule)", lambda c: f"parallel.pp={c.parallel.pp}"),
     Unused("parallel.cp_mode", lambda c: c.parallel.cp > 1, "parallel.cp > 1 (how attention is split over the "
            "context-parallel ranks)", lambda c: f"parallel.cp={c.parallel.cp}"),
+    Unused("parallel.vertical_sync", lambda c: c.parallel.schedule == "pipedream", "parallel.schedule=pipedream "
+           "(PipeDream's weight versions)", lambda c: f"parallel.schedule={c.parallel.schedule}"),
     # training: fp16's dynamic loss scaler (train/trainer.py), the schedule, evaluation
     *(Unused(f"train.{k}", lambda c: c.train.dtype == "fp16", "train.dtype=fp16 (dynamic loss scaling)",
              lambda c: f"train.dtype={c.train.dtype}")

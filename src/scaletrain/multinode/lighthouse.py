@@ -7,7 +7,8 @@ by SIGSTOP, or its machine gone). A round closes when each member of the previou
 dead (the first round: when every group has asked, or `start_s` passed), so a dead group is dropped within the
 heartbeat bound and never stalls the others. The membership log `OUT/membership.jsonl` has one line per round:
 round, step, members, behind (healed), each heal's seconds, bytes and resent chunks, dropped groups,
-committed. `scaletrain replay --out OUT`
+committed, and on the first row of a launch that resumed from a checkpoint `resumed_from` (its step; the rows of
+later steps before it were recomputed, multinode/replicas.py `effective_rows`). `scaletrain replay --out OUT`
 recomputes the committed rounds in one process (train/replica_replay.py).
 """
 
@@ -98,6 +99,8 @@ class Lighthouse:
                 dropped = sorted(set(last) - set(members)) if ok else []
                 row = {"round": r, "step": step, "members": members, "behind": behind, "heal": heal,
                        "dropped": dropped, "committed": ok, "time": t0}
+                if r == 0 and step > 1:  # every group loaded the checkpoint of step - 1: a whole-job resume
+                    row["resumed_from"] = step - 1
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if ok:

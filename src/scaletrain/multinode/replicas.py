@@ -68,9 +68,7 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
 
 
 def _final_members(out: Path) -> list[int]:
-    path = out / "membership.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-    committed = [r for r in rows if r["committed"]]
+    committed = effective_rows(read_log(out))
     return committed[-1]["members"] if committed else []
 
 
@@ -85,12 +83,52 @@ def stop_workers(rep: Path) -> None:
         f.unlink(missing_ok=True)
 
 
+def read_log(out: Path) -> list[dict]:
+    """The rows of `OUT/membership.jsonl` ([] when absent); a cut last line (a kill mid-write) is skipped."""
+    path = out / "membership.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def effective_rows(rows: list[dict]) -> list[dict]:
+    """The committed rounds whose steps the run's parameters went through, in order: a launch that resumed from
+    the checkpoint of step N (its first row has `resumed_from`: N) recomputed the steps after N, so the committed
+    rows of those steps from before the resume are dropped."""
+    out: list[dict] = []
+    for r in rows:
+        if r.get("resumed_from") is not None:
+            out = [x for x in out if x["step"] <= r["resumed_from"]]
+        if r["committed"]:
+            out.append(r)
+    return out
+
+
+def summarize(rows: list[dict], replicas: int, tokens_per_step: int) -> dict:
+    """Failures, steps and tokens lost, heals and whole-job resumes: what the membership log says happened."""
+    committed = effective_rows(rows)
+    group_tokens = tokens_per_step // replicas
+    return {"steps": len(committed), "rounds": len(rows), "failed_rounds": sum(not x["committed"] for x in rows),
+            "drops": [{"step": x["step"], "groups": x["dropped"]} for x in rows if x["dropped"]],
+            "tokens_lost": sum((replicas - len(x["members"])) * group_tokens for x in committed),
+            "group_steps_lost": sum(replicas - len(x["members"]) for x in committed),
+            "heals": [{"step": x["step"], "group": int(g), **h} for x in rows if x["committed"]
+                      for g, h in x["heal"].items()],
+            "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None]}
+
+
 def report(out: Path, groups: int, steps: int) -> int:
     """Print the failures, steps and tokens lost and heals of the membership log; 0 if every step was committed."""
     path = out / "membership.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-    committed = [r for r in rows if r["committed"]]
+    rows = read_log(out)
+    committed = effective_rows(rows)
     for r in rows:
+        if r.get("resumed_from") is not None:
+            print(f"step {r['resumed_from']}: resumed from its checkpoint (a whole-job restart)", flush=True)
         if r["dropped"]:
             print(f"step {r['step']}: replica group(s) {r['dropped']} dropped; {len(r['members'])} of {groups} "
                   "groups went on", flush=True)

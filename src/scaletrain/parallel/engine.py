@@ -124,6 +124,7 @@ class Engine:
     write_trace: Any = None  # (out dir) -> paths: the pipeline's measured timeline, written by rank 0
     next_micro: Any = None  # () -> the next step's micro-batches, set by the trainer when a schedule may
     #                         start the next step early (2bw); None = finish (drain) this step completely
+    step: int = 0  # the optimizer step being run (PipeDream numbers its weight versions by it)
     activation_bytes: int = 0
     n_params: int = 0  # parameters of the whole (unsharded) model
     dropout: Any = None  # the model's DropoutContext (layout-independent dropout), set per micro-batch

@@ -5,7 +5,8 @@ Sections, in order (docs/report.md says where every number comes from): summary,
 rate, gradient norm, loss scale and skipped steps), throughput (tokens/s, step time, MFU), memory (per rank,
 measured next to the planner, and the peak), communication (bytes per collective kind, time where
 measured), pipeline (measured and simulated timelines, bubble), mixture of experts (load, dropped tokens,
-auxiliary losses), profiler traces, and the run itself (command, layout, devices, versions, config).
+auxiliary losses), profiler traces, fault-tolerant replica groups (failures, steps and tokens lost, heals;
+report/replicas.py), and the run itself (command, layout, devices, versions, config).
 A section that does not apply to the run says so in one line, so every page has the same sections.
 """
 
@@ -19,6 +20,7 @@ from scaletrain.parallel.pipeline.draw import OP_COLOURS, OP_LABELS
 from scaletrain.parallel.pipeline.schedules import rank_chunk_to_stage
 from scaletrain.report import page as pg
 from scaletrain.report.page import Chart, Link, Section, Table, Text, finite_list, line_chart, series
+from scaletrain.report.replicas import replicas_section
 from scaletrain.report.run_data import (
     MEM_CATEGORIES,
     Peak,
@@ -31,7 +33,7 @@ from scaletrain.report.run_data import (
 )
 
 SECTIONS = ("summary", "loss", "optimizer", "throughput", "memory", "communication", "pipeline", "moe",
-            "profile", "run")
+            "profile", "replicas", "run")
 MiB = float(1 << 20)
 REPORT_HTML = "report.html"
 
@@ -40,7 +42,8 @@ def build(run: RunData, peak: Peak | None, report_path: Path) -> pg.Page:
     flops = model_flops_per_token(run.cfg)
     sections = [
         summary(run, peak, flops), loss(run), optimizer(run), throughput(run, peak, flops), memory(run),
-        communication(run), pipeline(run), moe(run), profile(run, report_path), run_section(run),
+        communication(run), pipeline(run), moe(run), profile(run, report_path), replicas_section(run),
+        run_section(run),
     ]
     c, p = run.cfg, run.cfg.parallel
     last = run.rows[-1]["step"] if run.rows else 0

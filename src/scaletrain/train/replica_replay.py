@@ -17,6 +17,8 @@ import torch
 from scaletrain.config import Config
 from scaletrain.distributed.quorum import ordered_sum
 from scaletrain.errors import CheckpointError
+from scaletrain.multinode.replicas import effective_rows
+from scaletrain.multinode.replicas import summarize as summarize_log
 from scaletrain.train.runners.replicas import GroupModel
 
 TOLERANCE = 1e-12
@@ -37,12 +39,11 @@ def load_log(out: Path) -> list[dict]:
 
 
 def replay_rounds(cfg: Config, rows: list[dict]) -> dict[str, torch.Tensor]:
-    """The parameters after the committed rounds of `rows`, computed in this process."""
+    """The parameters after the committed rounds of `rows` (after a whole-job resume: those the resumed run went
+    through, `effective_rows`), computed in this process."""
     model = GroupModel(cfg)
     step = 0
-    for row in rows:
-        if not row["committed"]:
-            continue
+    for row in effective_rows(rows):
         if row["step"] != step + 1:
             raise CheckpointError(f"membership log: committed step {row['step']} follows step {step}")
         parts = [model.local_grad(row["step"], g) for g in row["members"]]
@@ -52,16 +53,8 @@ def replay_rounds(cfg: Config, rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def summarize(cfg: Config, rows: list[dict]) -> dict:
-    """Failures, steps and tokens lost, heals: what the membership log says happened."""
-    r = cfg.parallel.replicas
-    group_tokens = cfg.tokens_per_step // r
-    committed = [x for x in rows if x["committed"]]
-    return {"steps": len(committed), "rounds": len(rows), "failed_rounds": len(rows) - len(committed),
-            "drops": [{"step": x["step"], "groups": x["dropped"]} for x in rows if x["dropped"]],
-            "tokens_lost": sum((r - len(x["members"])) * group_tokens for x in committed),
-            "group_steps_lost": sum(r - len(x["members"]) for x in committed),
-            "heals": [{"step": x["step"], "group": int(g), **h} for x in rows if x["committed"]
-                      for g, h in x["heal"].items()]}
+    """Failures, steps and tokens lost, heals, whole-job resumes: what the membership log says happened."""
+    return summarize_log(rows, cfg.parallel.replicas, cfg.tokens_per_step)
 
 
 def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:

@@ -68,10 +68,14 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     if p.offload != "none" or p.heartbeat_s <= 0:
         errors.append(f"parallel.replicas > 1 needs parallel.offload=none and parallel.heartbeat_s > 0 (the bound "
                       f"within which a dead group is dropped); got offload={p.offload}, heartbeat_s={p.heartbeat_s}")
-    if t.dtype == "fp16" or t.checkpoint_every or cfg.model.moe.experts or cfg.model.dropout:
-        errors.append("parallel.replicas > 1 does not support train.dtype=fp16, train.checkpoint_every, MoE or "
-                      "dropout yet (their per-step state is not in the quorum's replay)")
+    if t.dtype == "fp16" or cfg.model.moe.experts or cfg.model.dropout:
+        errors.append("parallel.replicas > 1 does not support train.dtype=fp16, MoE or dropout yet (their per-step "
+                      "state is not in the quorum's replay)")
     if t.on_nan != "stop" or t.log_noise_scale or t.eval_every:
         errors.append("parallel.replicas > 1 needs train.on_nan=stop, no train.log_noise_scale and "
                       "train.eval_every=0")
+    if t.tensorboard or t.profile_steps:
+        errors.append(f"parallel.replicas > 1 writes no TensorBoard events or profiler traces (got "
+                      f"train.tensorboard={str(t.tensorboard).lower()}, train.profile_steps={t.profile_steps!r}): its "
+                      "groups train without an output folder; the report and metrics.jsonl have the run")
     return errors

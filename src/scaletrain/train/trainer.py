@@ -172,7 +172,7 @@ class Trainer:
         """Whether consecutive steps may overlap: PipeDream-2BW with parameters the optimizer updates in
         place (not ZeRO's flat buffers) and no MoE routers (their random streams are keyed by step)."""
         p = self.cfg.parallel
-        return p.pp > 1 and p.schedule == "2bw" and p.zero == 0 and not self.cfg.model.moe.experts
+        return p.pp > 1 and p.schedule in ("2bw", "pipedream") and p.zero == 0 and not self.cfg.model.moe.experts
 
     def _train_step(self, step: int, drain: bool = True) -> dict[str, Any]:
         if self.resident is not None:
@@ -194,10 +194,11 @@ class Trainer:
         if self.noise_probe is not None:
             self.noise_probe.reset()
         if not drain and self.overlaps_steps:  # the loader is a pure function of the step
-            self.engine.next_micro = lambda: self.loader.micro_batches(
-                step + 1, self.dp_rank, cfg.parallel.dp, cfg.train.micro_batch, device=self.device)
+            self.engine.next_micro = lambda k=1: self.loader.micro_batches(  # k: PipeDream's later minibatches
+                step + k, self.dp_rank, cfg.parallel.dp, cfg.train.micro_batch, device=self.device)
         else:
             self.engine.next_micro = None
+        self.engine.step = step
         total = self.engine.forward_backward(micro, scale / cfg.tokens_per_step)
         # No host synchronisation unless a decision needs a value (docs/gpu.md): the loss stays a device tensor,
         # summed over dp in place, and is read with the log line (`_resolve`).

@@ -336,6 +336,23 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     return Layout.of(**v)
 
 
+_BROKEN: dict[tuple[Any, Layout], int] = {}
+
+
+def broken_constraints(layout: Layout) -> int:
+    """How many constraints `validate()` names for the layout (it joins its messages with "; "); 0 if it accepts
+    it. Memoised per process and per `validate` function (a test may swap in another): the searches of every
+    world size and the covering checks ask about the same layouts again and again."""
+    key = (validate, layout)
+    if key not in _BROKEN:
+        try:
+            validate(config(layout), layout.world)
+            _BROKEN[key] = 0
+        except ConfigError as e:
+            _BROKEN[key] = str(e).count("; ") + 1
+    return _BROKEN[key]
+
+
 class _Search:
     """Accepted layouts of up to `max_world` processes: completions of partial layouts and AETG-style greedy
     candidates, with the acceptance of each layout cached."""
@@ -352,12 +369,7 @@ class _Search:
         (it joins its messages with "; ") and one per doubling over the world limit; 0 when accepted."""
         if layout not in self.cache:
             over = (layout.world // self.max_world).bit_length() - 1 if layout.world > self.max_world else 0
-            try:
-                validate(config(layout), layout.world)
-                broken = 0
-            except ConfigError as e:
-                broken = str(e).count("; ") + 1
-            self.cache[layout] = over + len(meaningless(layout)) + broken
+            self.cache[layout] = over + len(meaningless(layout)) + broken_constraints(layout)
         return self.cache[layout]
 
     def complete(self, fixed: dict[str, Any]) -> Layout | None:

@@ -28,6 +28,10 @@ table (DeepSpeed's instruction -> method map).
   micro-batches through `engine.next_micro()`). Their activations stay on the executor until the next
   call. `WeightVersions` keeps the two versions and hands the optimizer the buffer W(t+1) may be written
   into; the optimizer applies the batch-t gradient to W(t): W(t+1) = W(t) - lr * grad f(W(t-1)).
+- PipeDream (arXiv 1806.03377): each call runs `pipedream.build_pipedream_step`'s list (one minibatch per
+  step: the forward of minibatch t + p - r - 1, the backward of minibatch t); `stash.WeightStash` points the
+  parameters at the version each pass reads and writes the version log. With vertical sync the version stage 0
+  read travels with the activation (one int64 message after it, to the same peer).
 
 Measured per step: every compute action's start and end (`last_events`), the peak number of
 (microbatch, chunk) pairs held, and on the first step the peak bytes saved for backward.
@@ -47,8 +51,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from scaletrain.device.accounting import SavedTensorCounter
 from scaletrain.distributed.comm import CommStats
+from scaletrain.parallel.pipeline.pipedream import build_pipedream_step
 from scaletrain.parallel.pipeline.schedules import Action, Op, batches, build_2bw_step, rank_chunk_to_stage
 from scaletrain.parallel.pipeline.simulate import Event
+from scaletrain.parallel.pipeline.stash import WeightStash
 from scaletrain.parallel.pipeline.trace import PipelineTrace
 
 Key = tuple[int, int]  # (microbatch, local chunk)
@@ -84,16 +90,18 @@ class _Step:
     measure: bool = False  # count the bytes each forward saves for backward
     t0: float = 0.0  # perf_counter at the start of the step
     wall0: float = 0.0  # time.time() at the same instant: comparable across processes
-    next_micro: object = None  # 2BW: () -> the next step's micro-batches (called once, when needed)
-    next_data: list | None = None
+    next_micro: object = None  # 2BW, PipeDream: (k) -> step + k's micro-batches (called once, when needed)
+    next_data: dict = field(default_factory=dict)
+    pd: dict[Key, tuple] = field(default_factory=dict)  # PipeDream: (version, autograd counters) of a forward
+    pd_vin: dict[Key, torch.Tensor] = field(default_factory=dict)  # vertical sync: the version received
     step: int = 0  # the optimizer step (dropout masks of batch b are those of step + b)
 
     def data(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if batch == 0:
             return self.micro
-        if self.next_data is None:
-            self.next_data = self.next_micro()
-        return self.next_data
+        if batch not in self.next_data:
+            self.next_data[batch] = self.next_micro(batch)
+        return self.next_data[batch]
 
 
 class PipelineExecutor:
@@ -101,7 +109,7 @@ class PipelineExecutor:
 
     def __init__(self, stages: nn.Module, actions: list[Action], schedule: str, rank: int, p: int, m: int,
                  v: int, group, peers: list[int], act_shape: tuple[int, ...], comm: CommStats | None = None,
-                 tied: bool = False, trace_call: int = 2):
+                 tied: bool = False, trace_call: int = 2, vertical_sync: bool = False):
         self.stages, self.schedule, self.rank, self.p, self.m, self.v = stages, schedule, rank, p, m, v
         self.group, self.peers, self.act_shape, self.comm = group, peers, tuple(act_shape), comm
         self.tied_role = None  # "first" (owns wte.weight) or "last" (holds the copy)
@@ -117,6 +125,8 @@ class PipelineExecutor:
         first = next(iter(stages.parameters()))
         self.dtype, self.device = first.dtype, first.device
         self.versions = WeightVersions(list(stages.parameters())) if schedule == "2bw" else None
+        self._vertical = vertical_sync and schedule == "pipedream"
+        self.stash = WeightStash(list(stages.parameters()), rank, vertical_sync) if schedule == "pipedream" else None
         self._2bw_steps: dict[tuple[bool, bool], list[list[Action]]] = {}
         self.carry: _Step | None = None  # 2BW: state of the next batch's microbatches already started
         self.last_wall0 = 0.0  # time.time() at the start of the last step (last_events are relative to it)
@@ -152,6 +162,12 @@ class PipelineExecutor:
             self._take_carry(st)
             self.versions.begin_run()
             self.versions.use(0)
+        if self.stash is not None:  # PipeDream: this step's minibatch and the forward of a later one
+            st.next_micro = getattr(engine, "next_micro", None)
+            overlap = st.next_micro is not None
+            steps = self._steps_pipedream(first=self.carry is None, last=not overlap)
+            self._take_carry(st)
+            self.stash.begin(engine.step)
         if tracing and self.group is not None:
             dist.barrier(group=self.group)  # a common time origin for the gathered timeline
         st.t0, st.wall0 = time.perf_counter(), time.time()
@@ -163,6 +179,8 @@ class PipelineExecutor:
             else:
                 if self.versions is not None:
                     self.versions.use(step[0].batch)
+                if self.stash is not None:
+                    self._stash_point(step[0], st, engine.step)
                 self._timed(step[0], st, engine)
         if self.tied_role == "last":  # the copy's gradient goes back to the owner
             grad = self.tied_tensor.grad
@@ -171,6 +189,9 @@ class PipelineExecutor:
         engine.optimizer.finish_backward()
         if self.versions is not None:
             self.versions.end_run(in_flight=overlap)
+            self.carry = st if overlap else None
+        if self.stash is not None:
+            self.stash.end({v for v, _ in st.pd.values()} if overlap else set())
             self.carry = st if overlap else None
         loss = self._share_loss(st.loss)
         self.last_events, self.last_peak_in_flight, self.last_wall0 = st.events, st.peak, st.wall0
@@ -203,12 +224,27 @@ class PipelineExecutor:
             self._2bw_steps[(first, last)] = batches(build_2bw_step(self.p, self.m, first, last)[self.rank])
         return self._2bw_steps[(first, last)]
 
+    def _steps_pipedream(self, first: bool, last: bool) -> list[list[Action]]:
+        if (first, last) not in self._2bw_steps:
+            self._2bw_steps[(first, last)] = batches(build_pipedream_step(self.p, first, last)[self.rank])
+        return self._2bw_steps[(first, last)]
+
+    def _stash_point(self, a: Action, st: _Step, step: int) -> None:
+        """PipeDream: point the parameters at the version this forward or backward reads (weight stashing)."""
+        key = self._key(a)
+        if a.op is Op.FORWARD:
+            vin = st.pd_vin.pop(key, None)
+            st.pd[key] = self.stash.forward(step + a.batch, None if vin is None else int(vin), later=a.batch > 0)
+        else:
+            version, counters = st.pd.pop(key)
+            self.stash.backward(step + a.batch, version, counters)
+
     def _take_carry(self, st: _Step) -> None:
         """Move the previous step's next-batch state (keys m + i) into this step as batch 0 (keys i)."""
         prev, self.carry = self.carry, None
         if prev is None:
             return
-        for name in ("inputs", "outputs", "boundary", "saved"):
+        for name in ("inputs", "outputs", "boundary", "saved", "pd", "pd_vin"):
             src, dst = getattr(prev, name), getattr(st, name)
             for (mb, c), value in src.items():
                 if mb < self.m:
@@ -217,7 +253,15 @@ class PipelineExecutor:
         st.held = st.peak = prev.held
 
     def write_trace(self, out_dir: str | Path) -> list[Path]:
-        """Write the measured timeline (JSON + PNG) into out_dir; only the rank holding it writes."""
+        """Write the measured timeline (JSON + PNG) into out_dir; only the rank holding it writes. PipeDream: every
+        rank also writes its version log, out_dir/pipedream_versions/rank<global rank>.jsonl."""
+        if self.stash is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            logged = [self.stash.write_log(Path(out_dir) / "pipedream_versions" / f"rank{rank}.jsonl")]
+            return logged + self._write_timeline(out_dir)
+        return self._write_timeline(out_dir)
+
+    def _write_timeline(self, out_dir: str | Path) -> list[Path]:
         if self.trace is None or (dist.is_initialized() and dist.get_rank() != 0):
             return []
         return self.trace.save(out_dir)
@@ -352,6 +396,10 @@ class PipelineExecutor:
                 buf = out.detach().contiguous()
                 ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
                 sends.append(buf)
+                if self._vertical and torch.is_grad_enabled():  # the version travels with the activation
+                    ver = torch.tensor([st.pd[key][0]], dtype=torch.int64, device=self.device)
+                    ops.append(dist.P2POp(dist.isend, ver, peer, self.group))
+                    sends.append(ver)
                 if torch.is_grad_enabled():
                     out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # Megatron's deallocation
                 else:
@@ -364,6 +412,10 @@ class PipelineExecutor:
                 buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
                 recvs.append((a, key, buf))
+                if a.op is Op.RECV_ACT and self._vertical and torch.is_grad_enabled():
+                    ver = torch.empty(1, dtype=torch.int64, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, ver, peer, self.group))
+                    recvs.append((None, key, ver))
         works = dist.batch_isend_irecv(ops)
         if self.comm is not None:
             for buf in sends:
@@ -373,7 +425,9 @@ class PipelineExecutor:
         st.pending += list(zip(send_works, sends))
         for w, (a, key, buf) in zip(recv_works, recvs):
             w.wait()
-            if a.op is Op.RECV_ACT:
+            if a is None:
+                st.pd_vin[key] = buf
+            elif a.op is Op.RECV_ACT:
                 st.inputs[key] = buf.requires_grad_(torch.is_grad_enabled())
             else:
                 st.grads_in[key] = buf

@@ -43,7 +43,43 @@ def schedule(cfg: Config, world_size: int | None) -> list[str]:
             errors.append("parallel.zero=3 with parallel.schedule=2bw is not available: PipeDream-2BW keeps its "
                           "two weight versions in the module's parameters, which ZeRO-3 holds only as shards")
         return errors
-    if p.virtual_stages > 1 or p.schedule == "2bw":
-        what = f"parallel.virtual_stages ({p.virtual_stages})" if p.virtual_stages > 1 else "parallel.schedule=2bw"
+    if p.virtual_stages > 1 or p.schedule in ("2bw", "pipedream"):
+        what = (f"parallel.virtual_stages ({p.virtual_stages})" if p.virtual_stages > 1
+                else f"parallel.schedule={p.schedule}")
         return [f"{what} needs parallel.pp > 1, got parallel.pp ({p.pp})"]
     return []
+
+
+@rule("resolved")
+def pipedream(cfg: Config, world_size: int | None) -> list[str]:
+    """What PipeDream's weight stashing and its replay proof (arXiv 1806.03377) are made to work with: dp, the plain
+    model without shared or random parts, fp32/fp64/bf16 without loss scaling; the rest is refused with a reason."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.schedule != "pipedream" or p.pp == 1:
+        return []
+    why = "with parallel.schedule=pipedream"
+    refusals = [
+        (p.zero > 0, f"parallel.zero ({p.zero}) > 0 {why}: the stashed weight versions live in the module's "
+                     "parameters, which ZeRO keeps in its flat buffers"),
+        (p.tp > 1, f"parallel.tp ({p.tp}) > 1 {why}: the stashed versions are not wired to tensor parallelism"),
+        (m.tie_embeddings, f"model.tie_embeddings=true {why}: the first and last stages would share one weight at two "
+                           "different versions; set model.tie_embeddings=false"),
+        (m.dropout > 0, f"model.dropout ({m.dropout}) > 0 {why}: the version-log replay does not redraw the masks"),
+        (bool(m.moe.experts), f"model.moe.experts ({m.moe.experts}) > 0 {why}: routers' random streams are keyed by "
+                              "the step, and a stage runs several minibatches' forwards in one step"),
+        (t.dtype == "fp16", f"train.dtype=fp16 {why}: the dynamic loss scaler skips steps, and a skipped update would "
+                            "leave stashed versions of minibatches already in flight"),
+        (p.offload != "none", f"parallel.offload={p.offload} {why}: the offloaded copies hold one weight version"),
+        (p.sync != "bsp", f"parallel.sync={p.sync} {why}: asynchronous data parallelism keeps its own versions"),
+        (t.precision == "fp8", f"train.precision=fp8 {why}: the FP8 scales are not kept per stashed version"),
+        (m.reversible or m.share_blocks, f"model.{'reversible' if m.reversible else 'share_blocks'}=true {why}: "
+                                         "not wired to the stashed versions"),
+    ]
+    mem = cfg.memory  # the memory savers re-run or re-read a forward at backward time: not proven with stashing yet
+    savers = [f"memory.recompute={mem.recompute}" if mem.recompute != "none" else "",
+              "memory.offload_activations=true" if mem.offload_activations else "",
+              f"memory.compress={mem.compress}" if mem.compress != "none" else "",
+              "memory.contiguous=true" if mem.contiguous else "", "train.compile=true" if t.compile else ""]
+    refusals += [(True, f"{s} {why}: not proven against the version-log replay yet (tests/test_pipedream.py)")
+                 for s in savers if s]
+    return [msg for bad, msg in refusals if bad]

@@ -25,6 +25,9 @@ Schedules (names of `parallel.schedule`):
   during batch t's cool-down (tagged `batch=1`; they read W(t)), so only the first step fills the
   pipeline and only the last one drains it. Needs m >= p so that two weight versions suffice (at most p
   microbatches in flight).
+- `pipedream`: PipeDream's asynchronous 1F1B without a flush, with weight stashing and optional vertical
+  sync (Narayanan et al., SOSP 2019; arXiv 1806.03377); one minibatch per step. `build_schedule("pipedream",
+  p, 1)` is one isolated step; the lists of a run of steps are `pipedream.build_pipedream_step`'s.
 
 Stages and chunks. The model is cut into S = p * v consecutive stages (chunks). Stage s lives on rank
 `s % p` as local chunk `s // p`; equivalently chunk c on rank r holds model chunk `c * p + r`
@@ -194,6 +197,11 @@ def schedule_constraints(name: str, p: int, m: int, v: int) -> list[str]:
             f"parallel.schedule=2bw needs at least as many microbatches as stages:"
             f" parallel.microbatches ({m}) < parallel.pp ({p})"
         )
+    if name == "pipedream" and m != 1:
+        errors.append(
+            f"parallel.schedule=pipedream runs one minibatch per optimizer step, as the paper does:"
+            f" parallel.microbatches ({m}) must be 1 (train.global_batch = train.micro_batch x parallel.dp)"
+        )
     return errors
 
 
@@ -276,6 +284,7 @@ _BUILDERS: dict[str, Callable[[int, int, int], list[Slots]]] = {
     "interleaved": _interleaved,
     "zb-h1": _zb_h1,
     "2bw": _one_f_one_b,
+    "pipedream": _one_f_one_b,  # one isolated step; the run of steps: pipedream.build_pipedream_step
 }
 
 

@@ -183,7 +183,7 @@ def split_pp(engine, model_cfg: ModelConfig, par: ParallelConfig, train: TrainCo
         schedule=par.schedule, rank=r, p=p, m=m, v=v,
         group=mesh.group("pp"), peers=list(mesh.members["pp"]),
         act_shape=act_shape,
-        comm=comm, tied=model_cfg.tie_embeddings, trace_call=min(2, train.steps),
+        comm=comm, tied=model_cfg.tie_embeddings, trace_call=min(2, train.steps), vertical_sync=par.vertical_sync,
     )
     engine.pipeline = executor
     engine.runner = executor.run

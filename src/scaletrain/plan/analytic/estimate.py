@@ -146,6 +146,9 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
         raise UserError(f"global batch ({train.global_batch}) is not divisible by micro_batch"
                         f" ({lay.micro_batch}) x dp ({lay.dp}) = {split}")
     mbs = train.global_batch // split
+    if lay.schedule == "pipedream" and lay.pp > 1 and mbs != 1:
+        raise UserError(f"schedule=pipedream runs one minibatch per step: microbatches ({mbs}) must be 1"
+                        " (global batch = micro_batch x dp)")
     if lay.schedule == "interleaved" and lay.pp > 1 and mbs % lay.pp:
         raise UserError(f"interleaved schedule needs microbatches ({mbs}) divisible by pp ({lay.pp})")
     return mbs
@@ -165,7 +168,8 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
         ranks = [first] * (lay.pp - 1) + [last]
     else:
         ranks = rank_params(m, lay, st)
-    memory = rank_memory(m, train, lay, a, ranks, rank_activation_bytes(m, train, lay, mbs, st), mbs)
+    memory = rank_memory(m, train, lay, a, ranks, rank_activation_bytes(m, train, lay, mbs, st), mbs,
+                         [g.rank for g in st.groups] if lay.tp_mode == "1d" else None)
     est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks,
                    notes=layout_notes(train, lay, gpu))
     if memory_only:

@@ -83,6 +83,8 @@ class Layout:
     offload: str = "none"
     tp_mode: str = "1d"
     """`1d` (Megatron), `2d`, `2.5d`, `3d` (plan/analytic/tp_nd.py)."""
+    vertical_sync: bool = False
+    """PipeDream's vertical sync (schedule=pipedream): every stage keeps p weight versions instead of p - r."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d."""
     cp: int = 1

@@ -189,9 +189,10 @@ def _chunk_bytes(m: ModelSpec, st: Stages, stage: int, pol: Recompute, kept: lis
 
 
 def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, ranks: list[StageParams],
-                acts: list[float], mbs: int) -> dict[str, float]:
+                acts: list[float], mbs: int, stage_ranks: list[int] | None = None) -> dict[str, float]:
     """Bytes per category (and their total) on the most loaded rank: of the pipeline ranks (its parameters `ranks[i]`
-    and activations `acts[i]`), the one with the most bytes."""
+    and activations `acts[i]`, pipeline rank `stage_ranks[i]`), the one with the most bytes. PipeDream's stashed
+    weight versions (`pipedream.stash_copies` frozen copies of the stage's weights) count as parameters."""
     pb, gb, eb, _ = DTYPES[train.dtype]
     gb, pb = train.grad_bytes or gb, train.param_bytes or pb
     k, k_whole = optimizer_bytes(m, train)
@@ -204,6 +205,10 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, rank
     rows = []
     for st, stage_acts in zip(ranks, acts):
         params, grads, optim = memory_model_states(st.dense, dp, lay.zero, pb, gb, k, st.expert, edp)
+        if lay.schedule == "pipedream" and stage_ranks is not None:
+            from scaletrain.parallel.pipeline.pipedream import stash_copies
+
+            params += stash_copies(p, stage_ranks[len(rows)], lay.vertical_sync) * st.total * pb
         optim += (st.dense + st.expert) * k_whole
         if lay.offload != "none":
             optim = 0.0

@@ -198,6 +198,8 @@ def inflight_count(schedule: str, p: int, m: int, v: int, r: int) -> int:
         return min(p, m)
     if schedule == "interleaved" and v > 1:
         return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+    if schedule == "pipedream":  # p - r minibatches in flight across steps (arXiv 1806.03377), m = 1
+        return p - r
     return min(p - r, m)
 
 
@@ -249,7 +251,10 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, work: list[float], 
     GPipe / 1F1B: (m - 1)·max W + sum W (for equal stages (m + p - 1) W, arXiv 1811.06965);
     interleaved:  m·max W + (p - 1)/(p v)·sum W ((m + (p - 1)/v) W, arXiv 2104.04473 Sec. 2.2.2);
     ZB-H1:        m·max W + (p - 1)/p·sum fill (m W + (p - 1) max(t_f + t_b - t_w, t_f), arXiv 2401.10241);
-    2BW:          m·max W (steady state, no flush, arXiv 2006.09503).
+    2BW:          m·max W (steady state, no flush, arXiv 2006.09503);
+    PipeDream:    max W + 2/3·(p - 1)/p·sum W (m = 1; no flush, but the step's barrier - the global gradient norm and
+                  the loss - exposes the backward chain from the last stage to the first, taken as 2/3 of the work:
+                  `simulate_steps` on `pipedream.build_pipedream_step`, t_b = 2 t_f).
 
     Equal to `scaletrain.parallel.pipeline.simulate` on equal stages, and on equal blocks with a heavier head on the
     last stage for GPipe, 1F1B and (within 1%) interleaved and ZB-H1; on uneven partitions within the bounds that
@@ -260,6 +265,8 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, work: list[float], 
         return m * heavy
     if schedule == "interleaved":
         return m * heavy + (p - 1) / (p * v) * total
+    if schedule == "pipedream":
+        return heavy + 2 / 3 * (p - 1) / p * total
     if schedule == "zb-h1":
         return m * heavy + (p - 1) / p * sum(n * f for n, f in zip(counts, fill))
     return (m - 1) * heavy + total

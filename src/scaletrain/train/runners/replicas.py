@@ -11,6 +11,12 @@ The missing group's share: skipped. A step with Q of R groups is the mean gradie
 batch actually computed) at the step's usual learning rate; the rows of a dead group are not recomputed by the
 others, so a failure costs (R - Q) x B/R sequences of that step and no stop. The membership log records which
 groups computed each step; `scaletrain replay` recomputes exactly that.
+
+Checkpoints (train.checkpoint_every, and the last step): the committed state is the same in every member after a
+round, so the lowest-numbered member of the step's quorum writes it alone, through train/checkpoint.py (the plain
+portable format, COMPLETE marker, in the background with train.checkpoint_async), as the checkpoint of the whole run
+(its config and world size). A whole-job launch resumes every group from the newest complete checkpoint; a group
+restarted inside a run never reads one: it heals from a live group.
 """
 
 from __future__ import annotations
@@ -27,13 +33,17 @@ import torch
 from scaletrain.config import Config
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train import resume
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.trainer import Trainer, TrainResult
 
 FAULT_ENV = "SCALETRAIN_FT_FAULT"
 """Fault drills (tests, benchmarks): `kill:G:S` or `stop:G:S` sends SIGKILL / SIGSTOP to replica group G's
 process when it has joined the quorum of step S, on its first attempt only (a restarted group is not hit again);
-`corrupt:G:0` makes group G, when it sends a heal, corrupt the first chunk once (the receiver must detect it)."""
+`hold:G:S` makes it write `OUT/replicas/held-group{G}` there and sleep while its heartbeat goes on (the run stalls
+until it is killed: a whole-job kill at a known step); `corrupt:G:0` makes group G, when it sends a heal, corrupt
+the first chunk once (the receiver must detect it)."""
 PACE_ENV = "SCALETRAIN_FT_PACE_S"
 """Fault drills: each committed step with fewer than all groups takes at least this many seconds (so the restart of
 a tiny model's group finds the run still going)."""
@@ -90,9 +100,38 @@ class ReplicaRunner:
         self.client = QuorumClient(os.environ[LIGHTHOUSE_ENV], self.group, p.heartbeat_s, 2 * p.heartbeat_s)
         self.fault = _fault(self.group)
         self.pace = float(os.environ.get(PACE_ENV, "0"))
+        self.saver: ckpt.Saver | None = None
         if out is not None:  # the launcher stops a group still alive after the run (a frozen one) by this pid
             (out / "replicas").mkdir(parents=True, exist_ok=True)
             (out / "replicas" / f"group{self.group}.pid").write_text(str(os.getpid()))
+            t = cfg.train
+            self.saver = ckpt.Saver(out / "checkpoints", 0, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
+            if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restarted group heals instead
+                self._resume()
+
+    def _resume(self) -> None:
+        """A whole-job launch: load the newest complete checkpoint (any group's; they are one state)."""
+        assert self.out is not None
+        found, _ = ckpt.usable_latest(self.out / "checkpoints")
+        if found is None:
+            return
+        t = self.model.trainer
+        meta = ckpt.read_meta(found)
+        diffs = resume.check_compatible(found, meta, self.cfg, self.cfg.world_size, reshard=False)
+        resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
+        self.step = int(meta["step"])
+        if self.group == 0:  # resumes.jsonl records whole-job resumes only (heals go to the membership log)
+            resume.record_resume(self.out, self.step, diffs, checkpoint=found.name)
+            resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
+
+    def _save(self, q: Quorum) -> None:
+        """Write the checkpoint of the step just committed (this group is the quorum's lowest member)."""
+        assert self.saver is not None
+        t = self.model.trainer
+        entries = resume.save_entries(t.engine, {t.rng_stream: t.rng})
+        meta = resume.checkpoint_meta(self.cfg, self.cfg.world_size, resume.trainer_meta(t))
+        meta["replicas"] = {"writer": self.group, "members": q.members, "round": q.round}
+        self.saver.save(self.step, entries, meta)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return self.model.trainer.full_state()
@@ -118,7 +157,7 @@ class ReplicaRunner:
         return got
 
     def run(self) -> TrainResult:
-        result = TrainResult(params=self.n_params)
+        result = TrainResult(params=self.n_params, resumed_from=self.step)
         log = open(self.out / "replicas" / f"group{self.group}.jsonl", "a") if self.out is not None else None
         local: tuple[int, torch.Tensor] | None = None  # (step, this group's gradient) kept across failed rounds
         try:
@@ -127,7 +166,7 @@ class ReplicaRunner:
                 if q is None:
                     break
                 if self.fault is not None and self.fault[1] == q.step and self.fault[0] != "corrupt":
-                    os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
+                    self._drill()
                 t0 = time.perf_counter()
                 try:
                     heal = self._heal(q, self.client.process_group(q)) if q.behind else None
@@ -152,10 +191,18 @@ class ReplicaRunner:
                 if log is not None:
                     log.write(json.dumps(row) + "\n")
                     log.flush()
+                if self.out is not None and self.group == q.members[0]:  # the lowest member speaks for the step
+                    self._metrics(row, lr_at(q.step, self.cfg.train) * self.model.trainer.lr_scale)
+                every, last = self.cfg.train.checkpoint_every, self.cfg.train.steps
+                if self.saver is not None and self.group == q.members[0] and (
+                        (every and self.step % every == 0) or self.step == last):
+                    self._save(q)
         finally:
             self.client.close()
             if log is not None:
                 log.close()
+        if self.saver is not None:
+            self.saver.wait()
         result.final_step = self.step
         if self.out is not None and self.step >= self.cfg.train.steps:
             path = self.out / "replicas" / f"final-group{self.group}.pt"
@@ -163,6 +210,29 @@ class ReplicaRunner:
                        path.with_suffix(".part"))
             os.replace(path.with_suffix(".part"), path)  # whole or absent: the launcher stops groups once it sees it
         return result
+
+
+    def _metrics(self, row: dict, lr: float) -> None:
+        """The step's row of `OUT/metrics.jsonl` (every train.log_every steps and the last), for the report: loss
+        and gradient norm of the quorum's mean, lr, step time, tokens/s of the rows actually computed."""
+        t = self.cfg.train
+        if self.step % t.log_every and self.step != t.steps:
+            return
+        tokens = len(row["members"]) * self.model.tokens
+        line = {"step": self.step, "loss": row["loss"], "grad_norm": row["grad_norm"], "lr": lr,
+                "step_time_s": row["step_time_s"], "tokens_per_s": tokens / row["step_time_s"],
+                "replica_groups": len(row["members"])}
+        with open(self.out / "metrics.jsonl", "a") as f:  # one short line, appended: whole or absent
+            f.write(json.dumps(line) + "\n")
+
+    def _drill(self) -> None:
+        assert self.fault is not None
+        if self.fault[0] == "hold":
+            if self.out is not None:
+                (self.out / "replicas" / f"held-group{self.group}").touch()
+            while True:
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
 
 
 def _fault(group: int) -> tuple[str, int] | None:
