@@ -87,6 +87,9 @@ def cp_refusals(cfg: Config) -> list[str]:
         errors.append(f"parallel.schedule=zb-h1 with memory.recompute={cfg.memory.recompute} {why}: zero bubble's "
                       "weight pass recomputes a checkpointed block once per weight group, sending the block's cp "
                       "messages again each time (use attn-core recomputation or another schedule)")
+    if p.schedule == "pipedream":
+        errors.append(f"parallel.schedule=pipedream {why}: not proven against PipeDream's one-process version-log "
+                      "replay (use 2bw or another schedule)")
     if p.pp > 1 and p.partition == "time":
         errors.append(f"parallel.partition=time {why}: its profile runs one rank's blocks alone, and their attention "
                       "needs the cp peers (use uniform, params or block counts)")
