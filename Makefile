@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is installed only when the venv has no torch yet (a GPU user installs the CUDA build first).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean browser
+.PHONY: venv demo test lint bench clean browser isa-check
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ test: $(STAMP) browser
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports
+
+# The low-precision MoE layouts of the matrix under torch's default, avx2 and this CPU's own kernels: PASS/FAIL and the
+# worst ratio of a difference to its bound per kernel set (docs/verify.md, "On other CPUs"; ~20 min on 2 busy cores)
+isa-check: $(STAMP)
+	nice -n 10 $(BIN)/python benchmarks/isa_check.py --out isa_check
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

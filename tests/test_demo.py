@@ -1,8 +1,10 @@
-"""`scaletrain demo` end to end, as `make demo` runs it, with `--steps 8` instead of 400: the 6-layer GPT of
-configs/demo.yaml trains on the embedded corpus and writes its outputs; the summary names the parameters, the loss at
-the first and last step, the throughput, the outputs and the memory measured beside the planner's prediction (equal,
-category by category); then both proofs (data parallel 2 x ZeRO-3, tensor parallel 2 with sequence parallelism)
-run on 2 processes and PASS."""
+"""`scaletrain demo` end to end, as `make demo` runs it, with `--steps 8` instead of 400 and a smaller model through
+the demo's own `--set` (the demo's code path is the same: configs/demo.yaml with overrides, one process, then the
+proofs, which train their own small model whatever the demo's): the GPT trains on the embedded corpus and writes its
+outputs; the summary names the parameters, the loss at the first and last step, the throughput, the outputs and the
+memory measured beside the planner's prediction (equal, category by category); then both proofs (data parallel 2 x
+ZeRO-3, tensor parallel 2 with sequence parallelism) run on 2 processes and PASS. The preset's own size (6 layers,
+d_model 192) is checked by loading configs/demo.yaml without overrides (its ~2-3 minute run is `make demo`)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,18 @@ import subprocess
 import sys
 
 STEPS = 8
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2"]  # the test's model: ~35x less work per step
 
 
 def test_demo_trains_summarises_and_proves_both_layouts(tmp_path):
     out = tmp_path / "demo"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "scaletrain", "demo", "--steps", str(STEPS), "--out", str(out)],
+    sets = [a for x in SMALL for a in ("--set", x)]
+    p = subprocess.run([sys.executable, "-m", "scaletrain", "demo", "--steps", str(STEPS), *sets, "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=600)
     text = p.stdout
     assert p.returncode == 0, text + p.stderr
-    assert text.startswith(f"scaletrain demo: 6-layer GPT (d_model 192) on the embedded corpus (Python standard "
+    assert text.startswith(f"scaletrain demo: 2-layer GPT (d_model 64) on the embedded corpus (Python standard "
                            f"library sources), {STEPS} steps -> {out}")
 
     # the summary
@@ -60,3 +64,16 @@ def test_demo_trains_summarises_and_proves_both_layouts(tmp_path):
         assert [int(s) for s, _, _, _ in steps] == [1, 2, 3], proof
         assert all(abs(float(a) - float(b)) <= 1e-9 * float(a) for _, a, b, _ in steps), proof
         assert proof.rstrip().endswith("PASS (rtol 1e-09, atol 1e-11)"), proof
+
+
+def test_demo_preset_is_the_documented_six_layer_gpt_of_400_steps():
+    """configs/demo.yaml as `make demo` loads it (no overrides): the size the README and the demo's banner name."""
+    from importlib import resources
+
+    from scaletrain.config import load_config, validate
+
+    with resources.as_file(resources.files("scaletrain").joinpath("configs/demo.yaml")) as path:
+        cfg = validate(load_config(path, []), 1)
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.seq_len) == (6, 192, 6, 128)
+    assert (cfg.train.steps, cfg.train.warmup_steps, cfg.train.eval_every, cfg.train.checkpoint_every) == (400, 40, 100,
+                                                                                                           200)

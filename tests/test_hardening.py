@@ -259,15 +259,18 @@ def test_a_full_disk_while_writing_the_token_cache_is_one_line(capsys, small_dis
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == ["earlier.bin"]  # no partial
 
 
-@pytest.mark.parametrize("command", ["export", "convert"])
+@pytest.mark.parametrize("command", ["export", "convert", "convert-dp2"])
 def test_a_full_disk_while_exporting_removes_the_partial_output(capsys, small_disk, finished_run, command):
+    """convert-dp2: the conversion runs on 2 ranks (torchrun); the job's logs live outside the output, so the ranks'
+    disk-full record is read, and the launcher says the single-process line."""
     disk, fill = small_disk
     (disk / "notes.txt").write_text("the user's earlier file")
     fill()
     before = hashes(disk)
     to = disk / "out"
     argv = (["export", str(finished_run), "--format", "hf", "--to", str(to)] if command == "export"
-            else ["checkpoint", "convert", str(finished_run), "--to", str(to)])
+            else ["checkpoint", "convert", str(finished_run), "--to", str(to)]
+            + (["--layout", "dp=2"] if command == "convert-dp2" else []))
     what = "the export" if command == "export" else "the converted run"
     one_line(capsys, main(argv), 1, f"cannot write {what} {to}: the disk is full", f"({to} is empty)")
     assert hashes(disk) == before and list(to.iterdir()) == []
@@ -319,3 +322,34 @@ def test_a_rank_with_no_room_for_its_error_record_is_still_one_line(capsys, smal
     lines = capsys.readouterr().err.splitlines()
     assert lines == [said.strip()]
     assert list(logs.iterdir()) == []  # no partial record left
+
+
+# --------------------------------------------------------------------------- the audit tables name real tests
+
+DOCS = Path(__file__).parent.parent / "docs"
+
+
+def _table_ids(page: str, marker: str) -> list[str]:
+    """The test ids (`tests/...::...`, in backticks) of the table between `<!-- marker:begin/end -->` of a docs page."""
+    import re
+
+    text = (DOCS / page).read_text()
+    table = text[text.index(f"<!-- {marker}:begin -->"):text.index(f"<!-- {marker}:end -->")]
+    return re.findall(r"`(tests/[\w/]+\.py::[^`]+)`", table)
+
+
+def test_the_audit_tables_name_collected_tests():
+    """Every test id in docs/errors.md's audit of the second sweep and docs/verify.md's table of planted bugs is one
+    pytest collects (`x…x` stands for a run of x's): a renamed or dropped test fails here, not in a reader's hands."""
+    import re
+
+    ids = _table_ids("errors.md", "audit") + _table_ids("verify.md", "planted")
+    assert len(ids) >= 60
+    files = sorted({i.split("::")[0] for i in ids})
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
+                        "no:cacheprovider", *files], capture_output=True, text=True, cwd=DOCS.parent, timeout=300)
+    collected = set(p.stdout.splitlines())
+    assert collected, p.stdout + p.stderr
+    missing = [i for i in ids if i not in collected
+               and not any(re.fullmatch(re.escape(i).replace("x…x", "x+"), c) for c in collected)]
+    assert missing == [], missing

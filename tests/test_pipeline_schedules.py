@@ -36,10 +36,12 @@ def allowed_configs(name: str):
     """Every (p, m, v) with p in 1..8, m in 1..16 that the schedule accepts."""
     for p in range(1, 9):
         for m in range(1, 17):
-            for v in (1, 2, 3) if name == "interleaved" else (1,):
+            for v in (1, 2, 3) if name == "interleaved" else (2,) if name == "zb-v" else (1,):
                 if name == "interleaved" and m % p:
                     continue
                 if name == "2bw" and m < p or name == "pipedream" and m != 1:  # pipedream: one minibatch a step
+                    continue
+                if name == "zb-v" and m < 2 * p - 1:
                     continue
                 yield p, m, v
 
@@ -55,7 +57,7 @@ def compute_string(acts: list[Action]) -> str:
 def test_every_schedule_passes_check_for_p_1_to_8_and_m_1_to_16(name):
     n = 0
     for p, m, v in allowed_configs(name):
-        check_schedule(build_schedule(name, p, m, v), p, m, v)
+        check_schedule(build_schedule(name, p, m, v), p, m, v, name)
         n += 1
     assert n >= (8 if name == "pipedream" else 24)  # interleaved has the fewest of the others: 3 * sum(16 // p)
 
@@ -69,14 +71,15 @@ def test_each_microbatch_runs_forward_and_backward_once_per_chunk(name):
             for mb in range(m):
                 for c in range(v):
                     assert counts[(Op.FORWARD, mb, c)] == 1
-                    if name == "zb-h1":
+                    if name in ("zb-h1", "zb-v"):
                         assert counts[(Op.BACKWARD_INPUT, mb, c)] == counts[(Op.BACKWARD_WEIGHT, mb, c)] == 1
                         assert counts[(Op.BACKWARD, mb, c)] == 0
                     else:
                         assert counts[(Op.BACKWARD, mb, c)] == 1
-        # one message per microbatch and stage boundary, each way; none when p == 1
+        # one message per microbatch and stage boundary between ranks, each way; none when p == 1; the V's tip
+        # (stages p-1 and p, both on rank p-1) hands over in memory
         per_op = Counter(a.op for acts in actions for a in acts)
-        boundaries = p * v - 1 if p > 1 else 0
+        boundaries = (p * v - 1 - (name == "zb-v")) if p > 1 else 0
         for op in (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD):
             assert per_op[op] == m * boundaries, (name, p, m, v, op)
 
@@ -147,7 +150,7 @@ def test_send_and_receive_keys_agree_across_the_chunk_boundary():
 
 def test_every_receive_comes_before_its_compute_and_every_send_after():
     for name in SCHEDULES:
-        v = 2 if name == "interleaved" else 1
+        v = 2 if name in ("interleaved", "zb-v") else 1
         for acts in build_schedule(name, 4, 1 if name == "pipedream" else 8, v):
             for i, a in enumerate(acts):
                 if a.op.is_comm:

@@ -188,12 +188,38 @@ def cmd_convert(args) -> int:
     if cfg.world_size == 1:
         with _removed_when_full(out, "the converted run"):
             return convert_worker(cfg, source, meta, out, None)
-    from scaletrain.distributed.launch import launch_local
-
     argv = ["checkpoint", "convert", str(source), "--to", str(out), "--layout", args.layout]
     for item in args.set:
         argv += ["--set", item]
-    return launch_local(cfg.world_size, argv, out)
+    return _convert_job(cfg.world_size, argv, out)
+
+
+def _convert_job(nproc: int, argv: list[str], out: Path) -> int:
+    """A conversion on `nproc` local ranks. The job's logs and the ranks' error records go to a folder of their own
+    beside the output, not into it: on a full disk they would not fit there, and the failure would name no cause.
+    When a rank ran out of space, the partial output is removed and the line is the single-process one; the logs
+    folder is removed after a success and named by the failure's line otherwise."""
+    import io
+    import sys
+    import tempfile
+
+    from scaletrain.distributed.launch import launch_local
+    from scaletrain.errors import disk_full_error
+
+    job = Path(tempfile.mkdtemp(prefix="scaletrain-convert-"))
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = launch_local(nproc, argv, job)
+    if code == 0:
+        shutil.rmtree(job, ignore_errors=True)
+        return 0
+    if "the disk is full" in said.getvalue():
+        shutil.rmtree(job, ignore_errors=True)
+        for p in sorted(out.iterdir(), reverse=True) if out.is_dir() else []:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        raise disk_full_error("the converted run", out, f"; the partial converted run was removed ({out} is empty)")
+    sys.stderr.write(said.getvalue())
+    return code
 
 
 def convert_worker(cfg, source: Path, meta: dict, out: Path, env) -> int:

@@ -272,7 +272,7 @@ def communication(run: RunData) -> Section:
     return s.add(Text(" ".join(notes), "note"))
 
 
-def _gantt(id: str, title: str, events, p: int, time_scale: float = 1e3) -> Chart:
+def _gantt(id: str, title: str, events, p: int, time_scale: float = 1e3, schedule: str | None = None) -> Chart:
     """Horizontal bars, one trace per op kind, rank 0 on top; hover: op, micro-batch, stage, duration."""
     by_op: dict[str, list] = {}
     for e in events:
@@ -284,8 +284,8 @@ def _gantt(id: str, title: str, events, p: int, time_scale: float = 1e3) -> Char
             "y": [f"rank {e.rank}" for e in evs],
             "base": [e.start_s * time_scale for e in evs],
             "x": [(e.end_s - e.start_s) * time_scale for e in evs],
-            "customdata": [[OP_LABELS.get(op, op), e.microbatch, rank_chunk_to_stage(e.rank, e.chunk, p), e.chunk,
-                            (e.end_s - e.start_s) * time_scale] for e in evs],
+            "customdata": [[OP_LABELS.get(op, op), e.microbatch, rank_chunk_to_stage(e.rank, e.chunk, p, schedule),
+                            e.chunk, (e.end_s - e.start_s) * time_scale] for e in evs],
             "hovertemplate": "%{customdata[0]}<br>micro-batch %{customdata[1]}<br>stage %{customdata[2]} "
                              "(chunk %{customdata[3]})<br>%{customdata[4]:.3f} ms<extra>%{y}</extra>",
             "marker": {"color": OP_COLOURS.get(op, pg.COLOURS[len(traces) % len(pg.COLOURS)]),
@@ -310,9 +310,9 @@ def pipeline(run: RunData) -> Section:
     pred = tr.predicted()
     measured = tr.shifted()
     s.add(_gantt("pp-measured", f"measured: {tr.schedule}, pp={tr.p}, micro-batches={tr.m}"
-                 f"{f', virtual stages={tr.v}' if tr.v > 1 else ''}", measured, tr.p))
+                 f"{f', virtual stages={tr.v}' if tr.v > 1 else ''}", measured, tr.p, schedule=tr.schedule))
     s.add(_gantt("pp-simulated", "simulated from the measured per-op times (parallel/pipeline/simulate.py)",
-                 pred.events, tr.p))
+                 pred.events, tr.p, schedule=tr.schedule))
     bm, bp = tr.bubble_per_rank(), pred.bubble_per_rank
     labels = [f"rank {r}" for r in range(tr.p)]
     s.add(Chart("pp-bubble", [{"type": "bar", "name": "measured", "x": labels, "y": finite_list(bm),

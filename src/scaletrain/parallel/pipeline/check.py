@@ -16,6 +16,11 @@ A schedule that passes runs under any amount of buffering too, since buffering o
 earlier. Example it rejects: rank 0 waits for a gradient from rank 1 before sending its activation, and
 rank 1 waits for that activation before it can produce the gradient (each blocked in its own batch).
 
+The V schedules (zb-v) are checked in the executor's own model instead: sends never block (posted with
+isend, waited for only at the end of the step), receives block. Under rendezvous sends their two
+same-direction streams (chunk 0's activations, chunk 1's gradients) deadlock, so where sends can block
+until the receive is posted (NCCL, large messages) zb-v is refused (pipeline/rules.py).
+
 `check_2bw(p, m)` checks PipeDream-2BW's cross-step lists (`schedules.build_2bw_step`) over a run of
 steps: each step's lists on their own (matching, deadlock: steps are separated by the optimizer step's
 collectives, so no message may cross a step boundary), and the concatenated per-rank sequence with
@@ -32,32 +37,42 @@ from scaletrain.config.schema import PARTITION_KINDS, SCHEDULES
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.pipeline.balance import ends
 from scaletrain.parallel.pipeline.schedules import (
+    V_SCHEDULES,
     Action,
     Op,
+    action_stage,
     batches,
     build_2bw_step,
     message_key,
     rank_chunk_to_stage,
     schedule_constraints,
+    stage_to_rank_chunk,
 )
 
 _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)
 
 
-def check_schedule(actions: list[list[Action]], p: int, m: int, v: int) -> None:
-    """Raise ValueError naming the first problem found in the per-rank action lists; None if sound."""
+def check_schedule(actions: list[list[Action]], p: int, m: int, v: int, schedule: str | None = None) -> None:
+    """Raise ValueError naming the first problem found in the per-rank action lists; None if sound.
+
+    `schedule` names the stage placement (`schedules.rank_chunk_to_stage`): None or a loop schedule for
+    stage chunk * p + rank, a V schedule for the V placement."""
     if len(actions) != p:
         raise ValueError(f"schedule has {len(actions)} rank lists, expected p={p}")
     for r in range(p):
-        _check_fields(actions[r], r, p, m, v)
-        _check_compute(actions[r], r, p, m, v)
+        _check_fields(actions[r], r, p, m, v, schedule)
+        _check_compute(actions[r], r, p, m, v, schedule)
     _check_matching(actions, p)
     for r in range(p):
-        _check_comm_placement(actions[r], r, p, v)
-    _check_deadlock(actions, p)
+        _check_comm_placement(actions[r], r, p, v, schedule)
+    _check_deadlock(actions, p, sends_block=schedule not in V_SCHEDULES)
 
 
-def _check_fields(acts: list[Action], r: int, p: int, m: int, v: int) -> None:
+def _rank_of(stage: int, p: int, schedule: str | None) -> int:
+    return stage_to_rank_chunk(stage, p, schedule)[0]
+
+
+def _check_fields(acts: list[Action], r: int, p: int, m: int, v: int, schedule: str | None = None) -> None:
     last = p * v - 1
     for i, a in enumerate(acts):
         where = f"rank {r} action {i} {a}"
@@ -67,26 +82,30 @@ def _check_fields(acts: list[Action], r: int, p: int, m: int, v: int) -> None:
             raise ValueError(f"{where}: microbatch outside [0, {m})")
         if not 0 <= a.chunk < v:
             raise ValueError(f"{where}: chunk outside [0, {v})")
+        if action_stage(r, a, p) != rank_chunk_to_stage(r, a.chunk, p, schedule):
+            raise ValueError(f"{where}: stage {action_stage(r, a, p)} is not local chunk {a.chunk} of rank {r}"
+                             f" (rank {r} holds stage {rank_chunk_to_stage(r, a.chunk, p, schedule)} there)")
         if a.op.is_compute:
             if a.peer is not None:
                 raise ValueError(f"{where}: compute action has a peer")
             continue
-        s = rank_chunk_to_stage(r, a.chunk, p)
+        s = action_stage(r, a, p)
         to_next = a.op in (Op.SEND_ACT, Op.RECV_GRAD)  # talks to stage s + 1
         other = s + 1 if to_next else s - 1
         if not 0 <= other <= last:
             raise ValueError(f"{where}: stage {s} has no neighbour stage {other}")
-        if other % p == r:
+        holder = _rank_of(other, p, schedule)
+        if holder == r:
             raise ValueError(f"{where}: stage {other} is on the same rank; no send/recv is needed")
-        if a.peer != other % p:
-            raise ValueError(f"{where}: peer should be rank {other % p}, which holds stage {other}")
+        if a.peer != holder:
+            raise ValueError(f"{where}: peer should be rank {holder}, which holds stage {other}")
 
 
-def _check_compute(acts: list[Action], r: int, p: int, m: int, v: int) -> None:
+def _check_compute(acts: list[Action], r: int, p: int, m: int, v: int, schedule: str | None = None) -> None:
     """Each (microbatch, chunk): one forward, then one full backward or one input + one weight pass."""
     counts = Counter((a.op, a.microbatch, a.chunk) for a in acts if a.op.is_compute)
     for c in range(v):
-        s = rank_chunk_to_stage(r, c, p)
+        s = rank_chunk_to_stage(r, c, p, schedule)
         for mb in range(m):
             n = {op: counts[(op, mb, c)] for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT,
                                                      Op.BACKWARD_WEIGHT)}
@@ -108,18 +127,22 @@ def _check_compute(acts: list[Action], r: int, p: int, m: int, v: int) -> None:
         if a.op is Op.BACKWARD_WEIGHT and (Op.BACKWARD_INPUT, a.microbatch, a.chunk) not in seen:
             raise ValueError(f"rank {r}: {a} comes before BACKWARD_INPUT of that microbatch")
         seen.add((a.op, a.microbatch, a.chunk))
-    if p == 1:  # stages on the same rank hand tensors over in memory: the order must respect that
-        done: set[tuple[str, int, int]] = set()
-        for a in acts:
-            s = rank_chunk_to_stage(r, a.chunk, p)
-            if a.op is Op.FORWARD:
-                if s > 0 and ("f", a.microbatch, s - 1) not in done:
-                    raise ValueError(f"rank {r}: {a} runs before the forward of stage {s - 1}")
-                done.add(("f", a.microbatch, s))
-            elif a.op in _BACKWARDS:
-                if s < v - 1 and ("b", a.microbatch, s + 1) not in done:
-                    raise ValueError(f"rank {r}: {a} runs before the backward of stage {s + 1}")
-                done.add(("b", a.microbatch, s))
+    # Neighbouring stages on the same rank (p == 1, the V's tip) hand tensors over in memory: the order
+    # must respect that.
+    last = p * v - 1
+    done: set[tuple[str, int, int]] = set()
+    for a in acts:
+        if a.op.is_comm:
+            continue
+        s = action_stage(r, a, p)
+        if a.op is Op.FORWARD:
+            if s > 0 and _rank_of(s - 1, p, schedule) == r and ("f", a.microbatch, s - 1) not in done:
+                raise ValueError(f"rank {r}: {a} runs before the forward of stage {s - 1}")
+            done.add(("f", a.microbatch, s))
+        elif a.op in _BACKWARDS:
+            if s < last and _rank_of(s + 1, p, schedule) == r and ("b", a.microbatch, s + 1) not in done:
+                raise ValueError(f"rank {r}: {a} runs before the backward of stage {s + 1}")
+            done.add(("b", a.microbatch, s))
 
 
 def _check_matching(actions: list[list[Action]], p: int) -> None:
@@ -155,21 +178,23 @@ def _check_matching(actions: list[list[Action]], p: int) -> None:
                 )
 
 
-def _check_comm_placement(acts: list[Action], r: int, p: int, v: int) -> None:
+def _check_comm_placement(acts: list[Action], r: int, p: int, v: int, schedule: str | None = None) -> None:
     """Each compute that needs a remote input has its receive before it; each remote output is sent after."""
     if p == 1:
         return
     last = p * v - 1
     position = {(a.op, a.microbatch, a.chunk): i for i, a in enumerate(acts)}
     for i, a in enumerate(acts):
-        s = rank_chunk_to_stage(r, a.chunk, p)
+        s = action_stage(r, a, p)
+        before_remote = s > 0 and _rank_of(s - 1, p, schedule) != r
+        after_remote = s < last and _rank_of(s + 1, p, schedule) != r
         needs: list[tuple[Op, bool]] = []  # (comm op, must come before this compute)
         if a.op is Op.FORWARD:
-            needs = [(Op.RECV_ACT, True)] if s > 0 else []
-            needs += [(Op.SEND_ACT, False)] if s < last else []
+            needs = [(Op.RECV_ACT, True)] if before_remote else []
+            needs += [(Op.SEND_ACT, False)] if after_remote else []
         elif a.op in _BACKWARDS:
-            needs = [(Op.RECV_GRAD, True)] if s < last else []
-            needs += [(Op.SEND_GRAD, False)] if s > 0 else []
+            needs = [(Op.RECV_GRAD, True)] if after_remote else []
+            needs += [(Op.SEND_GRAD, False)] if before_remote else []
         for comm, before in needs:
             j = position.get((comm, a.microbatch, a.chunk))
             if j is None:
@@ -180,8 +205,11 @@ def _check_comm_placement(acts: list[Action], r: int, p: int, v: int) -> None:
                 raise ValueError(f"rank {r}: {acts[j]} comes before {a}, which produces it")
 
 
-def _check_deadlock(actions: list[list[Action]], p: int) -> None:
-    """Run the rendezvous model of the module docstring; raise if it gets stuck."""
+def _check_deadlock(actions: list[list[Action]], p: int, sends_block: bool = True) -> None:
+    """Run the rendezvous model of the module docstring; raise if it gets stuck.
+
+    `sends_block=False` (V schedules): a rank leaves a batch once its receives have completed; its sends
+    are posted and complete whenever their receives are posted, which is what the executor does."""
     steps = [batches(acts) for acts in actions]
     pos = [0] * p
     posted: set[tuple[str, tuple]] = set()  # ("send" | "recv", message key) currently posted
@@ -203,7 +231,7 @@ def _check_deadlock(actions: list[list[Action]], p: int) -> None:
                     if (other, k) in posted:
                         completed.add(k)
                     keys.append(k)
-                if not all(k in completed for k in keys):
+                if not all(k in completed for k, a in zip(keys, step) if sends_block or a.op.is_recv):
                     break
                 pos[r] += 1
                 progress = True
@@ -215,7 +243,8 @@ def _check_deadlock(actions: list[list[Action]], p: int) -> None:
                 if pos[r] < len(steps[r]):
                     stuck = [a for a in steps[r][pos[r]] if message_key(r, a, p) not in completed]
                     waiting.append(f"rank {r} waits in " + ", ".join(str(a) for a in stuck))
-            raise ValueError("schedule deadlocks (blocking send/recv): " + "; ".join(waiting))
+            model = "blocking send/recv" if sends_block else "non-blocking sends, blocking receives"
+            raise ValueError(f"schedule deadlocks ({model}): " + "; ".join(waiting))
 
 
 def two_bw_phases(n_steps: int) -> list[tuple[bool, bool]]:

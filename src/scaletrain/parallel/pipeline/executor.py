@@ -52,7 +52,14 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from scaletrain.device.accounting import SavedTensorCounter
 from scaletrain.distributed.comm import CommStats
 from scaletrain.parallel.pipeline.pipedream import build_pipedream_step
-from scaletrain.parallel.pipeline.schedules import Action, Op, batches, build_2bw_step, rank_chunk_to_stage
+from scaletrain.parallel.pipeline.schedules import (
+    Action,
+    Op,
+    batches,
+    build_2bw_step,
+    rank_chunk_to_stage,
+    stage_to_rank_chunk,
+)
 from scaletrain.parallel.pipeline.simulate import Event
 from scaletrain.parallel.pipeline.stash import WeightStash
 from scaletrain.parallel.pipeline.trace import PipelineTrace
@@ -275,7 +282,27 @@ class PipelineExecutor:
         st.events.append(Event(self.rank, a.op.value, t - st.t0, time.perf_counter() - st.t0, mb, a.chunk))
 
     def _stage(self, chunk: int) -> int:
-        return rank_chunk_to_stage(self.rank, chunk, self.p)
+        return rank_chunk_to_stage(self.rank, chunk, self.p, self.schedule)
+
+    def _local_chunk(self, stage: int) -> int | None:
+        """This rank's local chunk holding `stage`, or None when another rank holds it (the V's tip: stages
+        p-1 and p share rank p-1 and hand tensors over in memory, convention point 3)."""
+        if not 0 <= stage < self.n_stages:
+            return None
+        r, c = stage_to_rank_chunk(stage, self.p, self.schedule)
+        return c if r == self.rank else None
+
+    def _hand_over(self, a: Action, s: int, out: torch.Tensor, st: _Step) -> None:
+        """Forward output to the next stage on this rank: its input, cut from this chunk's graph."""
+        c = self._local_chunk(s + 1)
+        if c is not None:
+            st.inputs[(a.microbatch + a.batch * self.m, c)] = out.detach().requires_grad_(torch.is_grad_enabled())
+
+    def _hand_back(self, a: Action, s: int, st: _Step) -> None:
+        """Input gradient to the previous stage on this rank (its output gradient)."""
+        c = self._local_chunk(s - 1)
+        if c is not None:
+            st.grads_in[(a.microbatch + a.batch * self.m, c)] = st.grads_out.pop(self._key(a))
 
     def _key(self, a: Action) -> Key:
         """Where a microbatch's tensors are kept: the next step's microbatch i (2BW) under m + i."""
@@ -292,8 +319,10 @@ class PipelineExecutor:
         with counter.active() if counter is not None else nullcontext():
             out, boundary = self.stages.forward_chunk(a.chunk, x)
             out = self._loss(engine, out, y, st) if s == self.n_stages - 1 else out
+        if s < self.n_stages - 1:
+            self._hand_over(a, s, out, st)
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward
-            if s < self.n_stages - 1:
+            if s < self.n_stages - 1 and self._local_chunk(s + 1) is None:
                 st.outputs[key] = out
             return
         st.outputs[key], st.boundary[key] = out, boundary
@@ -341,6 +370,7 @@ class PipelineExecutor:
             torch.autograd.backward(get_gradient_edge(out), st.grads_in.pop(key))
         if s > 0:
             st.grads_out[key] = st.inputs.pop(key).grad
+            self._hand_back(a, s, st)
         self._release(key, st)
 
     def _backward_input(self, a: Action, st: _Step, engine) -> None:
@@ -374,6 +404,7 @@ class PipelineExecutor:
         else:
             st.grads_out[key] = dx
             st.inputs.pop(key)
+            self._hand_back(a, s, st)
         st.weight_work[key] = work
 
     def _backward_weight(self, a: Action, st: _Step, engine) -> None:
@@ -458,7 +489,8 @@ class PipelineExecutor:
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss sum on every pipeline rank."""
         if self.group is not None:
-            dist.broadcast(loss, src=self.peers[-1], group=self.group)
+            last = stage_to_rank_chunk(self.n_stages - 1, self.p, self.schedule)[0]  # rank 0 in a V
+            dist.broadcast(loss, src=self.peers[last], group=self.group)
         return loss
 
     def _gather_trace(self, st: _Step) -> PipelineTrace | None:

@@ -28,10 +28,20 @@ Schedules (names of `parallel.schedule`):
 - `pipedream`: PipeDream's asynchronous 1F1B without a flush, with weight stashing and optional vertical
   sync (Narayanan et al., SOSP 2019; arXiv 1806.03377); one minibatch per step. `build_schedule("pipedream",
   p, 1)` is one isolated step; the lists of a run of steps are `pipedream.build_pipedream_step`'s.
+- `zb-v`: zero bubble V (Qi et al., arXiv 2401.10241 section 6): two chunks per rank placed in a V, so
+  rank r holds stages r and 2p-1-r and the first and last stages share rank 0; backwards split into
+  BACKWARD_INPUT and BACKWARD_WEIGHT as in zb-h1. Warm-up: rank r runs 2(p-r)-1 chunk-0 forwards, then
+  r (chunk-1 forward, chunk-0 forward) pairs, then p-r (chunk-1 forward, chunk-1 B, chunk-1 W) triples;
+  steady state: (chunk-0 F, chunk-0 B, chunk-0 W, chunk-1 F, chunk-1 B, chunk-1 W); cool-down: r
+  (chunk-0 B, chunk-1 B) pairs, then p-r (chunk-0 B, chunk-0 W) pairs, then the remaining weight
+  passes fill the tail. Peak 2p microbatch-chunks in flight on every rank, the activation memory of
+  1F1B. Needs parallel.virtual_stages = 2 and m >= 2p - 1 (the warm-up of rank 0).
 
 Stages and chunks. The model is cut into S = p * v consecutive stages (chunks). Stage s lives on rank
 `s % p` as local chunk `s // p`; equivalently chunk c on rank r holds model chunk `c * p + r`
-(`rank_chunk_to_stage`, `stage_to_rank_chunk`). With v = 1 the chunk is always 0.
+(`rank_chunk_to_stage`, `stage_to_rank_chunk`). With v = 1 the chunk is always 0. The V schedules
+(`V_SCHEDULES`) place the stages in a V instead: rank r holds stage r as chunk 0 and stage 2p-1-r as
+chunk 1 (pass `schedule=` to the layout functions); their actions carry their global `stage`.
 
 Send/recv convention (the executor relies on it):
 
@@ -47,8 +57,8 @@ Send/recv convention (the executor relies on it):
    one run of comms: first the sends of what the earlier slot produced, then the receives of what the
    later slot needs. So a typical 1F1B list reads `F(k) SEND_ACT(k) RECV_GRAD(j) B(j) SEND_GRAD(j)
    RECV_ACT(k+1) F(k+1) ...`.
-3. No send/recv is emitted between stages on the same rank (p == 1): the executor hands the tensor over
-   in memory.
+3. No send/recv is emitted between stages on the same rank (p == 1, or stages p-1 and p of a V
+   schedule): the executor hands the tensor over in memory.
 4. A maximal run of consecutive send/recv actions is one batch: the executor posts all of them together
    (`torch.distributed.batch_isend_irecv`) and must wait for the batch's receives before the next
    compute action. `SEND_ACT(k), RECV_GRAD(j)` between a forward and a backward is Megatron's
@@ -113,7 +123,9 @@ class Action:
 
     `microbatch` in [0, m); `chunk` is the local chunk in [0, v) on the acting rank; `peer` is the other
     rank of a send/recv and None for compute actions; `batch` is 0 for this step's batch and 1 for the
-    next step's (2BW's early warm-up forwards, which read the newer weight version).
+    next step's (2BW's early warm-up forwards, which read the newer weight version); `stage` is the
+    acting chunk's global stage under a V placement (`V_SCHEDULES`), None for the loop placement
+    (stage chunk * p + rank).
     """
 
     op: Op
@@ -121,6 +133,7 @@ class Action:
     chunk: int = 0
     peer: int | None = None
     batch: int = 0
+    stage: int | None = None
 
     def __str__(self) -> str:
         base = f"{self.op.name}(mb={self.microbatch}, chunk={self.chunk}"
@@ -135,19 +148,32 @@ class Action:
 # --------------------------------------------------------------------------- stage layout
 
 
-def rank_chunk_to_stage(rank: int, chunk: int, p: int) -> int:
-    """Global stage (model chunk) index held by local `chunk` of `rank`: chunk * p + rank."""
+V_SCHEDULES: tuple[str, ...] = ("zb-v",)  # two chunks per rank placed in a V
+
+
+def rank_chunk_to_stage(rank: int, chunk: int, p: int, schedule: str | None = None) -> int:
+    """Global stage (model chunk) index held by local `chunk` of `rank`: chunk * p + rank, or in the V
+    placement of `V_SCHEDULES` rank (chunk 0) and 2p - 1 - rank (chunk 1)."""
+    if schedule in V_SCHEDULES:
+        return rank if chunk == 0 else 2 * p - 1 - rank
     return chunk * p + rank
 
 
-def stage_to_rank_chunk(stage: int, p: int) -> tuple[int, int]:
-    """(rank, local chunk) that holds global `stage`."""
+def stage_to_rank_chunk(stage: int, p: int, schedule: str | None = None) -> tuple[int, int]:
+    """(rank, local chunk) that holds global `stage` (placement of `schedule`, see `rank_chunk_to_stage`)."""
+    if schedule in V_SCHEDULES:
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
     return stage % p, stage // p
 
 
-def stage_layout(p: int, v: int) -> list[tuple[int, int]]:
+def stage_layout(p: int, v: int, schedule: str | None = None) -> list[tuple[int, int]]:
     """`layout[s] == (rank, chunk)` for every global stage s in [0, p * v)."""
-    return [stage_to_rank_chunk(s, p) for s in range(p * v)]
+    return [stage_to_rank_chunk(s, p, schedule) for s in range(p * v)]
+
+
+def action_stage(rank: int, action: Action, p: int) -> int:
+    """Global stage of the chunk `action` acts on: its `stage` when set (V placement), else chunk * p + rank."""
+    return action.stage if action.stage is not None else rank_chunk_to_stage(rank, action.chunk, p)
 
 
 def message_key(rank: int, action: Action, p: int) -> tuple[str, int, int, int]:
@@ -156,7 +182,7 @@ def message_key(rank: int, action: Action, p: int) -> tuple[str, int, int, int]:
     A send and a receive match exactly when their keys are equal. A next-batch message (2BW) has the
     batch appended: (kind, microbatch, src_stage, dst_stage, batch).
     """
-    s = rank_chunk_to_stage(rank, action.chunk, p)
+    s = action_stage(rank, action, p)
     mb = action.microbatch
     if action.op is Op.SEND_ACT:
         key = ("act", mb, s, s + 1)
@@ -184,9 +210,16 @@ def schedule_constraints(name: str, p: int, m: int, v: int) -> list[str]:
             errors.append(f"{key} must be at least 1, got {value}")
     if errors:
         return errors
-    if v > 1 and name != "interleaved":
+    if name in V_SCHEDULES:
+        if v != 2:
+            errors.append(f"parallel.schedule={name} places two chunks per rank in a V: it needs"
+                          f" parallel.virtual_stages=2, got {v}")
+        if m < 2 * p - 1:
+            errors.append(f"parallel.schedule={name} needs parallel.microbatches >= 2 x parallel.pp - 1 ="
+                          f" {2 * p - 1} (rank 0's warm-up), got {m}")
+    elif v > 1 and name != "interleaved":
         errors.append(
-            f"parallel.virtual_stages ({v}) > 1 needs parallel.schedule=interleaved, got {name!r}"
+            f"parallel.virtual_stages ({v}) > 1 needs parallel.schedule=interleaved or zb-v, got {name!r}"
         )
     if name == "interleaved" and m % p:
         errors.append(
@@ -278,6 +311,51 @@ def _zb_h1(p: int, m: int, v: int) -> list[Slots]:
     return ranks
 
 
+def _zb_v(p: int, m: int, v: int) -> list[Slots]:
+    """ZB-V (arXiv 2401.10241 section 6) in the order of the module docstring; chunk 0 is stage r, chunk 1
+    stage 2p-1-r. Every phase count follows from the V: rank r's chunk-1 work waits for the 2(p-r)-1
+    stages between its two chunks, so it starts that many chunk-0 forwards first."""
+    F, B, W = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    ranks = []
+    for r in range(p):
+        nxt = {(op, c): 0 for op in (F, B, W) for c in (0, 1)}  # next microbatch of each (op, chunk)
+        order: list[Compute] = []
+
+        def emit(op: Op, c: int, nxt=nxt, order=order) -> None:
+            if nxt[(op, c)] < m:
+                order.append((op, nxt[(op, c)], c))
+                nxt[(op, c)] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            emit(F, 0)
+        for _ in range(r):
+            emit(F, 1)
+            emit(F, 0)
+        for _ in range(p - r):
+            emit(F, 1)
+            emit(B, 1)
+            emit(W, 1)
+        while nxt[(F, 0)] < m or nxt[(F, 1)] < nxt[(F, 0)]:  # steady state
+            emit(F, 0)
+            emit(B, 0)
+            emit(W, 0)
+            emit(F, 1)
+            emit(B, 1)
+            emit(W, 1)
+        for _ in range(r):  # cool-down: input gradients first, weight passes fill the tail
+            emit(B, 0)
+            emit(B, 1)
+        for _ in range(p - r):
+            emit(B, 0)
+            emit(W, 0)
+        while nxt[(W, 1)] < nxt[(B, 1)]:
+            emit(W, 1)
+        while nxt[(W, 0)] < nxt[(B, 0)]:
+            emit(W, 0)
+        ranks.append([[c] for c in order])
+    return ranks
+
+
 _BUILDERS: dict[str, Callable[[int, int, int], list[Slots]]] = {
     "gpipe": _gpipe,
     "1f1b": _one_f_one_b,
@@ -285,10 +363,11 @@ _BUILDERS: dict[str, Callable[[int, int, int], list[Slots]]] = {
     "zb-h1": _zb_h1,
     "2bw": _one_f_one_b,
     "pipedream": _one_f_one_b,  # one isolated step; the run of steps: pipedream.build_pipedream_step
+    "zb-v": _zb_v,
 }
 
 
-def _insert_comms(slots_per_rank: list[Slots], p: int, v: int) -> list[list[Action]]:
+def _insert_comms(slots_per_rank: list[Slots], p: int, v: int, schedule: str | None = None) -> list[list[Action]]:
     """Add sends and receives around groups ("slots") of compute actions (convention points 2 to 4).
 
     Between two consecutive slots goes one batch: the sends of everything the earlier slot produced,
@@ -297,6 +376,7 @@ def _insert_comms(slots_per_rank: list[Slots], p: int, v: int) -> list[list[Acti
     ranks meet in one four-message batch per pair and blocking sends cannot deadlock.
     """
     last = p * v - 1
+    vee = schedule in V_SCHEDULES
     out = []
     for r, slots in enumerate(slots_per_rank):
         acts: list[Action] = []
@@ -304,22 +384,57 @@ def _insert_comms(slots_per_rank: list[Slots], p: int, v: int) -> list[list[Acti
             recvs, sends, computes = [], [], []
             for op, mb, c, *tag in slot:
                 b = tag[0] if tag else 0
-                s = rank_chunk_to_stage(r, c, p)
-                prev_rank, next_rank = (s - 1) % p, (s + 1) % p
-                remote = p > 1
+                s = rank_chunk_to_stage(r, c, p, schedule)
+                st = s if vee else None
+                prev_rank = stage_to_rank_chunk(s - 1, p, schedule)[0] if s > 0 else r
+                next_rank = stage_to_rank_chunk(s + 1, p, schedule)[0] if s < last else r
                 if op is Op.FORWARD:
-                    if remote and s > 0:
-                        recvs.append(Action(Op.RECV_ACT, mb, c, prev_rank, b))
-                    if remote and s < last:
-                        sends.append(Action(Op.SEND_ACT, mb, c, next_rank, b))
+                    if prev_rank != r:
+                        recvs.append(Action(Op.RECV_ACT, mb, c, prev_rank, b, st))
+                    if next_rank != r:
+                        sends.append(Action(Op.SEND_ACT, mb, c, next_rank, b, st))
                 elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-                    if remote and s < last:
-                        recvs.append(Action(Op.RECV_GRAD, mb, c, next_rank, b))
-                    if remote and s > 0:
-                        sends.append(Action(Op.SEND_GRAD, mb, c, prev_rank, b))
-                computes.append(Action(op, mb, c, None, b))
+                    if next_rank != r:
+                        recvs.append(Action(Op.RECV_GRAD, mb, c, next_rank, b, st))
+                    if prev_rank != r:
+                        sends.append(Action(Op.SEND_GRAD, mb, c, prev_rank, b, st))
+                computes.append(Action(op, mb, c, None, b, st))
             acts += recvs + computes + sends
         out.append(acts)
+    return out
+
+
+def _sends_in_receive_order(acts_per_rank: list[list[Action]], p: int) -> list[list[Action]]:
+    """Delay sends so that, between every ordered pair of ranks, they go out in the order the receiver posts
+    its receives (convention point 5).
+
+    In a V two streams share the direction rank r -> r + 1 (chunk 0's activations, chunk 1's gradients), and
+    rank r may produce a message earlier than rank r + 1 wants it. A send that would overtake one the
+    receiver expects first is held and goes out right after that one; only sends move, and only later (the
+    executor never waits for a send, so holding one stalls nobody)."""
+    wanted: dict[tuple[int, int], list[tuple]] = {}
+    for dst, acts in enumerate(acts_per_rank):
+        for a in acts:
+            if a.op.is_recv:
+                wanted.setdefault((a.peer, dst), []).append(message_key(dst, a, p))
+    out = []
+    for src, acts in enumerate(acts_per_rank):
+        pos = {dst: 0 for dst in range(p)}
+        held: dict[int, dict[tuple, Action]] = {dst: {} for dst in range(p)}
+        new: list[Action] = []
+        for a in acts:
+            if not a.op.is_send:
+                new.append(a)
+                continue
+            dst, order = a.peer, wanted[(src, a.peer)]
+            held[dst][message_key(src, a, p)] = a
+            while pos[dst] < len(order) and order[pos[dst]] in held[dst]:
+                new.append(held[dst].pop(order[pos[dst]]))
+                pos[dst] += 1
+        if any(held.values()):
+            left = [str(a) for h in held.values() for a in h.values()]
+            raise ValueError(f"rank {src}: sends with no matching receive: {left}")
+        out.append(new)
     return out
 
 
@@ -340,7 +455,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     errors = schedule_constraints(name, p, m, v)
     if errors:
         raise ValueError("; ".join(errors))
-    return _insert_comms(_BUILDERS[name](p, m, v), p, v)
+    actions = _insert_comms(_BUILDERS[name](p, m, v), p, v, name)
+    return _sends_in_receive_order(actions, p) if name in V_SCHEDULES else actions
 
 
 def build_2bw_step(p: int, m: int, first: bool, last: bool) -> list[list[Action]]:

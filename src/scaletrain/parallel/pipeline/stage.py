@@ -2,7 +2,8 @@
 
 `split_pp(engine, model, par, train, mesh, comm, microbatches)` runs after tensor parallelism and before data
 parallelism (DESIGN.md). The model is cut into S = pp x virtual_stages consecutive stages (a `partition.Partition`);
-global stage s lives on pipeline rank s % pp as local chunk s // pp (`schedules.rank_chunk_to_stage`).
+global stage s lives on pipeline rank s % pp as local chunk s // pp, or in a V for zb-v (rank r holds stages r
+and 2pp-1-r; `schedules.rank_chunk_to_stage`).
 This rank keeps only its chunks, in one `PipelineStages` module whose parameters keep the plain
 model's names (`wte.weight`, `blocks.5.attn.qkv.weight`, ...), so initialisation by (seed, name),
 checkpoints and the equivalence tests see the same names as the single-process run.
@@ -164,7 +165,7 @@ def split_pp(engine, model_cfg: ModelConfig, par: ParallelConfig, train: TrainCo
     model = engine.module
     plan = resolve_partition(model_cfg, par, train.micro_batch, model, partition)
     r = mesh.local_rank("pp")
-    stage_ids = [rank_chunk_to_stage(r, c, p) for c in range(v)]
+    stage_ids = [rank_chunk_to_stage(r, c, p, par.schedule) for c in range(v)]
     bounds = plan.bounds
     shards = par.tp if par.sequence_parallel else 1
     stages = PipelineStages(model, stage_ids, [bounds[s] for s in stage_ids], p * v, shards)
@@ -172,6 +173,10 @@ def split_pp(engine, model_cfg: ModelConfig, par: ParallelConfig, train: TrainCo
     engine.pp_partition = plan
 
     m = microbatches
+    if par.schedule == "zb-v" and dist.is_initialized() and "nccl" in str(dist.get_backend(mesh.group("pp"))).lower():
+        from scaletrain.parallel.pipeline.rules import V_ON_NCCL
+
+        raise ConfigError(V_ON_NCCL)
     act_shape = (train.micro_batch, model_cfg.seq_len // (shards * par.cp), model_cfg.d_model)  # cp: its tokens
     if par.tp_mode != "1d":  # 2d tensor parallelism: this rank's block
         from scaletrain.parallel.tensor_nd import local_activation_shape

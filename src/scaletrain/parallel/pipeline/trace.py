@@ -98,14 +98,14 @@ class PipelineTrace:
         last = self.p * self.v - 1
         gaps = []
         for e in self.events:
-            s = rank_chunk_to_stage(e.rank, e.chunk, self.p)
+            s = rank_chunk_to_stage(e.rank, e.chunk, self.p, self.schedule)
             if e.name == "F" and s > 0:
                 src, names = s - 1, ("F",)
             elif e.name in ("B", "I") and s < last:
                 src, names = s + 1, ("B", "I")
             else:
                 continue
-            r, c = stage_to_rank_chunk(src, self.p)
+            r, c = stage_to_rank_chunk(src, self.p, self.schedule)
             producer = next((by_key[k] for n in names if (k := (r, n, e.microbatch, c)) in by_key), None)
             if producer is None:
                 continue

@@ -157,7 +157,7 @@ def rank_activation_bytes(m: ModelSpec, train: Training, lay: Layout, mbs: int, 
         if r == 0:
             acts += tokens * (eb + (1 if m.dropout else 0)) * h / sp_div * min(inflight_count(
                 lay.schedule, p, mbs, v, 0), mbs)
-        if r == p - 1:
+        if r == st.last_rank:
             acts += tokens * (2 * eb * h / sp_div + 4 * m.vocab_size / t)
         out.append(acts)
     return out

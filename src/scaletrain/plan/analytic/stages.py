@@ -116,10 +116,19 @@ class Stages:
     """Mixture-of-experts blocks per stage."""
     p: int
     v: int
+    vee: bool = False
+    """Stages placed in a V (zb-v): rank r holds stages r and 2p-1-r, the first and the last on rank 0."""
 
     def chunks(self, r: int) -> list[int]:
         """The stages of pipeline rank r, chunk by chunk."""
+        if self.vee:
+            return [r, 2 * self.p - 1 - r]
         return [c * self.p + r for c in range(self.v)]
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the last stage (ln_f, the head, the logits): rank 0 in a V."""
+        return 0 if self.vee else self.p - 1
 
     def rank_blocks(self, r: int) -> tuple[int, int]:
         """(dense, MoE) blocks of rank r."""
@@ -133,7 +142,7 @@ class Stages:
         out: dict[tuple, list] = {}
         for r in range(self.p):
             ids = self.chunks(r)
-            key = (tuple(self.blocks[s] for s in ids), tuple(self.moe[s] for s in ids), r == 0, r == self.p - 1)
+            key = (tuple(self.blocks[s] for s in ids), tuple(self.moe[s] for s in ids), r == 0, r == self.last_rank)
             if key in out:
                 out[key][1] += 1
             else:
@@ -163,12 +172,12 @@ def run_length(blocks: tuple[int, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def stages_of(m: ModelSpec, blocks: tuple[int, ...], p: int, v: int) -> Stages:
+def stages_of(m: ModelSpec, blocks: tuple[int, ...], p: int, v: int, vee: bool = False) -> Stages:
     moe, lo = [], 0
     for n in blocks:
         moe.append(sum(is_moe_block(m, i) for i in range(lo, lo + n)))
         lo += n
-    return Stages(tuple(blocks), tuple(moe), p, v)
+    return Stages(tuple(blocks), tuple(moe), p, v, vee)
 
 
 def recomputed_blocks(m: ModelSpec, st: Stages, g: RankGroup, pol: Recompute) -> tuple[int, int]:
@@ -196,6 +205,8 @@ def inflight_count(schedule: str, p: int, m: int, v: int, r: int) -> int:
         return m * v
     if schedule == "zb-h1":
         return min(p, m)
+    if schedule == "zb-v":  # 2p chunk-microbatches, each half a rank's blocks (arXiv 2401.10241 sec. 6)
+        return max(sum(counts) for counts in inflight_vectors(schedule, p, m, v)[r])
     if schedule == "interleaved" and v > 1:
         return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
     if schedule == "pipedream":  # p - r minibatches in flight across steps (arXiv 1806.03377), m = 1
@@ -251,7 +262,9 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, work: list[float], 
     GPipe / 1F1B: (m - 1)·max W + sum W (for equal stages (m + p - 1) W, arXiv 1811.06965);
     interleaved:  m·max W + (p - 1)/(p v)·sum W ((m + (p - 1)/v) W, arXiv 2104.04473 Sec. 2.2.2);
     ZB-H1:        m·max W + (p - 1)/p·sum fill (m W + (p - 1) max(t_f + t_b - t_w, t_f), arXiv 2401.10241);
-    2BW:          m·max W (steady state, no flush, arXiv 2006.09503);
+    ZB-V:         m·max W + (p - 1)/(2p)·sum fill (half of ZB-H1's fill and drain: each chunk is half a rank's
+                  blocks, arXiv 2401.10241 sec. 6; equal to the simulator on equal stages, tests/test_pipeline_zbv.py);
+        2BW:          m·max W (steady state, no flush, arXiv 2006.09503);
     PipeDream:    max W + 2/3·(p - 1)/p·sum W (m = 1; no flush, but the step's barrier - the global gradient norm and
                   the loss - exposes the backward chain from the last stage to the first, taken as 2/3 of the work:
                   `simulate_steps` on `pipedream.build_pipedream_step`, t_b = 2 t_f).
@@ -269,6 +282,8 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, work: list[float], 
         return heavy + 2 / 3 * (p - 1) / p * total
     if schedule == "zb-h1":
         return m * heavy + (p - 1) / p * sum(n * f for n, f in zip(counts, fill))
+    if schedule == "zb-v":
+        return m * heavy + (p - 1) / (2 * p) * sum(n * f for n, f in zip(counts, fill))
     return (m - 1) * heavy + total
 
 
@@ -288,7 +303,7 @@ def rank_params(m: ModelSpec, lay: Layout, st: Stages) -> list[StageParams]:
         expert = moe * kinds[1][2] / lay.ep
         if r == 0:
             layers += emb + c.position
-        if r == st.p - 1:
-            layers += c.final_norm + (c.head / t if c.head or st.p == 1 else emb)
+        if r == st.last_rank:
+            layers += c.final_norm + (c.head / t if c.head or st.p == 1 or st.vee else emb)
         out.append(StageParams(layers, expert))
     return out

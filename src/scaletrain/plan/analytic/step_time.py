@@ -262,7 +262,7 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     kinds = kind_times(m, gpu, train, lay, a, lt)
     fwd, bwd, wgt = [], [], []
     groups = st.groups
-    last = [g.rank == p - 1 for g in groups]
+    last = [g.rank == st.last_rank for g in groups]
     pol = recompute_policy(lay.recompute)
     recomp, tp_again = [], []
     for g in groups:
@@ -276,7 +276,7 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     f_all = [f + (t_logits if is_last else 0.0) + t_pp for f, is_last in zip(fwd, last)]
     b_all = [b + (2 * t_logits if is_last else 0.0) + t_pp for b, is_last in zip(bwd, last)]
     work = [f + b for f, b in zip(f_all, b_all)]
-    fill = [max(f + b - 2 * w, f) for f, b, w in zip(f_all, b_all, wgt)] if lay.schedule == "zb-h1" else work
+    fill = [max(f + b - 2 * w, f) for f, b, w in zip(f_all, b_all, wgt)] if lay.schedule in ("zb-h1", "zb-v") else work
     t_pipe = pipeline_makespan(lay.schedule, p, mbs, v, work, fill, [g.count for g in groups])
     h = max(range(len(groups)), key=lambda i: work[i])
     busy = mbs * work[h]

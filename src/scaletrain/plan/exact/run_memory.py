@@ -131,7 +131,7 @@ def stage_ids(cfg: Config, pp_rank: int) -> list[int]:
     from scaletrain.parallel.pipeline.schedules import rank_chunk_to_stage
 
     p, v = cfg.parallel.pp, cfg.parallel.virtual_stages
-    return [rank_chunk_to_stage(pp_rank, c, p) for c in range(v)]
+    return [rank_chunk_to_stage(pp_rank, c, p, cfg.parallel.schedule) for c in range(v)]
 
 
 def engine_module_on_meta(cfg: Config, pp_rank: int = 0) -> nn.Module:
