@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 from scaletrain.config.schema import MLPS, POSITIONS
 from scaletrain.errors import UserError
@@ -189,13 +190,25 @@ def _gpu(args, dtype: str) -> hardware.GPU:
     if args.calibrate:
         from scaletrain.plan.calibrate import calibrate
 
-        return calibrate(dtype if dtype in ("fp32", "fp64") else "fp32", max(2, min(args.gpus or 2, 8)))
+        world = max(2, min(args.gpus or 2, 8))
+        benchmarking(f"this machine's matmul FLOP/s, memory bandwidth and gloo bandwidth among {world} local "
+                     "processes")
+        return calibrate(dtype if dtype in ("fp32", "fp64") else "fp32", world)
     if args.cluster:
         gpu, n = hardware.load_cluster(args.cluster)
         if args.gpus is None and n is not None:
             args.gpus = n
         return gpu
     return hardware.get_gpu(args.gpu or "a100-80gb")
+
+
+def benchmarking(what: str) -> float:
+    """Say on stderr, before it starts, that the plan measures the machine and how long that may take (every other
+    plan answers at once); returns the start time for the line that says how long it took."""
+    sys.stderr.write(f"plan: benchmarking {what}; this takes up to about a minute (--gpu NAME or --cluster FILE "
+                     "plans without measuring) ...\n")
+    sys.stderr.flush()
+    return time.monotonic()
 
 
 def _assumptions(args) -> Assumptions:
@@ -415,7 +428,26 @@ def config_training(cfg) -> Training:
     if t.precision == "autocast-bf16":  # fp32 parameters, gradients and moments; bf16 matmuls and activations
         return Training(t.global_batch, "bf16", attention, True, optimizer_k=4 * moments, grad_bytes=4,
                         param_bytes=4)
-    return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem)
+    gather = fp8_gathered_fraction(cfg) if t.precision == "fp8" and t.fp8_all_gather else 0.0
+    return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem,
+                    fp8_gather=gather)
+
+
+def fp8_gathered_fraction(cfg) -> float:
+    """The fraction of the blocks' parameter elements that are FP8 layers' weights (memory/fp8_layers.py), which
+    train.fp8_all_gather all-gathers as float8 (parallel/zero_fp8.py), counted on the model built on the meta
+    device."""
+    import torch
+
+    from scaletrain.memory.fp8_layers import fp8_layer_names
+    from scaletrain.model import build_gpt
+
+    fp8 = {f"{name}.weight" for name in fp8_layer_names(cfg.model, cfg.train)}
+    counts = [0, 0]
+    for name, p in build_gpt(cfg.model, 0, "meta", torch.float32).named_parameters():
+        if name.startswith("blocks."):
+            counts[name in fp8] += p.numel()
+    return counts[1] / max(sum(counts), 1)
 
 
 def _run_config(args) -> int:
@@ -459,11 +491,14 @@ def _run_config(args) -> int:
         from scaletrain.plan.exact.run_calibrate import calibrate_run
         from scaletrain.plan.exact.run_time import apply_to_estimate
 
+        started = benchmarking(f"this machine at the run's sizes in {cfg.world_size} local process"
+                               f"{'es' if cfg.world_size > 1 else ''} (9 timed repeats of each block)")
         step, link = calibrate_run(cfg)
         gpu = machine(train.dtype if train.dtype in ("fp32", "fp64") else "fp32", cfg.world_size, link)
         est = estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size, memory_only=True)
         apply_to_estimate(est, cfg, step, gpu.peak_flops)
         extra["run_step_time_s"] = step.step_time_s
+        sys.stderr.write(f"plan: benchmarked in {time.monotonic() - started:.0f} s\n")
     else:
         gpu = _gpu(args, train.dtype)
         est = estimate(model, gpu, train, lay, _assumptions(args), n_gpus=cfg.world_size)

@@ -206,13 +206,16 @@ def cmd_train(args) -> int:
 
     check_fp8_device(cfg)  # no FP8 tensor cores: one line, before data, processes or the run folder
     out = check_out_dir(args.out)  # guards.py: not empty, not a file, writable, an existing folder only if a run
-    if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
-        return _launch(args, cfg, out, nproc, resume_args)
-    with lock_run(out) or contextlib.nullcontext():  # one run per folder (guards.py), until the ranks have stopped
-        return _launch(args, cfg, out, nproc, resume_args)
+    from scaletrain.distributed.launch import LauncherLines
+
+    with LauncherLines() as said:  # what this command prints before the ranks start: OUT/logs/launcher.log
+        if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
+            return _launch(args, cfg, out, nproc, resume_args, said)
+        with lock_run(out) or contextlib.nullcontext():  # one run per folder (guards.py), until the ranks have stopped
+            return _launch(args, cfg, out, nproc, resume_args, said)
 
 
-def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
+def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -> int:
     """Everything after the folder is ours: data, checks against its checkpoints, the memory plan, then the run."""
     from scaletrain.data.run import keep_tokenizer, prepare
     from scaletrain.plan.budget import check_before_launch
@@ -225,6 +228,10 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
 
     # what the folder, the config and the memory plan refuse is said before the data is read or tokenized
     check_run(out, cfg, nproc * args.nnodes, args.reshard, args.init_from)  # a checkpoint of another run or layout
+    if (done := complete_step(out, cfg)) is not None:  # said before the data is read or any process starts
+        print(f"already complete at step {done}: nothing to do" + (
+            f" (train.steps is {cfg.train.steps})" if done > cfg.train.steps else ""), flush=True)
+        return 0
     if args.init_from is not None:  # weights whose shapes disagree with config.json fail here, before any process
         from scaletrain.interop.hf import check_hf_weights
 
@@ -236,8 +243,10 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     mark_run(out)  # guards.py: the folder is a run from now on (resumable with the same --out)
     keep_tokenizer(cfg, out)  # OUT/tokenizer/: what sample and export decode with (data/run.py)
     status("building the model" if nproc == 1 else f"starting {nproc} processes")
-    if nproc == 1 and not args.restarts and not args.rdzv_endpoint:
-        return run_single(cfg, out, **resume_args)
+    if nproc == 1 and not args.restarts and not args.rdzv_endpoint:  # logs written once the checkpoint is read
+        return run_single(cfg, out, **resume_args, launcher_lines=said.text())
+    host = __import__("socket").gethostname()
+    said.save(out / "logs" / (f"launcher-{host}.log" if args.rdzv_endpoint else "launcher.log"))
     from scaletrain.distributed.launch import launch_local
 
     argv = ["train", "--out", str(out)] + (["--reshard"] if args.reshard else [])
@@ -271,6 +280,20 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict) -> int:
     if args.rdzv_endpoint:
         return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
     return launch_local(nproc, argv, out, args.restarts)
+
+
+def complete_step(out: Path, cfg: Config) -> int | None:
+    """The step of `out`'s newest complete checkpoint when it is at or past train.steps (the run has nothing left to
+    do), else None. check_run has already checked that checkpoint against the config."""
+    from scaletrain.train import checkpoint as ckpt
+
+    if not (out / "checkpoints").is_dir():
+        return None
+    found, _ = ckpt.usable_latest(out / "checkpoints")
+    if found is None:
+        return None
+    step = int(ckpt.read_meta(found).get("step", 0))
+    return step if step >= cfg.train.steps else None
 
 
 def check_replica_run(args, out: Path) -> None:
@@ -310,18 +333,20 @@ def refuse_if_too_big(cfg: Config, nproc: int) -> None:
                         "started)")
 
 
-def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None) -> int:
+def run_single(cfg: Config, out: Path, reshard: bool = False, init_from: str | None = None,
+               launcher_lines: str | None = None) -> int:
     """The single-process run; a diverged loss is one line on stderr (exit 1), as on N processes."""
     from scaletrain.errors import TrainingDiverged
 
     try:
-        return run_worker(cfg, out, None, reshard, init_from)
+        return run_worker(cfg, out, None, reshard, init_from, launcher_lines)
     except TrainingDiverged as e:
         sys.stderr.write(f"scaletrain: error: training diverged: {e}\n")
         return 1
 
 
-def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None) -> int:
+def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: str | None = None,
+               launcher_lines: str | None = None) -> int:
     """One rank of a run (or the single process): train, then print the summary on rank 0."""
     from scaletrain.distributed import process_group as distributed
     from scaletrain.distributed.launch import WorkerContext
@@ -330,7 +355,7 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
 
     rank = env.rank if env else 0
     supervised = cfg.parallel.sync == "bsp" and cfg.parallel.replicas == 1  # replica groups: the lighthouse's quorum
-    with WorkerContext(rank):
+    with WorkerContext(rank, out / "logs" if env is None else None, launcher_lines) as logs:  # logs/rankN.log
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
         if env is not None and not supervised:
             distributed.init(env, cfg.parallel.timeout_s, device)
@@ -338,15 +363,17 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
             # the asynchronous modes supervise their own ranks (docs/async.md); bsp runs get docs/multinode.md's
             with supervise(cfg, out, env, device) if supervised else contextlib.nullcontext() as job:
                 start = time.time()
-                trainer = make_trainer(cfg, out, env, progress=sys.stdout.isatty(), reshard=reshard,
+                trainer = make_trainer(cfg, out, env, progress=True, reshard=reshard,  # a bar or log lines
                                        init_from=init_from)  # bsp: the Trainer (train/resume.py)
+                logs.commit()  # one process: its logs are written from here (the checkpoint was read)
                 if job is not None:
                     job.attach(trainer)
                 if trainer.step >= cfg.train.steps and rank == 0:
-                    print(f"run in {out} is already complete ({trainer.step} steps); nothing to do")
+                    print(f"already complete at step {trainer.step}: nothing to do")
                 result = trainer.run()
                 if rank == 0:
-                    summary(out, trainer.n_params, result, time.time() - start, moe_layers(cfg.model))
+                    summary(out, trainer.n_params, result, time.time() - start, moe_layers(cfg.model),
+                            cfg.tokens_per_step)
         except BaseException:
             distributed.shutdown(clean=False)
             raise
@@ -354,7 +381,22 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     return 0
 
 
-def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[int] | None = None) -> None:
+def throughput_line(rows: list[dict], steps: int, tokens_per_step: int, seconds: float) -> str:
+    """Both statistics, named: the median over the run's logged steps (report.html's), then this invocation's
+    `steps` over its wall time (start-up, evaluation and checkpoints included)."""
+    from scaletrain.report.run_data import median
+
+    med = median([r.get("tokens_per_s") for r in rows])
+    done = f"{steps} step{'s' if steps != 1 else ''}"
+    wall = (f"{steps * tokens_per_step / seconds:,.0f} tokens/s over this invocation's {seconds:.0f} s wall time "
+            f"({done}, start-up included)") if seconds > 0 else f"{done} in {seconds:.0f} s wall"
+    head = (f"{med:,.0f} tokens/s over {rows[-1]['step']} steps (median of the logged steps, as in report.html); "
+            if med else "")
+    return f"throughput      {head}{wall}"
+
+
+def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[int] | None = None,
+            tokens_per_step: int = 0) -> None:
     from scaletrain.report.plots import plot_expert_load, plot_loss, read_metrics
 
     metrics = out / "metrics.jsonl"
@@ -369,8 +411,8 @@ def summary(out: Path, n_params: int, result, seconds: float, moe_blocks: list[i
         f"loss            {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} "
         f"(step {rows[-1]['step']})",
         f"validation loss {val[-1]:.4f}" if val else "",
-        f"throughput      {result.tokens_per_s:,.0f} tokens/s over {len(result.losses)} steps "
-        f"({seconds:.0f} s wall){f', resumed from step {result.resumed_from}' if result.resumed_from else ''}",
+        throughput_line(rows, len(result.losses), tokens_per_step, seconds)
+        + (f", resumed from step {result.resumed_from}" if result.resumed_from else ""),
         f"outputs         {out}/metrics.jsonl, {out}/checkpoints/, loss curve {png}"
         + (f", expert load {load_png}" if load_png else "")
         + (f", report {out / 'report.html'}" if (out / "report.html").is_file() else ""),

@@ -4,7 +4,11 @@
 `python -m torch.distributed.run` on 127.0.0.1 (static rendezvous on a free port). Inside a job (RANK and
 WORLD_SIZE, or SLURM variables, are set) nothing is launched: the process is one of the job's ranks.
 
-Output: rank 0 writes to the terminal; the other ranks write to `OUT/logs/rankN.log`. A rank that fails
+Output: every rank's stdout and stderr land in `OUT/logs/rankN.log` (a single-process run's in `rank0.log`),
+opened afresh by each invocation and headed by the rank's line (`rank 1 of 2, local rank 1, host ..., pid ...`);
+rank 0 also writes to the terminal (its stdout) and, under the launcher, its stderr to `OUT/logs/launcher.log`,
+which holds the launcher's own lines (the command it started, how it ended) and torchrun's. Rank 0 copies what
+Python writes (prints, warnings, tracebacks); ranks > 0 send their whole output there. A rank that fails
 writes `OUT/logs/rankN.error.json`; torchrun then stops the others within a second, and the launcher prints
 the failure in one line (exit 2 for bad input, 1 otherwise): a rank killed by a signal (from torchrun's own
 summary, `exitcode: -9`), else the earliest error record, with the path of a log only when it exists.
@@ -15,6 +19,7 @@ newest complete checkpoint.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -169,14 +174,20 @@ def stop_group(proc: subprocess.Popen, signum: int, grace_s: float = STOP_GRACE_
 
 
 def run_torchrun(cmd: list[str], env: dict[str, str], launcher_log: Path) -> int:
-    """Run a torchrun command with its stderr in `launcher_log`; its exit code. Ctrl-C, SIGTERM and SIGHUP are
+    """Run a torchrun command with its stderr appended to `launcher_log`, between a line naming the command and one
+    with its exit code; its exit code. Ctrl-C, SIGTERM and SIGHUP are
     forwarded to its process group (SIGINT as SIGTERM), waited for, and re-raised."""
     import signal
 
-    with open(launcher_log, "w") as log, stop_signals():
+    with open(launcher_log, "a", buffering=1) as log, stop_signals():  # after the lines the command printed
+        log.write(f"scaletrain launcher: started {' '.join(cmd)}\n")
+        start = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, stderr=log)
         try:
-            return proc.wait()
+            rc = proc.wait()
+            took = time.monotonic() - start
+            log.write(f"scaletrain launcher: the workers exited with code {rc} after {took:.1f} s\n")
+            return rc
         except Stopped as e:
             stop_group(proc, e.signum)
             raise
@@ -185,12 +196,80 @@ def run_torchrun(cmd: list[str], env: dict[str, str], launcher_log: Path) -> int
             raise
 
 
-class WorkerContext:
-    """On a launched rank: quiet output for rank > 0, and an error file when the rank fails."""
+class Tee:
+    """A text stream that writes to `stream` (the terminal, or the launcher's log) and to a rank's log file."""
 
-    def __init__(self, rank: int):
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's
+        return getattr(self.stream, name)
+
+
+class LauncherLines:
+    """What the launching command prints (stdout and stderr) before the ranks start, kept in memory and written to
+    `OUT/logs/launcher.log` by `save` once the folder is the run's: a refused command writes nothing."""
+
+    def __enter__(self) -> LauncherLines:
+        self.buf = io.StringIO()
+        self.saved: tuple | None = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = Tee(sys.stdout, self.buf), Tee(sys.stderr, self.buf)
+        return self
+
+    def save(self, path: Path) -> None:
+        """Stop copying and write the lines so far to `path` (the launcher appends torchrun's to it)."""
+        self.stop()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.buf.getvalue())
+
+    def text(self) -> str:
+        """Stop copying; the lines so far (a single-process run writes them once its checkpoint is read)."""
+        self.stop()
+        return self.buf.getvalue()
+
+    def stop(self) -> None:
+        if self.saved is not None:
+            sys.stdout, sys.stderr = self.saved
+            self.saved = None
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
+
+def rank_header(rank: int) -> str:
+    """The first line of a rank's log: who wrote it."""
+    world, local = os.environ.get("WORLD_SIZE", "1"), os.environ.get("LOCAL_RANK", "0")
+    return (f"rank {rank} of {world}, local rank {local}, host {socket.gethostname()}, pid {os.getpid()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+
+
+def plain_progress_stream():
+    """Where plain progress lines go: stderr, except on rank 0 under the launcher, whose stderr is the launcher's
+    log: there stdout (the user's terminal, and rank0.log)."""
+    return sys.stdout if LOG_DIR_ENV in os.environ else sys.stderr
+
+
+class WorkerContext:
+    """On a rank: its output in `logs/rankN.log` (rank 0: a copy, beside the terminal), and an error file when the
+    rank fails. `logs`: the folder of a single-process run (a launched rank reads the launcher's)."""
+
+    def __init__(self, rank: int, logs: Path | None = None, launcher_lines: str | None = None):
         self.rank = rank
-        self.logs = Path(os.environ[LOG_DIR_ENV]) if LOG_DIR_ENV in os.environ else None
+        self.logs = Path(os.environ[LOG_DIR_ENV]) if LOG_DIR_ENV in os.environ else None  # error records there
+        self.log_dir = self.logs if self.logs is not None else logs
+        self.launcher_lines = launcher_lines
+        self.saved = None
+        self.pending: io.StringIO | None = None
 
     def __enter__(self) -> WorkerContext:
         if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -199,12 +278,50 @@ class WorkerContext:
             (self.logs / f"rank{self.rank}.error.json").unlink(missing_ok=True)
         if self.logs is not None and self.rank != 0:
             f = open(self.logs / f"rank{self.rank}.log", "w", buffering=1)
+            f.write(rank_header(self.rank))
             os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
             sys.stdout = sys.stderr = f
+        elif self.log_dir is not None and self.rank == 0:
+            # one process: held in memory until `commit` (a refused resume leaves the run's logs as they were)
+            if self.logs is None:
+                f = self.pending = io.StringIO()
+            else:
+                f = self._open()
+            f.write(rank_header(0))
+            self.saved = (sys.stdout, sys.stderr, f)
+            sys.stdout, sys.stderr = Tee(sys.stdout, f), Tee(sys.stderr, f)
         return self
 
+    def _open(self):
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return open(self.log_dir / "rank0.log", "w", buffering=1)
+
+    def commit(self) -> None:
+        """A single-process run whose checkpoint was read: its logs are written from now on (launcher.log with the
+        command's lines, rank0.log with what the rank printed so far)."""
+        if self.pending is None or self.saved is None:
+            return
+        f = self._open()
+        f.write(self.pending.getvalue())
+        if self.launcher_lines is not None:
+            (self.log_dir / "launcher.log").write_text(self.launcher_lines)
+        sys.stdout.log = sys.stderr.log = f
+        self.saved = (*self.saved[:2], f)
+        self.pending = None
+
     def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            return self._exit(exc)
+        finally:
+            if self.saved is not None:  # rank 0: the streams of before, the log closed
+                sys.stdout.flush()
+                sys.stderr.flush()
+                sys.stdout, sys.stderr, f = self.saved
+                f.close()
+                self.saved = None
+
+    def _exit(self, exc) -> bool:
         if exc is None or self.logs is None or isinstance(exc, (SystemExit, KeyboardInterrupt)):
             return False
         code = exc.exit_code if isinstance(exc, UserError) else 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 from scaletrain.config.parse import parse_modes, parse_recompute, parse_steps
 from scaletrain.config.rules import rule
 from scaletrain.config.schema import DTYPES, FP8_GEMMS, FP8_RECIPES, PRECISIONS, Config, TrainConfig, or_list
-from scaletrain.config.sizes import kv_heads
 from scaletrain.errors import ConfigError
 from scaletrain.memory.fp8_layers import filter_errors
 
@@ -144,10 +143,6 @@ FP8_REFUSED = (
     (lambda c: c.model.reversible, "model.reversible",
      "reversible blocks recompute their inputs in a custom backward that is not proven with FP8 layers"),
     (lambda c: c.memory.contiguous, "memory.contiguous", "not proven equal to the single-process FP8 run"),
-    (lambda c: c.parallel.tp > kv_heads(c.model), "model.n_kv_heads",
-     "with more tensor-parallel ranks than key/value heads each kv head is copied over the ranks that use it, and "
-     "FP8 over the copies is not proven equal to one process (a covering layout, tp 2 with 1 kv head, differed by "
-     "7.9e-2 in loss); use tp <= n_kv_heads"),
     (lambda c: c.parallel.offload == "nvme", "parallel.offload",
      "ZeRO-Infinity materialises its units from files, not proven with FP8 layers"),
 )

@@ -43,9 +43,11 @@ from scaletrain.memory.fp8_layers import describe, fp8_layer_names
 from scaletrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    all_reduce_,
     f,
     g,
     g_sp,
+    group_rank,
     start_gather_seq,
     start_reduce_scatter_seq,
 )
@@ -90,6 +92,39 @@ class _Fp8SeqParallelLinear(torch.autograd.Function):
         return dx, None, dw, db, None, None, None
 
 
+class _SumCopiesGrad(torch.autograd.Function):
+    """Identity forward; backward sums the output gradient over the tp ranks holding copies of the same piece of a
+    column-parallel layer (grouped-query attention with tp > n_kv_heads: each rank back-propagates only its own query
+    heads' part of the key/value gradient) and keeps it on the piece's first copy only, zero on the others.
+
+    Float8 casting is not linear: one process casts the whole output gradient (the sum of the copies' parts) with the
+    amax of that sum, so the copies' parts must be summed in high precision before the layer's FP8 GEMMs, not their
+    float8 products after them (which, with each part cast by the MAX of the parts' amaxes, is what differed by
+    7.9e-2 in loss). The first copy then computes dW and dx from the whole gradient, as one process does; the others
+    contribute zeros to `sum_copies_hook` (dW, db) and to the input's all-reduce (dx), so nothing is counted twice."""
+
+    @staticmethod
+    def forward(ctx, y, group, piece, pieces, first, stats):
+        ctx.group, ctx.piece, ctx.pieces, ctx.first, ctx.stats = group, piece, pieces, first, stats
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        buf = dy.new_zeros((ctx.pieces, *dy.shape))
+        buf[ctx.piece] = dy
+        whole = all_reduce_(buf, ctx.group, ctx.stats)[ctx.piece]
+        return (whole if ctx.first else torch.zeros_like(dy)), None, None, None, None, None
+
+
+def sum_copies(layer: ColumnParallelLinear, y: torch.Tensor) -> torch.Tensor:
+    """`y` of a column-parallel FP8 layer whose pieces are copied over tp ranks, with `_SumCopiesGrad` between it and
+    the GEMMs (the identity when each rank holds its own piece)."""
+    if layer.copies == 1 or not torch.is_grad_enabled():
+        return y
+    first = group_rank(layer.group) % layer.copies == 0
+    return _SumCopiesGrad.apply(y, layer.group, layer.piece, layer.pieces, first, layer.stats)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: Fp8Gemm) -> torch.Tensor:
     x = compute_input(x)
     with autocast_off(x):
@@ -99,7 +134,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
 
 class Fp8ColumnParallelLinear(ColumnParallelLinear):
     """A column-parallel linear layer (output features split) in float8; its weight's and output gradient's
-    amaxes are reduced over tp (`Fp8Gemm(split="out")`)."""
+    amaxes are reduced over tp (`Fp8Gemm(split="out")`); a piece copied over several ranks (tp > n_kv_heads) gets
+    its whole output gradient before the float8 casts (`sum_copies`)."""
 
     fp8: Fp8Gemm
 
@@ -109,8 +145,9 @@ class Fp8ColumnParallelLinear(ColumnParallelLinear):
             shard = x._st_seq_shard if entered else x
             y = _Fp8SeqParallelLinear.apply(x if entered else None, shard, self.weight, self.bias, self.fp8,
                                             self.group, self.stats)
-            return y.view(shard.shape[0], -1, y.shape[-1])  # (B, T, out / tp)
-        return _linear(x if entered else f.apply(x, self.group, self.stats), self.weight, self.bias, self.fp8)
+            return sum_copies(self, y.view(shard.shape[0], -1, y.shape[-1]))  # (B, T, out / tp)
+        x = x if entered else f.apply(x, self.group, self.stats)
+        return sum_copies(self, _linear(x, self.weight, self.bias, self.fp8))
 
 
 class Fp8RowParallelLinear(RowParallelLinear):

@@ -43,6 +43,55 @@ def verdict(best: Estimate, other: Estimate) -> str:
             " them apart (choose by memory, simplicity or a measurement)")
 
 
+def sig(x: float, digits: int = 3) -> str:
+    """`x` with `digits` significant digits, trailing zeros kept (16.0, 14.9, 0.250, 1,230): one format for a
+    column of step times."""
+    import math
+
+    if not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return f"{0:.{digits - 1}f}"
+    r = float(f"{x:.{digits}g}")  # rounded first: 9.996 -> 10.0, not 10.00
+    decimals = digits - 1 - math.floor(math.log10(abs(r)))
+    return f"{r:,.{decimals}f}" if decimals > 0 else f"{round(r, decimals):,.0f}"
+
+
+def layout_legend(layouts: list, uneven_stages: bool = False) -> str:
+    """The legend of the layout notation (`Layout.short`, e.g. `dp4 tp2 pp2 z1 mb2 full interleavedx2 sp
+    off:optimizer`) for the abbreviations these layouts use, in the order they appear in a label."""
+    parts = ["dpN tpN ppN = data-, tensor- and pipeline-parallel degrees"]
+    if any(x.tp_mode != "1d" for x in layouts):
+        parts.append("tpN(2d|2.5d|3d dK) = tensor parallelism over a 2-D/2.5-D/3-D grid of depth K")
+    if any(x.ep > 1 for x in layouts):
+        parts.append("epN = expert-parallel degree")
+    parts.append("zN = ZeRO stage N (z0: none)")
+    if any(x.zero == 3 and x.pp == 1 and not x.reshards for x in layouts):
+        parts.append("-keep = ZeRO-3 keeps gathered parameters from forward to backward")
+    parts.append("mbN = micro-batch of N sequences per GPU")
+    used = sorted({x.recompute for x in layouts})
+    parts.append(f"{'/'.join(used)} after mbN = activation recomputation (none: every activation stored)")
+    if any(x.pp > 1 for x in layouts):
+        names = sorted({x.schedule for x in layouts if x.pp > 1})
+        parts.append(f"{'/'.join(names)} = pipeline schedule"
+                     + (", xN = N virtual stages (model chunks) per GPU" if any(x.pp > 1 and x.virtual_stages > 1
+                                                                                for x in layouts) else ""))
+        if any(x.pp > 1 and x.partition != "uniform" for x in layouts):
+            parts.append("params/time/ends = how blocks are split among stages")
+    if uneven_stages:
+        parts.append("[a,bxN,c] = transformer blocks per pipeline stage (b repeated N times)")
+    if any(x.sequence_parallel for x in layouts):
+        parts.append("sp = sequence parallelism")
+    if any(x.offload != "none" for x in layouts):
+        parts.append("off:X = X kept in host memory (offloaded)")
+    return "layout: " + "; ".join(parts)
+
+
+def legend_of(cands: list[Estimate]) -> str:
+    """`layout_legend` of the candidates of a table."""
+    return layout_legend([c.layout for c in cands], any(len(set(c.stage_blocks)) > 1 for c in cands))
+
+
 def memory_unit(values: list[float]) -> tuple[str, float]:
     """(name, bytes) of the binary unit that shows the smallest non-zero value with a digit before the point
     rounded to 0.1: GiB for billion-parameter models, MiB or KiB for small ones (never "0.0" for non-zero)."""
@@ -67,7 +116,8 @@ def table(cands: list[Estimate], cluster: Cluster, title: str, baseline: Estimat
     from rich.table import Table
 
     unit, size = memory_unit([c.memory[k] for c in cands for k in MEM_KEYS])
-    t = Table(title=title, show_lines=False, caption=MEM_LEGEND)
+    t = Table(title=title, show_lines=False, caption=f"{MEM_LEGEND}\n{legend_of(cands)}",
+              caption_justify="left")
     for col in ("#", "layout", "fits", f"mem {unit} (p/g/o/a/b)", f"total {unit}", f"step s (±{TRUST:.0%})",
                 "tokens/s", "MFU", "bubble", "dominant"):
         t.add_column(col, justify="right" if col not in ("layout", "dominant") else "left")
@@ -75,7 +125,7 @@ def table(cands: list[Estimate], cluster: Cluster, title: str, baseline: Estimat
         mem = "/".join(in_unit(c.memory[k], size) for k in MEM_KEYS)
         fits = "yes" if c.fits else f"no (+{gib(c.over_by)} GiB)"
         mark = "yours" if baseline is not None and c is baseline else str(i)
-        t.add_row(mark, c.label(), fits, mem, in_unit(c.memory["total"], size), f"{c.step_time_s:.3g}",
+        t.add_row(mark, c.label(), fits, mem, in_unit(c.memory["total"], size), sig(c.step_time_s),
                   f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}", f"{c.bubble_fraction:.1%}",
                   TIME_LABELS.get(c.dominant, c.dominant))
     return t

@@ -18,32 +18,42 @@ from scaletrain.report.page import Chart, Section, Table, Text
 
 GiB = float(1 << 30)
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
-_LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "cp", "cp_mode", "zero", "micro_batch", "recompute", "schedule",
-                "virtual_stages", "sequence_parallel", "offload")
 
 
-def layout_label(layout: dict[str, Any]) -> str:
-    """`dp=8 tp=2 pp=4 zero=1 mb=2 ...`: the fields that are not at their single-device default."""
-    defaults = {"tp": 1, "pp": 1, "ep": 1, "cp": 1, "cp_mode": "ring", "recompute": "none", "schedule": "1f1b",
-                "virtual_stages": 1, "sequence_parallel": False, "offload": "none"}
-    parts = []
-    for k in _LAYOUT_KEYS:
-        if k not in layout or (k in defaults and layout[k] == defaults[k]):
-            continue
-        if k == "schedule" and layout.get("pp", 1) == 1:
-            continue
-        name = {"micro_batch": "mb", "virtual_stages": "v", "sequence_parallel": "sp"}.get(k, k)
-        parts.append(name if layout[k] is True else f"{name}={layout[k]}")
-    return " ".join(parts)
+def _layout(c: dict[str, Any]):
+    from scaletrain.plan.analytic.inputs import Layout
+
+    fields = Layout.__dataclass_fields__
+    return Layout(**{k: v for k, v in c["layout"].items() if k in fields})
+
+
+def layout_label(c: dict[str, Any]) -> str:
+    """A candidate's layout in the console table's notation (`Estimate.label`: `dp8 tp2 pp4 z1 mb2 none 1f1b`,
+    with the blocks per stage when they differ), so that the page and `scaletrain plan` read alike."""
+    from scaletrain.plan.analytic.stages import run_length
+
+    blocks = tuple(c.get("blocks_per_stage") or ())
+    text = _layout(c).short()
+    return text + f" [{run_length(blocks)}]" if len(set(blocks)) > 1 else text
+
+
+def legend(cands: list[dict[str, Any]]) -> str:
+    """The legend of the notation of `layout_label` (the console table's, plan/report.layout_legend)."""
+    from scaletrain.plan.report import layout_legend
+
+    return layout_legend([_layout(c) for c in cands], any(len(set(c.get("blocks_per_stage") or ())) > 1
+                                                          for c in cands))
 
 
 def build(doc: dict[str, Any], explanation: str = "", command: str = "") -> pg.Page:
+    from scaletrain.plan.report import sig
+
     model, cluster, cands = doc.get("model", {}), doc.get("cluster", {}), doc.get("candidates", [])
     gpu = cluster.get("gpu", {})
     # bars are labelled by rank (#1, #2, ...) with the layout in the hover and in the table above: long layout
     # labels on a category axis get rotated and cut off
     labels = [f"#{i}" for i in range(1, len(cands) + 1)]
-    hover = [layout_label(c["layout"]) for c in cands]
+    hover = [layout_label(c) for c in cands]
     sections = [_setting(doc, command)]
 
     ranked = Section("layouts", "Layouts, best first")
@@ -54,13 +64,15 @@ def build(doc: dict[str, Any], explanation: str = "", command: str = "") -> pg.P
     rows = []
     for i, c in enumerate(cands, 1):
         mem = c["memory_bytes"]
-        row = [i, layout_label(c["layout"]), "yes" if c["fits"] else "no"]
+        row = [i, layout_label(c), "yes" if c["fits"] else "no"]
         row += [f"{mem.get(k, 0) / GiB:.3f}" for k in MEM_KEYS] + [f"{mem['total'] / GiB:.3f}"]
         if has_time:
-            row += [f"{c['step_time_s']:.4g}", f"{c['tokens_per_s']:,.0f}", f"{c['mfu']:.1%}",
+            row += [sig(c["step_time_s"]), f"{c['tokens_per_s']:,.0f}", f"{c['mfu']:.1%}",
                     f"{c['bubble_fraction']:.1%}", c.get("dominant_cost", "")]
         rows.append(row)
     ranked.add(Table(header, rows, id="layouts-table"))
+    if cands:
+        ranked.add(Text(legend(cands)))
     if explanation:
         ranked.add(Text(explanation))
     sections.append(ranked)

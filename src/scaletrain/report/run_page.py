@@ -72,7 +72,7 @@ def summary(run: RunData, peak: Peak | None, flops: float) -> Section:
                           f"(step {last['step']})"],
         ["validation loss (last, best)", f"{pg.fmt(val[-1])}, {pg.fmt(min(val))}" if val else "not evaluated"],
         ["tokens seen", f"{last['step'] * run.tokens_per_step:,}"],
-        ["tokens/s (median of logged steps)", pg.fmt(med_tps) if med_tps is not None else "-"],
+        ["tokens/s (median of logged steps)", f"{med_tps:,.0f}" if med_tps is not None else "-"],
         ["model FLOPs per token", pg.fmt(flops)],
     ]
     if peak is not None and med_tps is not None:

@@ -42,3 +42,20 @@ def status(text: str) -> None:
     """One line saying what the run is doing now (before the progress bar or the first metrics)."""
     _say(f"  {text} ...")
     sys.stdout.flush()
+
+
+def resharded(found: Path, old: str, new: str) -> None:
+    """What `--reshard` did, in one line: `resharded step_00000002 from dp=1 tp=1 pp=1 micro_batch=2 (1 process) to
+    dp=1 tp=1 pp=1 micro_batch=1 (1 process): 65 tensors, 291,497 bytes read` (the checkpoint's tensors and stored
+    bytes)."""
+    from scaletrain.train import ckpt_index
+
+    tensors = ckpt_index.read_index(found)["tensors"]
+    stored = sum(int(c["length"]) for t in tensors.values() for c in t["chunks"])
+    _say(f"resharded {found.name} from {old} to {new}: {len(tensors):,} tensors, {stored:,} bytes read")
+
+
+def initialised(directory: Path, family: str, weights: dict) -> None:
+    """What `--init-from` did, in one line: `initialised from DIR (gpt2 weights): 7,664 parameters in 16 tensors`."""
+    n = sum(int(t.numel()) for t in weights.values())
+    _say(f"initialised from {directory} ({family} weights): {n:,} parameters in {len(weights):,} tensors")

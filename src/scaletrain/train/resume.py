@@ -28,8 +28,8 @@ from typing import Any
 from scaletrain.config import Config, flatten
 from scaletrain.config.run import HISTORY
 from scaletrain.errors import CheckpointError
+from scaletrain.train import announce, ckpt_index
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train import ckpt_index
 from scaletrain.train import state as st
 
 IDENTITY = ("model.", "optim.", "train.seed", "train.global_batch", "train.dtype", "data.source",
@@ -165,8 +165,12 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
                              "layout): their model.dropout_impl=torch masks continue from a fresh stream\n")
     elif init_from is not None:
         from scaletrain.interop.hf import read_hf_weights
+        from scaletrain.interop.hf_config import read_hf_config
 
-        st.load_model_tensors(trainer.engine, read_hf_weights(Path(init_from), cfg.model))
+        weights = read_hf_weights(Path(init_from), cfg.model)
+        st.load_model_tensors(trainer.engine, weights)
+        if trainer.rank == 0:
+            announce.initialised(Path(init_from), str(read_hf_config(Path(init_from)).get("model_type", "?")), weights)
     trainer._barrier()
     if trainer.rank == 0:
         trainer.out.mkdir(parents=True, exist_ok=True)
@@ -178,6 +182,7 @@ def resume(trainer, reshard: bool = False, init_from: str | Path | None = None) 
             extra: dict[str, Any] = {"checkpoint": found.name}
             if any(kind(k) == "layout" for k in diffs) or meta["world_size"] != world:
                 extra["layout"] = {"from": meta["layout"], "to": describe_layout(cfg.to_dict(), world)}
+                announce.resharded(found, extra["layout"]["from"], extra["layout"]["to"])
             record_resume(trainer.out, trainer.step, diffs, **extra)
         trim_metrics(trainer.out, trainer.step)
     return found

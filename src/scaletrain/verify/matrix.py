@@ -41,15 +41,9 @@ __all__ = ["Outcome", "Run", "StaleWeights", "check", "compare", "layout_config"
 
 
 def stepwise(layout: Layout, dtype: str | None = None) -> bool:
-    """Whether the layout is compared step by step from the same state (fp32, bf16, fp16: `verify/stepwise.py`)
-    rather than over the whole run (fp64)."""
-    return (dtype or layout["dtype"]) != "fp64" and layout["precision"] != "fp8"
-
-
-def tolerance_key(layout: Layout, dtype: str) -> str:
-    """FP8 layouts are compared over the whole run with the measured `fp8` tolerance (tensor parallelism's bf16
-    differences move float8 scales and roundings, docs/verify.md); they are not yet compared step by step."""
-    return "fp8" if layout["precision"] == "fp8" else dtype
+    """Whether the layout is compared step by step from the same state (fp32, bf16, fp16 and every FP8 layout, which
+    keeps its fp32 or bf16: `verify/stepwise.py`) rather than over the whole run (fp64)."""
+    return (fp8_keeps_dtype(layout, dtype) or dtype or layout["dtype"]) != "fp64"
 
 
 def run_layout(layout: Layout, env=None, dtype: str | None = None, prepare: Callable | None = None,
@@ -167,14 +161,7 @@ def compare(layout: Layout, ref: Run, got: Run, dtype: str | None = None) -> Out
             all(abs(gn[s] - rn[s]) <= ATOL_FP64 + RTOL_FP64 * abs(rn[s]) for s in rn if s not in skipped) and \
             all(torch.allclose(gs[k], rs[k], rtol=RTOL_FP64, atol=ATOL_FP64) for k in rs)
         return Outcome(layout.name, layout.world, dtype, ok, loss, norm, max(worst, 0.0), worst_name)
-    if layout["precision"] != "fp8":
-        raise ValueError(f"a {dtype} layout is compared step by step (verify/stepwise.py), not over the whole run")
-    tol = TOLERANCE[tolerance_key(layout, dtype)]
-    num = sum(float((gs[k] - rs[k]).square().sum()) for k in rs)
-    den = sum(float(rs[k].square().sum()) for k in rs)
-    rel = math.sqrt(num / den)
-    ok = finite and loss <= tol.loss and norm <= tol.grad_norm and rel <= tol.params
-    return Outcome(layout.name, layout.world, dtype, ok, loss, norm, rel, worst_name)
+    raise ValueError(f"a {dtype} layout is compared step by step (verify/stepwise.py), not over the whole run")
 
 
 def table(outcomes: list[Outcome], width: int = 72) -> str:

@@ -133,10 +133,10 @@ def reference(layout: Layout, root: str | Path, got: Run, dtype: str | None = No
     from scaletrain.train.resume import load_engine, restore_trainer
     from scaletrain.train.state import param_names
     from scaletrain.train.trainer import Trainer
-    from scaletrain.verify.runs import StaleWeights
+    from scaletrain.verify.runs import StaleWeights, fp8_keeps_dtype
 
     cfg = reference_config(layout)
-    if dtype:
+    if dtype and fp8_keeps_dtype(layout, dtype) is None:
         cfg.train.dtype = dtype
     cfg = validate(cfg, 1)
     dtype = cfg.train.dtype
@@ -182,12 +182,13 @@ def _diff(lay: dict, ref: dict, got: dict, mine: dict, before: dict, dtype: str)
 
 
 def compare(layout: Layout, ref: Stepwise, dtype: str | None = None) -> Outcome:
-    """The layout's steps against the one process's: every step within `stepwise_bound(dtype)`, the same steps
+    """The layout's steps against the one process's: every step within `stepwise_bound` (of the dtype, compression
+    and precision: FP8's `tolerances.fp8_roundoff`), the same steps
     skipped, the routing mostly agreeing."""
-    from scaletrain.verify.runs import Outcome
+    from scaletrain.verify.runs import Outcome, fp8_keeps_dtype
 
-    dtype = dtype or layout["dtype"]
-    bound = stepwise_bound(dtype, layout["compress"])
+    dtype = fp8_keeps_dtype(layout, dtype) or dtype or layout["dtype"]
+    bound = stepwise_bound(dtype, layout["compress"], layout["precision"])
     s = ref.steps.values()
     loss = max(d.loss for d in s)
     norm = max(d.grad_norm for d in s)

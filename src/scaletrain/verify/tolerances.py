@@ -19,6 +19,15 @@ means in each dtype (docs/verify.md).
     within rounding of zero moves by up to 2 lr more in one run than in the other; if at most a fraction f of the
     elements do, the difference is at most 2 sqrt(f) of the step. The bound allows f = `FLIP_UNITS` u (a gradient
     element within 16 u of its scale of zero). Later steps are smooth in the gradient and far inside it.
+- train.precision=fp8 (fp32 or bf16 parameters; the FP8 GEMMs' inputs are bf16 under autocast or bf16 parameters):
+  step by step as above, with u = `fp8_roundoff()` = sqrt(u_bf16 u_8), u_8 the coarsest float8 format of the recipe
+  (e5m2, 2^-3, for the tensorwise recipe's output gradients; arXiv 2209.05433). From the same state, the layout casts
+  the same bf16 values to float8 with the same scale (an amax along a split dimension is reduced over tp), except
+  where its bf16 inputs differ by rounding (tensor parallelism adds partial products in another order): an element
+  that moves by ~u_bf16 crosses a float8 rounding boundary with probability ~u_bf16 / u_8 and then moves by one
+  float8 step ~u_8, so the elements differ by sqrt(u_bf16 u_8) in root mean square, which plays the role of u in
+  the bounds above. Set before measuring; a layout without tp casts the same bf16 values (its differences are fp32
+  rounding, far inside).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ RTOL_FP64, ATOL_FP64 = 1e-9, 1e-11
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 COMPRESS_ROUNDOFF = {"bf16": 2.0**-8, "int8": 2.0**-8}
 """memory.compress modes that round saved activations, and their unit roundoff (relu-mask is lossless)."""
+FP8_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+"""Unit roundoff of the float8 formats (3 and 2 mantissa bits; arXiv 2209.05433)."""
 LOSS_UNITS, GRAD_NORM_UNITS, FLIP_UNITS = 8, 16, 16
 
 ROUTING_DISAGREEMENT = 0.25
@@ -50,24 +61,30 @@ class Tolerance:
     """||W - W_ref|| / (||W_ref - W_before|| + 2u ||W_ref||) over all parameters, the largest over the steps."""
 
 
-def unit_roundoff(dtype: str, compress: str = "none") -> float:
-    """u of the coarsest rounding of a run in `dtype` with `memory.compress` (a mode or a comma list)."""
+def unit_roundoff(dtype: str, compress: str = "none", precision: str = "dtype") -> float:
+    """u of the coarsest rounding of a run in `dtype` with `memory.compress` (a mode or a comma list) and
+    `train.precision` (fp8: `fp8_roundoff`)."""
     modes = [m.strip().lower() for m in str(compress).split(",")]
-    return max([UNIT_ROUNDOFF[dtype], *(COMPRESS_ROUNDOFF[m] for m in modes if m in COMPRESS_ROUNDOFF)])
+    u = max([UNIT_ROUNDOFF[dtype], *(COMPRESS_ROUNDOFF[m] for m in modes if m in COMPRESS_ROUNDOFF)])
+    return max(u, fp8_roundoff()) if precision == "fp8" else u
 
 
-def stepwise_bound(dtype: str, compress: str = "none") -> Tolerance:
+def fp8_roundoff(recipe: str = "tensorwise") -> float:
+    """The per-element roundoff one step of two FP8 runs differ by (module docstring): sqrt(u_in u_8), u_in the
+    roundoff of the GEMMs' high-precision inputs (bf16: autocast around fp32 parameters, or bf16 ones) and u_8 the
+    coarsest float8 format of the recipe (tensorwise: e5m2 for output gradients; rowwise: e4m3 throughout)."""
+    u8 = FP8_ROUNDOFF["e5m2" if recipe == "tensorwise" else "e4m3"]
+    return math.sqrt(UNIT_ROUNDOFF["bf16"] * u8)
+
+
+def stepwise_bound(dtype: str, compress: str = "none", precision: str = "dtype") -> Tolerance:
     """The bounds of one low-precision step (module docstring)."""
-    u = unit_roundoff(dtype, compress)
+    u = unit_roundoff(dtype, compress, precision)
     return Tolerance(loss=LOSS_UNITS * u, grad_norm=GRAD_NORM_UNITS * u, params=2 * math.sqrt(FLIP_UNITS * u))
 
 
 TOLERANCE = {dtype: stepwise_bound(dtype) for dtype in UNIT_ROUNDOFF}
-# train.precision=fp8 layouts (the `precision` dimension), whatever their dtype, compared over the whole run: 3x the
-# largest over 22 FP8 layouts of 4 processes (the 11 of the 4-process covering set and 11 variants of its widest one;
-# docs/verify.md). Layouts without tp were exact to fp32 rounding; with tp a bf16 difference moves a tensorwise scale
-# and every float8 rounding after it, which SM3's sign-like first steps amplify (the gradient-norm value comes from SM3)
-TOLERANCE["fp8"] = Tolerance(loss=7.5e-3, grad_norm=1.3, params=0.18)
+TOLERANCE["fp8"] = stepwise_bound("fp32", precision="fp8")  # train.precision=fp8 (fp32 or bf16 parameters: the same)
 
 
 def tolerance_table() -> str:
@@ -85,7 +102,8 @@ def tolerance_table() -> str:
     rows.append(f"| fp32 or fp16 with memory.compress bf16 or int8 (u = 2^-8) | each step from the layout's state | "
                 f"{LOSS_UNITS} u = {t.loss:.2g} | {GRAD_NORM_UNITS} u = {t.grad_norm:.2g} | "
                 f"2 sqrt({FLIP_UNITS} u) = {t.params:.2g} of the step |")
-    t = TOLERANCE["fp8"]
-    rows.append(f"| precision=fp8, any dtype (measured, 3x the largest) | the whole run | {t.loss:.2g} | "
-                f"{t.grad_norm:.2g} | relative L2 {t.params:.2g} |")
+    t, u = TOLERANCE["fp8"], fp8_roundoff()
+    rows.append(f"| precision=fp8, fp32 or bf16 (u = sqrt(2^-8 2^-3) = {u:.2g}) | each step from the layout's state | "
+                f"{LOSS_UNITS} u = {t.loss:.2g} | {GRAD_NORM_UNITS} u = {t.grad_norm:.2g} | "
+                f"2 sqrt({FLIP_UNITS} u) = {t.params:.2g} of the step |")
     return "\n".join(rows) + "\n"

@@ -66,6 +66,9 @@ class Training:
     """Bytes per gradient element; None = the dtype's (2 in bf16/fp16; our engine keeps fp32 buffers: 4)."""
     param_bytes: int | None = None
     """Bytes per parameter element; None = the dtype's (autocast keeps fp32 parameters, 4, with bf16 compute)."""
+    fp8_gather: float = 0.0
+    """Fraction of the blocks' parameter elements ZeRO-3 all-gathers as float8, one byte each (`train.fp8_all_gather`:
+    the FP8 layers' weights, parallel/zero_fp8.py); the rest in `param_bytes`."""
 
 
 @dataclass(frozen=True)

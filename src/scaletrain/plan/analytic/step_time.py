@@ -284,6 +284,12 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
                          t_pp, pp_bytes, t_pipe, busy, max(t_pipe - busy, 0.0), recomp[h], tp_again[h])
 
 
+def fp8_gather_bytes(train: Training, pb: float) -> float:
+    """Bytes per block parameter element ZeRO-3 all-gathers: `pb`, or under train.fp8_all_gather one byte for the
+    `train.fp8_gather` fraction that is FP8 weights (measured: tests/test_fp8_layouts.py)."""
+    return train.fp8_gather + (1.0 - train.fp8_gather) * pb
+
+
 def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, st: StageParams, mbs: int,
             lt: LayerTimes, pt: PipelineTimes) -> tuple[float, float]:
     """(exposed seconds, bytes sent per GPU) of the data-parallel / ZeRO communication of one step for the
@@ -309,9 +315,14 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
         # ZeRO-2: reduce-scatter every microbatch, all-gather of the params after the step; ZeRO-3 under pp:
         # the stage gathered once per step (exposed) and ZeRO-2's reduce-scatters
         rs = gather_time(dense_b, lay.dp, dp_link) + gather_time(expert_b, edp, edp_link)
-        ag = gather_time(st.dense * pb, lay.dp, dp_link) + gather_time(st.expert * pb, edp, edp_link)
+        gathered = st.dense * pb  # the stage's parameters, gathered once per step; under fp8_all_gather its blocks'
+        if lay.zero == 3 and train.fp8_gather:  # FP8 weights in one byte each
+            blocks = min(m.n_layers / lay.pp * (param_counts(m).layer_per_rank(t) - param_counts(m).layer_expert),
+                         st.dense)
+            gathered -= blocks * (pb - fp8_gather_bytes(train, pb))
+        ag = gather_time(gathered, lay.dp, dp_link) + gather_time(st.expert * pb, edp, edp_link)
         t_dp = mbs * max(rs - window, 0.0) + ag
-        dp_bytes = (lay.dp - 1) / lay.dp * (mbs * dense_b + st.dense * pb) + \
+        dp_bytes = (lay.dp - 1) / lay.dp * (mbs * dense_b + gathered) + \
             (edp - 1) / max(edp, 1) * (mbs * expert_b + st.expert * pb)
     else:  # ZeRO-3: per-layer all-gathers in forward and backward and reduce-scatters, every microbatch
         pc = param_counts(m)
@@ -320,7 +331,7 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
         split = layer - pc.layer_rep  # the blocks' split (tp and kv) weights
         # FP8 training gathers the blocks' linear weights in FP8 (1 byte, torchao's float8 all-gather) and
         # all-reduces their scales once per step
-        gather_pb = (split * 1 + pc.layer_rep * pb) / layer if train.dtype == "fp8" else pb
+        gather_pb = (split * 1 + pc.layer_rep * pb) / layer if train.dtype == "fp8" else fp8_gather_bytes(train, pb)
         root = max(st.total - lps * (layer + pc.layer_expert / lay.ep), 0.0)
         full = recompute_policy(lay.recompute).kind in ("full", "every", "nth", "ops")  # checkpoints: gathered again
         f_layer = lt.forward
@@ -334,7 +345,7 @@ def dp_time(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions
         block_w = lps * layer
         dp_bytes = mbs * ((lay.dp - 1) / lay.dp * (gathers * (root * pb + block_w * gather_pb) + dense_b) +
                           (edp - 1) / max(edp, 1) * (2 * st.expert * pb + expert_b))
-        if train.dtype == "fp8":
+        if train.dtype == "fp8" or train.fp8_gather:  # the FP8 weights' amaxes, one MAX all-reduce per unit
             t_dp += allreduce_time(4 * 4 * lps, lay.dp, dp_link)
         # each gather and reduce-scatter also moves its unit through HBM, on the compute's time: the shard copied into
         # the collective's buffer, the gathered buffer written, then copied out into the parameters (3 passes of

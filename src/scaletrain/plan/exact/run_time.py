@@ -210,6 +210,23 @@ def ep_all_to_all_time(cfg: Config, link: tuple[float, float]) -> float:
     return 2 * gather_time(ep_all_to_all_bytes(cfg), ep, link, "all_to_all")
 
 
+def zero3_unit_bytes(cfg: Config, e: int) -> tuple[int, list[int]]:
+    """(root, [block units]): the bytes one ZeRO-3 all-gather of each unit carries, `e` per element, the FP8 layers'
+    weights one byte each under train.fp8_all_gather (parallel/zero_fp8.py; shards' padding not counted)."""
+    from scaletrain.parallel.zero import group_params
+
+    module = run_memory.engine_module_on_meta(cfg, 0)
+    groups = group_params(module, 3, cfg.parallel.bucket_mb)
+    fp8: set = set()
+    if cfg.train.precision == "fp8" and cfg.train.fp8_all_gather:
+        from scaletrain.memory.fp8_layers import fp8_layer_names
+
+        names = {f"{name}.weight" for name in fp8_layer_names(cfg.model, cfg.train)}
+        fp8 = {id(p) for name, p in module.named_parameters() if name in names}
+    units = [sum(p.numel() * (1 if id(p) in fp8 else e) for p in g) for g in groups]
+    return units[0], units[1:]
+
+
 def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tuple, link) -> float:
     """Exposed data-parallel / ZeRO communication per step over dp (gloo, alpha-beta).
 
@@ -229,8 +246,8 @@ def _dp_time(cfg: Config, e: int, grad_e: int, mb: int, last_b: float, times: tu
     if zero == 3:
         bf, bb, ef, hf, hb, eb = times
         n_blocks = len(sizes) - 1
-        blocks = [k * e for k in sizes[1:]]
-        return mb * zero3_exposed_time(sizes[0] * e, blocks, grad_e / e, bf if n_blocks else 0.0, bb, ef, hf, hb,
+        root, blocks = zero3_unit_bytes(cfg, e)
+        return mb * zero3_exposed_time(root, blocks, grad_e / e, bf if n_blocks else 0.0, bb, ef, hf, hb,
                                        eb, dp, link)
     total = sum(sizes) * grad_e
     last = sizes[-1] * grad_e

@@ -62,7 +62,7 @@ def launch_ps(nproc: int, argv: list[str], out_dir: Path, cfg: Config) -> int:
                  "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True"})
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     procs: list[subprocess.Popen] = []
-    with open(logs / "launcher.log", "w") as launcher_log, stop_signals():  # SIGTERM/SIGHUP: every rank stopped
+    with open(logs / "launcher.log", "a") as launcher_log, stop_signals():  # SIGTERM/SIGHUP: every rank stopped
         try:
             for rank in range(nproc):
                 env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
