@@ -79,7 +79,7 @@ CHOICES = {  # keys with a fixed set of values: an unknown one is named in the m
     "parallel.schedule": "parallel.schedule", "parallel.partition": "parallel.partition",
     "train.lr_schedule": "train.lr_schedule", "train.dtype": "train.dtype", "train.device": "train.device",
     "train.on_nan": "train.on_nan", "optim.name": "optim.name", "memory.recompute": "memory.recompute",
-    "memory.compress": "memory.compress",
+    "memory.compress": "memory.compress", "parallel.cp_mode": "parallel.cp_mode",
 }
 GENERATED_ROWS = (  # from the config's own fields: one or two bad values per key of each kind
     [(f"{k}=nan", [f"{k} (nan)", "must be finite"]) for k, v in FIELDS if isinstance(v, float)]
@@ -101,7 +101,7 @@ HANDWRITTEN_CONFIG_ROWS = (  # values chosen by hand: out-of-range sizes and rat
         ("train.keep_checkpoints", 0), ("train.log_every", 0), ("model.dropout", 1.5), ("model.d_ff", -1),
         ("data.val_fraction", 0.9), ("optim.beta1", 1.0), ("optim.beta2", -0.5), ("optim.eps", 0),
         ("parallel.bucket_mb", 0), ("parallel.timeout_s", 0), ("parallel.microbatches", -1),
-        ("parallel.zero", 4), ("train.grad_clip", -1), ("train.min_lr", 5),
+        ("parallel.zero", 4), ("train.grad_clip", -1), ("train.min_lr", 5), ("parallel.cp", 0),
     )]
     + [("data.source=", ["data.source must be builtin", "got ''"]), ("train.dtype=", ["train.dtype", "got ''"]),
        ("=3", ["unknown config key ''"]), ("train.nosuch=1", ["unknown config key 'train.nosuch'"])]

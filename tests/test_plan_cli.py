@@ -27,8 +27,8 @@ def test_json_schema_follows_the_issue(capsys, tmp_path):
     assert len(doc["candidates"]) == 3
     c = doc["candidates"][0]
     assert set(c["layout"]) == {"dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute", "schedule",
-                                "virtual_stages", "sequence_parallel", "offload", "tp_mode", "tp_depth", "partition",
-                                "reshard_after_forward"}
+                                "virtual_stages", "sequence_parallel", "offload", "tp_mode", "tp_depth", "cp",
+                                "cp_mode", "partition", "reshard_after_forward"}
     assert set(c["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     for key in ("fits", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
                 "mfu", "bubble_fraction", "comm_bytes_per_step", "blocks_per_stage"):

@@ -16,6 +16,7 @@ from scaletrain.multinode import rules as _multinode_rules  # noqa: E402, F401
 from scaletrain.optim import rules as _optim_rules  # noqa: E402, F401
 from scaletrain.parallel import rules as _parallel_rules  # noqa: E402, F401
 from scaletrain.parallel.async_dp import rules as _async_rules  # noqa: E402, F401
+from scaletrain.parallel.context import rules as _context_rules  # noqa: E402, F401
 from scaletrain.parallel.pipeline import rules as _pipeline_rules  # noqa: E402, F401
 from scaletrain.report import rules as _report_rules  # noqa: E402, F401
 from scaletrain.train import rules as _train_rules  # noqa: E402, F401

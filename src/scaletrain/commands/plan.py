@@ -408,7 +408,7 @@ def config_layout(cfg) -> Layout:
                   recompute=cfg.memory.recompute.strip().lower(), schedule=par.schedule,
                   virtual_stages=par.virtual_stages, vertical_sync=par.vertical_sync,
                   sequence_parallel=par.sequence_parallel and par.tp > 1, offload=par.offload,
-                  tp_mode=par.tp_mode, tp_depth=par.tp_depth,
+                  tp_mode=par.tp_mode, tp_depth=par.tp_depth, cp=par.cp, cp_mode=par.cp_mode,
                   # `time` profiles the run's own blocks: predicted, as predict_run does, with the parameter balance
                   partition="params" if par.partition == "time" else par.partition.replace(" ", ""),
                   reshard_after_forward=getattr(par, "reshard_after_forward", None))
@@ -464,11 +464,19 @@ def _run_config(args) -> int:
     if cfg.parallel.tp_mode != "1d" and args.calibrate:
         raise UserError(f"--calibrate profiles 1d tensor-parallel blocks; a parallel.tp_mode={cfg.parallel.tp_mode} "
                         "run is predicted with --gpu or --cluster (memory exact, time from the analytic model)")
-    if not (args.gpu or args.cluster or args.calibrate) and cfg.parallel.tp_mode == "1d":
+    if cfg.parallel.cp > 1 and args.calibrate:
+        raise UserError(f"--calibrate profiles blocks without context parallelism; a parallel.cp ({cfg.parallel.cp}) "
+                        "run is predicted with --gpu or --cluster (memory and cp bytes exact, time from the analytic "
+                        "model)")
+    if not (args.gpu or args.cluster or args.calibrate) and cfg.parallel.tp_mode == "1d" and cfg.parallel.cp == 1:
         args.calibrate = True
     from scaletrain.plan.exact.run_memory import predict_run
 
     pred = predict_run(cfg)
+    if cfg.parallel.cp > 1:  # the bytes our engine's ring / all-to-alls send per step (plan/analytic/context.py)
+        from scaletrain.plan.analytic.context import step_bytes
+
+        pred = {**pred, **{f"plan_{k}": v for k, v in step_bytes(cfg).as_metrics().items()}}
     extra: dict = {"run_prediction": pred}
     if cfg.train.precision == "fp8":  # which layers the run computes in FP8 (memory/fp8_layers.py)
         from scaletrain.memory.fp8_layers import describe, fp8_layer_names

@@ -18,6 +18,7 @@ import yaml
 Dtype = Literal["fp32", "fp64", "bf16", "fp16"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream", "zb-v"]
 TpMode = Literal["1d", "2d", "2.5d", "3d"]
+CpMode = Literal["ring", "ulysses"]
 SyncMode = Literal["bsp", "ps", "hogwild", "local"]
 OuterMode = Literal["avg", "diloco"]
 Router = Literal["topk", "switch", "expert_choice"]
@@ -56,6 +57,8 @@ PartitionKind = Literal["uniform", "params", "time", "ends"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 TP_MODES: tuple[str, ...] = get_args(TpMode)
+CP_MODES: tuple[str, ...] = get_args(CpMode)
+CP_UNSUPPORTED_RECOMPUTE = ("nth", "ops")  # memory.recompute policies refused with parallel.cp > 1
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 ROUTERS: tuple[str, ...] = get_args(Router)
 AUX_LOSSES: tuple[str, ...] = get_args(AuxLoss)
@@ -301,6 +304,14 @@ class ParallelConfig:
     2105.14450); 2d/2.5d/3d also split every activation (docs/tensor_parallel.md)."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d (parallel.tp = d x q x q); 1 for the other modes."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks, attention included (docs/context_parallel.md);
+    they take part in gradient reduction and ZeRO sharding with dp (the job has dp x cp x tp x pp processes)."""
+    cp_mode: CpMode = "ring"
+    """parallel.cp > 1: `ring` (ring attention, Liu et al. arXiv 2310.01889: key/value chunks passed around the cp
+    ranks, partial softmax results combined exactly; each rank holds two of 2 x cp sequence chunks from opposite
+    ends, so causal work is balanced) or `ulysses` (DeepSpeed-Ulysses, Jacobs et al. arXiv 2309.14509: all-to-all
+    from sequence- to head-sharded around attention; heads divisible by cp)."""
     reshard_after_forward: bool | None = None
     """ZeRO-3 (FSDP's option of that name): `true` releases a unit's gathered parameters after its forward and gathers
     them again for its backward (the least memory; 1.5x data parallelism's traffic); `false` keeps them gathered from
@@ -517,7 +528,7 @@ class Config:
     @property
     def world_size(self) -> int:
         servers = self.parallel.servers if self.parallel.sync == "ps" else 0  # ps: server ranks besides the workers
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp + servers
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp * self.parallel.cp + servers
 
     @property
     def grad_accum(self) -> int:

@@ -55,7 +55,7 @@ def _inputs(cfg: Config, world_size: int | None) -> list[str]:
     if t.steps > MAX_STEPS:
         errors.append(f"train.steps ({t.steps:,}) is above the limit of {MAX_STEPS:,}")
     positive = [(f"model.{k}", getattr(m, k)) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")]
-    positive += [(f"parallel.{k}", getattr(p, k)) for k in ("dp", "tp", "pp", "virtual_stages")]
+    positive += [(f"parallel.{k}", getattr(p, k)) for k in ("dp", "tp", "pp", "cp", "virtual_stages")]
     positive += [(f"train.{k}", getattr(t, k)) for k in ("steps", "global_batch", "micro_batch", "lr")]
     positive += [("parallel.bucket_mb", p.bucket_mb), ("parallel.timeout_s", p.timeout_s),
                  ("train.eval_batches", t.eval_batches), ("train.log_every", t.log_every),
@@ -97,7 +97,8 @@ def _processes(cfg: Config, world_size: int | None) -> list[str]:
     after every stage, whatever they found."""
     p = cfg.parallel
     if world_size is not None and cfg.world_size != world_size and p.sync != "ps":
-        return [f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {cfg.world_size}"
+        cp = f" x parallel.cp ({p.cp})" if p.cp != 1 else ""
+        return [f"parallel.dp ({p.dp}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}){cp} = {cfg.world_size}"
                 f" does not match the number of processes ({world_size})"]
     return []
 

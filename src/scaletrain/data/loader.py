@@ -7,6 +7,9 @@ so the realised proportions converge to the weights and the batch is still a fun
 data-parallel rank takes its contiguous slice of the global batch and splits it into micro-batches, so every layout
 sees the same sequences in the same step. Because a batch is a pure function of the step, the loader's position in
 a checkpoint is just the step. Validation windows come from each source's held-out tail with their own stream.
+
+Under context parallelism (parallel/context/) a rank holds only some positions of every sequence: `positions`
+(their global indices, in the rank's order) selects those columns of its inputs and targets.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Split:
 
 class BatchLoader:
     def __init__(self, tokens: np.ndarray | Corpus, seq_len: int, global_batch: int, seed: int,
-                 val_fraction: float = 0.05, vocab_size: int | None = None):
+                 val_fraction: float = 0.05, vocab_size: int | None = None, positions: torch.Tensor | None = None):
         corpus = tokens if isinstance(tokens, Corpus) else Corpus.of_array(tokens)
         self.corpus, self.weights = corpus, np.asarray(corpus.weights, dtype=np.float64)
         train, val = [], []
@@ -51,6 +54,7 @@ class BatchLoader:
             val.append(s.tokens[n - n_val:])
         self.train, self.val = Split(train, _TRAIN), Split(val, _VAL)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.positions = positions  # context parallelism: this rank's positions of each sequence (None: all)
         if vocab_size is not None:
             for s in corpus.streams:
                 if s.max_id >= vocab_size:
@@ -86,10 +90,13 @@ class BatchLoader:
 
     def micro_batches(self, index: int, dp_rank: int, dp: int, micro_batch: int, split: Split | None = None,
                       device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This dp rank's slice of the global batch of step `index`, split into micro-batches."""
+        """This dp rank's slice of the global batch of step `index` (its `positions` of each sequence), split into
+        micro-batches."""
         x, y = self.global_batch_at(index, split)
         per_rank = self.global_batch // dp
         x, y = x[dp_rank * per_rank: (dp_rank + 1) * per_rank], y[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        if self.positions is not None:
+            x, y = x[:, self.positions], y[:, self.positions]
         x, y = staged(x, y, torch.device(device))
         return [(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
                 for xm, ym in zip(x.split(micro_batch), y.split(micro_batch))]

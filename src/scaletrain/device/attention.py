@@ -91,5 +91,11 @@ def probe_run(cfg, device: torch.device, param_dtype: torch.dtype) -> AttentionR
     dtype = autocast_dtype(cfg) or param_dtype
     explicit = m.dropout > 0 and m.dropout_impl == "global"
     dropout = m.dropout if m.dropout_impl == "torch" else 0.0
+    p = cfg.parallel
     kv = kv_heads(m) // min(tp, kv_heads(m))  # a key/value head copied on tp / kv ranks when tp is larger
-    return probe_sdpa(device, dtype, m.n_heads // tp, m.seq_len, m.d_model // m.n_heads, dropout, explicit, kv)
+    heads, tokens = m.n_heads // tp, m.seq_len
+    if p.cp > 1 and p.cp_mode == "ulysses":  # after its all-to-all a rank attends all tokens of 1/cp of the heads
+        heads, kv = heads // p.cp, max(1, kv // p.cp)
+    elif p.cp > 1:  # ring attention: blocks of a rank's chunks, with the flash kernel's op (explicit with dropout)
+        tokens //= p.cp
+    return probe_sdpa(device, dtype, heads, tokens, m.d_model // m.n_heads, dropout, explicit, kv)

@@ -1,10 +1,17 @@
 """ParallelDims (validated, frozen) and the Mesh of process groups it builds.
 
-The rank grid is one line, `torch.arange(world).view(pp, dp, tp)`: tp varies fastest so a tensor-parallel
-group stays inside a node, pp is outermost. Every group is created with the run's timeout, so a rank that
-dies or a mismatched collective fails within `parallel.timeout_s` instead of hanging. A Mesh of size 1
-needs no process group at all: every group is None and the collectives in `scaletrain.distributed.comm` are
-no-ops, so the single-process run is the same code path with trivial groups.
+The rank grid is one line, `torch.arange(world).view(pp, dp, cp, tp)`: tp varies fastest so a tensor-parallel
+group stays inside a node, pp is outermost. Context parallelism (cp, docs/context_parallel.md) sits next to tp,
+inside dp (Megatron-core's order `tp-cp-ep-dp-pp`): after tp it moves the most bytes (a key/value chunk per layer
+and ring step, or four all-to-alls per layer), on the critical path of every attention, so its ranks are kept as
+close as tp's; dp reduces gradients once per step and overlaps them with backward. The cp ranks of one dp rank
+hold the same parameters and different tokens, so gradients are reduced (and ZeRO shards) over `dp_cp`, the dp x
+cp ranks of a (pp, tp) position, as FSDP over dp x cp in torchtitan; with experts over `edp_cp` (edp x cp).
+
+Every group is created with the run's timeout, so a rank that dies or a mismatched collective fails within
+`parallel.timeout_s` instead of hanging. A Mesh of size 1 needs no process group at all: every group is None and the
+collectives in `scaletrain.distributed.comm` are no-ops, so the single-process run is the same code path with
+trivial groups.
 
 Expert parallelism is carved from dp rather than being a grid axis: `ep` groups (each dp group cut into
 dp/ep runs of ep consecutive dp ranks, which split the experts) and `edp` groups (the ranks of a dp group
@@ -32,8 +39,10 @@ from scaletrain.config.schema import TP_MODES
 from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import ConfigError
 
-ORDER = ("pp", "dp", "tp")  # outermost to innermost
+ORDER = ("pp", "dp", "cp", "tp")  # outermost to innermost
 EXPERT_DIMS = ("ep", "edp")  # groups inside dp (expert parallelism), built after the grid's
+# gradient-reduction groups under context parallelism: the grid axes (of the (pp, dp/ep, ep, cp, tp) view) they span
+CP_GRAD_GROUPS = {"dp_cp": (1, 2, 3), "edp_cp": (1, 3)}
 # the tp grid's groups: the axes of the (pp, dp, depth, row, col) view that vary inside each
 TP_GRID_GROUPS = {"tp_row": (4,), "tp_col": (3,), "tp_dep": (2,), "tp_dep_row": (2, 4), "tp_dep_col": (2, 3),
                   "dp_dep": (1, 2)}
@@ -49,11 +58,14 @@ class ParallelDims:
     ep: int = 1  # expert parallelism, carved from dp: not a grid axis of its own
     tp_mode: str = "1d"  # 1d (Megatron), 2d, 2.5d, 3d: how the tp group is arranged (module docstring)
     tp_depth: int = 1  # d of 2.5d
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (parallel/context/)
 
     def __post_init__(self) -> None:
         for name in (*ORDER, "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp > 1 and self.tp_mode != "1d":
+            raise ConfigError(f"parallel.cp ({self.cp}) > 1 needs parallel.tp_mode=1d, got {self.tp_mode}")
         if self.dp % self.ep:
             raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp})")
         if self.tp_mode not in TP_MODES:
@@ -66,7 +78,8 @@ class ParallelDims:
     @classmethod
     def from_config(cls, par) -> ParallelDims:
         """The dims of a `config.ParallelConfig`."""
-        return cls(pp=par.pp, dp=par.dp, tp=par.tp, ep=par.ep, tp_mode=par.tp_mode, tp_depth=par.tp_depth)
+        return cls(pp=par.pp, dp=par.dp, tp=par.tp, ep=par.ep, tp_mode=par.tp_mode, tp_depth=par.tp_depth,
+                   cp=par.cp)
 
     def tp_grid(self) -> tuple[int, int, int]:
         """(depth, rows, columns) of the tp group's grid; (1, 1, tp) for 1d."""
@@ -81,7 +94,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def sizes(self) -> tuple[int, ...]:
         return tuple(getattr(self, n) for n in ORDER)
@@ -98,9 +111,14 @@ class ParallelDims:
         groups, `TP_GRID_GROUPS`, in the coordinates that vary inside it), each in increasing rank order."""
         if dim in EXPERT_DIMS:
             return self.expert_group_ranks(dim)
+        if dim in CP_GRAD_GROUPS:  # dp x cp (edp x cp): every listed axis of the (pp, dp/ep, ep, cp, tp) view varies
+            axes = CP_GRAD_GROUPS[dim]
+            g = self.grid().view(self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
+            g = g.movedim(axes, tuple(range(5 - len(axes), 5)))
+            return g.reshape(-1, math.prod(g.shape[5 - len(axes):])).tolist()
         if dim in TP_GRID_GROUPS:
             axes = TP_GRID_GROUPS[dim]
-            g = self.grid().view(self.pp, self.dp, *self.tp_grid())
+            g = self.grid().view(self.pp, self.dp, *self.tp_grid())  # cp = 1 (ParallelDims refuses the grid with cp)
             g = g.movedim(axes, tuple(range(5 - len(axes), 5)))
             return g.reshape(-1, math.prod(g.shape[5 - len(axes):])).tolist()
         axis = ORDER.index(dim)
@@ -127,7 +145,8 @@ class Mesh:
     def build(cls, dims: ParallelDims, timeout_s: float = 300.0) -> Mesh:
         """Create the groups of every dimension (collectively: all ranks must call this)."""
         if dims.world_size == 1:
-            return cls(dims, 0, {n: None for n in (*ORDER, *EXPERT_DIMS)}, {n: [0] for n in (*ORDER, *EXPERT_DIMS)})
+            names = (*ORDER, *EXPERT_DIMS, *CP_GRAD_GROUPS)
+            return cls(dims, 0, {n: None for n in names}, {n: [0] for n in names})
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build needs torch.distributed to be initialised for world size > 1")
         if dist.get_world_size() != dims.world_size:
@@ -154,6 +173,14 @@ class Mesh:
                 g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     groups[dim], members[dim] = g, ranks
+        for dim, alias in (("dp_cp", "dp"), ("edp_cp", "edp")):  # gradient reduction over dp x cp (docstring)
+            if dims.cp == 1:
+                groups[dim], members[dim] = groups[alias], members[alias]
+                continue
+            for ranks in dims.group_ranks(dim):
+                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                if rank in ranks:
+                    groups[dim], members[dim] = g, ranks
         return cls(dims, rank, groups, members)
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
@@ -162,7 +189,7 @@ class Mesh:
     def size(self, dim: str) -> int:
         if dim == "edp":
             return self.dims.dp // self.dims.ep
-        if dim in TP_GRID_GROUPS:
+        if dim in TP_GRID_GROUPS or dim in CP_GRAD_GROUPS:
             return len(self.members[dim])
         return getattr(self.dims, dim)
 

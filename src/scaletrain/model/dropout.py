@@ -101,7 +101,8 @@ class GlobalDropout(nn.Module):
 
     `x` is (rows, d1, d2, ...): dim 0 are samples (global row = context row + local row, + `offsets[0][0]` when the
     rank holds a block of the micro-batch's samples); `offsets[d] = (start, total)` places the local coordinates of
-    dim d in the global tensor (default: start 0, total = local size).
+    dim d in the global tensor (default: start 0, total = local size); `start` may instead be a tensor of the
+    global coordinates themselves (context parallelism holds two separate chunks of the sequence).
     `roles` names the non-batch dims (`seq`, `head`, `feature`, ...) so a parallel pass knows which one it
     splits. `forward(x, index=...)` takes explicit global indices instead (broadcastable to x), for tensors
     whose elements are not a box of a global tensor (MoE expert slots)."""
@@ -125,7 +126,8 @@ class GlobalDropout(nn.Module):
             self.offsets.get(0, (0, 0))[0]
         for d in range(1, len(shape)):
             start, total = self.offsets.get(d, (0, shape[d]))
-            coord = torch.arange(start, start + shape[d], device=device, dtype=torch.int64)
+            coord = start.to(device) if isinstance(start, torch.Tensor) else \
+                torch.arange(start, start + shape[d], device=device, dtype=torch.int64)
             index = index.unsqueeze(-1) * total + coord
         return index
 

@@ -46,13 +46,14 @@ def head_size(cfg: ModelConfig) -> int:
     return block_width(cfg) // cfg.n_heads
 
 
-def rope_for(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The RoPE tables (cos, sin) of positions 0..T-1 for the blocks' heads (model.rope_theta and
-    model.rope_scaling, model/rope.py), on `device`; None with learned positions. The whole model and a pipeline
-    stage compute them alike."""
+def rope_for(cfg: ModelConfig, T: int, device: torch.device,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The RoPE tables (cos, sin) of positions 0..T-1, or of the global `positions` (context parallelism), for the
+    blocks' heads (model.rope_theta and model.rope_scaling, model/rope.py), on `device`; None with learned positions.
+    The whole model and a pipeline stage compute them alike."""
     if cfg.position != "rope":
         return None
-    cos, sin = model_rope_tables(cfg, T, head_size(cfg))
+    cos, sin = model_rope_tables(cfg, T, head_size(cfg), positions)
     return cos.to(device), sin.to(device)
 
 
@@ -80,16 +81,23 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         name_sites(self)  # each dropout's site is its name in this plain model, whatever a pass does later
+        # The global position of each input column (None: 0..T-1). Context parallelism gives a rank some positions
+        # of every sequence and sets them here, so learned positions and RoPE see global indices.
+        self.positions: torch.Tensor | None = None
+
+    def token_positions(self, T: int, device: torch.device) -> torch.Tensor:
+        """Positions of the T input columns: `positions`, or 0..T-1."""
+        return torch.arange(T, device=device) if self.positions is None else self.positions.to(device)
 
     def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return rope_for(self.cfg, T, device)
+        return rope_for(self.cfg, T, device, self.positions)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, V)."""
         B, T = idx.shape
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(self.token_positions(T, idx.device))
         x = self.drop(x)
         rope = self.rope(T, idx.device)
         for block in self.blocks:

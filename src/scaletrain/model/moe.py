@@ -318,6 +318,9 @@ class MoE(nn.Module):
         # (index, parts): this layer sees part `index` of `parts` equal slices of each sequence (sequence
         # parallelism sets it); a row's random stream is drawn whole and sliced, so draws follow the token
         self.seq_shard = (0, 1)
+        # (positions, seq_len): the global positions of this layer's tokens in each sequence when they are not one
+        # equal slice (context parallelism sets it; it takes precedence over seq_shard)
+        self.token_positions: tuple[torch.Tensor, int] | None = None
         self.stats = MoEStats()
         # teacher-forced routing (`model/routing_tape.py`, verify's low-precision rows): records this layer's
         # decisions by token, or replays another run's; None routes by this run's own scores
@@ -339,12 +342,19 @@ class MoE(nn.Module):
         seed, step, first = self.key
         index, parts = self.seq_shard
         whole = (shape[0] * parts, *shape[1:])
+        if self.token_positions is not None:  # a row's draws per token, `per` numbers each, picked at its positions
+            pos, total = self.token_positions
+            per = shape[0] // len(pos)
+            whole = (total * per, *shape[1:])
         out = []
         for r in range(first, first + rows):
             g = torch.Generator().manual_seed(name_seed(seed, f"moe/{self.layer}/{kind}/{step}/{r}"))
             draw = (torch.rand(whole, generator=g, dtype=torch.float64) if uniform
                     else torch.randn(whole, generator=g, dtype=torch.float64))
-            out.append(draw[index * shape[0]: (index + 1) * shape[0]])
+            if self.token_positions is not None:
+                out.append(draw.view(total, per, *shape[1:])[pos.cpu()].reshape(shape))
+            else:
+                out.append(draw[index * shape[0]: (index + 1) * shape[0]])
         return torch.stack(out)
 
     def route(self, xg: torch.Tensor, rows: int) -> Routing:
@@ -429,7 +439,11 @@ class MoE(nn.Module):
         index, parts = self.seq_shard
         first = torch.arange(G, device=device) * self.cfg.group_tokens  # local flat token of each group
         row, t = first // T + drop.context.row, first % T + index * T
-        gid = (row * T * parts + t) // self.cfg.group_tokens
+        total = T * parts
+        if self.token_positions is not None:  # the group's first token at its global position
+            pos, total = self.token_positions
+            t = pos.to(device)[first % T]
+        gid = (row * total + t) // self.cfg.group_tokens
         return (gid.view(G, 1) * K + torch.arange(K, device=device)).view(-1)
 
     @torch.no_grad()

@@ -37,16 +37,20 @@ def inv_frequencies(head_dim: int, theta: float = 10000.0, scaling=None) -> torc
     return torch.where(long, inv / scaling.factor, torch.where(short, inv, blended))
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles t·ω_i, each (T, hs/2), in float64."""
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_frequencies(head_dim, theta, scaling))
+def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, scaling=None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles t·ω_i, each (T, hs/2), in float64, for t = 0..T-1 or the given global
+    `positions` (context parallelism: a rank's tokens are some positions of the sequence)."""
+    t = torch.arange(seq_len, dtype=torch.float64) if positions is None else positions.cpu().to(torch.float64)
+    angles = torch.outer(t, inv_frequencies(head_dim, theta, scaling))
     return angles.cos(), angles.sin()
 
 
-def model_rope_tables(cfg: ModelConfig, seq_len: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def model_rope_tables(cfg: ModelConfig, seq_len: int, head_dim: int,
+                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables of a model config (its base and scaling) for heads of `head_dim` (d_model / n_heads, or half of it
-    in reversible blocks)."""
-    return rope_tables(seq_len, head_dim, cfg.rope_theta, cfg.rope_scaling)
+    in reversible blocks), at `positions` when given (context parallelism) else 0..seq_len-1."""
+    return rope_tables(seq_len, head_dim, cfg.rope_theta, cfg.rope_scaling, positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

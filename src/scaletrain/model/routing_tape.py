@@ -20,8 +20,10 @@ rounding on a few percent. fp64 layouts route by their own scores, so the routin
 element-wise fp64 test.
 
 A token is identified by its global position in the step's batch, (global row) x seq_len + position: the MoE layer
-knows its first global row (`MoE.key`, set by the trainer per step) and its slice of each sequence
-(`MoE.seq_shard`, under sequence parallelism); groups by their first token. No distributed code here.
+knows its first global row (`MoE.key`, set by the trainer per step) and which positions of each sequence it holds:
+one equal slice (`MoE.seq_shard`, under sequence parallelism) or any set of global positions
+(`MoE.token_positions`, under context parallelism, where a ring rank holds two chunks from both ends of every
+sequence); groups by their first token. No distributed code here.
 """
 
 from __future__ import annotations
@@ -92,9 +94,12 @@ class RoutingTape:
     def _token_ids(moe: MoE, rows: int, tokens: int) -> torch.Tensor:
         """Global ids of this forward's tokens in the layer's flat (rows x local positions) order."""
         _, _, first = moe.key
-        index, parts = moe.seq_shard
         local = tokens // rows
         row = torch.arange(first, first + rows).view(rows, 1)
+        if moe.token_positions is not None:  # context parallelism: the layer's tokens sit at these global positions
+            held, total = moe.token_positions
+            return (row * total + held.cpu().view(1, local)).reshape(-1)
+        index, parts = moe.seq_shard
         pos = torch.arange(local).view(1, local) + index * local
         return (row * (local * parts) + pos).reshape(-1)
 

@@ -185,7 +185,7 @@ class ReplicatedOptimizer(EngineOptimizer):
         # A factored optimizer (Adafactor / SM3) under tensor parallelism (or over a stack of experts split by expert
         # parallelism): a rank holds slices of the tensors, so their row / column statistics are combined over tp
         # (and ep) by ShardedFactored; otherwise the plain optimizer.
-        experts = dim == "edp" and par.ep > 1
+        experts = dim in ("edp", "edp_cp") and par.ep > 1
         sliced = optimizer_spec(optim.name).factored and (par.tp > 1 or experts)
         hyper = config_hyper(optim, lr)
         opt = None if sliced else build_optimizer(optim.name, decay_groups(targets, optim.weight_decay), **hyper)

@@ -172,11 +172,12 @@ class ExpertParallelOptimizer(EngineOptimizer):
         """`optim.name` at base learning rate `lr`: replicated (parallel.zero=0) or ZeRO parts over dp and edp."""
         dense = [p for p in params if not is_expert(p)]
         experts = [p for p in params if is_expert(p)]
+        d, e = ("dp_cp", "edp_cp") if par.cp > 1 else ("dp", "edp")  # context parallelism: cp ranks reduce too
         if par.zero == 0:
-            return cls(ReplicatedOptimizer.from_config(dense, optim, par, lr, mesh, comm),
-                       ReplicatedOptimizer.from_config(experts, optim, par, lr, mesh, comm, dim="edp"))
-        return cls(ZeroOptimizer.from_config(module, optim, par, lr, mesh, comm, params=dense),
-                   ZeroOptimizer.from_config(module, optim, par, lr, mesh, comm, params=experts, dim="edp"))
+            return cls(ReplicatedOptimizer.from_config(dense, optim, par, lr, mesh, comm, dim=d),
+                       ReplicatedOptimizer.from_config(experts, optim, par, lr, mesh, comm, dim=e))
+        return cls(ZeroOptimizer.from_config(module, optim, par, lr, mesh, comm, params=dense, dim=d),
+                   ZeroOptimizer.from_config(module, optim, par, lr, mesh, comm, params=experts, dim=e))
 
     @property
     def parts(self) -> tuple[EngineOptimizer, ...]:

@@ -1,7 +1,8 @@
 """Turn a config and a mesh into the Engine a rank trains with, by passes over the plain model.
 
-Order (DESIGN.md): build on meta -> materialise and init by (seed, name) -> apply_tp -> apply_ep -> split_pp ->
-apply_fp8 -> apply_recompute -> ... -> the optimizer (replicated, ZeRO, ZeRO-Infinity or expert parallelism's pair).
+Order (DESIGN.md): build on meta -> materialise and init by (seed, name) -> apply_tp -> apply_ep -> apply_cp ->
+split_pp -> apply_fp8 -> apply_recompute -> ... -> the optimizer (replicated, ZeRO, ZeRO-Infinity or expert
+parallelism's pair).
 Each pass lives in the module of its parallel dimension or memory technique and receives only the sub-configs and
 groups it needs; `build_engine` is the one place that reads the whole Config. The Engine and the optimizer interface
 are in `engine.py`.
@@ -46,6 +47,10 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         from scaletrain.parallel.experts import apply_ep
 
         apply_ep(engine, p.sequence_parallel, mesh, comm)  # this rank's experts, all-to-all dispatch; after tp
+    if p.cp > 1:
+        from scaletrain.parallel.context import apply_cp
+
+        apply_cp(engine, m, p, mesh, comm)  # this rank's positions, ring / Ulysses attention; after tp, before pp
     if p.pp > 1:
         from scaletrain.parallel.pipeline.stage import split_pp
 
@@ -114,6 +119,9 @@ def _optimizer(engine: Engine, cfg: Config, mesh: Mesh, comm: CommStats, device:
 
 
 def _grad_dim(cfg: Config) -> str:
-    """The group the optimizer reduces gradients over: dp, or dp x depth for 2.5d tensor parallelism (its depth
-    layers hold the same weights, parallel/tensor_nd/tp2p5d.py)."""
-    return "dp_dep" if cfg.parallel.tp_mode == "2.5d" else "dp"
+    """The group the optimizer reduces gradients over: dp, dp x depth for 2.5d tensor parallelism (its depth
+    layers hold the same weights, parallel/tensor_nd/tp2p5d.py), or dp x cp under context parallelism (its ranks
+    hold the same weights and other tokens, parallel/context/)."""
+    if cfg.parallel.tp_mode == "2.5d":
+        return "dp_dep"
+    return "dp_cp" if cfg.parallel.cp > 1 else "dp"

@@ -202,8 +202,9 @@ class ZeroOptimizer(EngineOptimizer):
         by default)."""
         return cls(module, par.zero, mesh.group(dim), weight_decay=optim.weight_decay, bucket_mb=par.bucket_mb,
                    offload=par.offload, comm=comm, optimizer=optim.name, hyper=config_hyper(optim, lr),
-                   tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim == "edp" else None, params=params,
-                   gather="step" if par.pp > 1 else "unit", reshard_after_forward=par.reshards_after_forward)
+                   tp_group=mesh.group("tp"), ep_group=mesh.group("ep") if dim in ("edp", "edp_cp") else None,
+                   params=params, gather="step" if par.pp > 1 else "unit",
+                   reshard_after_forward=par.reshards_after_forward)
 
     def _param_pieces(self, tp_group: dist.ProcessGroup | None = None) -> list[dict]:
         """Every parameter, in the same order on every rank, with this rank's piece of it (maybe empty). Under

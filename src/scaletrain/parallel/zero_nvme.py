@@ -124,7 +124,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
 
         root = Path(par.offload_dir)
         root.mkdir(parents=True, exist_ok=True)  # the default under --out; a user's folder was checked before launch
-        opt = cls(module, mesh.group("dp"), device=device, directory=root, init=gpt_init(model, seed),
+        opt = cls(module, mesh.group("dp_cp"), device=device, directory=root, init=gpt_init(model, seed),
                   prefetch=par.nvme_prefetch, nvme_grads=par.nvme_grads, weight_decay=optim.weight_decay,
                   bucket_mb=par.bucket_mb, comm=comm, optimizer=optim.name, hyper=config_hyper(optim, lr))
         weakref.finalize(opt, opt.files.close)  # scratch: deleted when the run ends (or the process exits)

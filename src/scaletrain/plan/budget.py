@@ -52,8 +52,8 @@ def planned_resident(cfg) -> dict[str, int]:
         from scaletrain.plan.exact import run_memory
 
         module = run_memory.engine_module_on_meta(cfg, 0)
-        units = [cfg.parallel.dp * -(-sum(p.numel() for p in g) // cfg.parallel.dp)
-                 for g in group_params(module, 3, cfg.parallel.bucket_mb)]
+        n = cfg.parallel.dp * cfg.parallel.cp  # ZeRO's group: dp x cp (context parallelism)
+        units = [n * -(-sum(p.numel() for p in g) // n) for g in group_params(module, 3, cfg.parallel.bucket_mb)]
         e = run_memory._TORCH[cfg.train.dtype].itemsize
         out["working"] = working_bytes(units, e, 4 if cfg.train.dtype in run_memory.LOW else e)
         gathered = out.pop("params_gathered", None)

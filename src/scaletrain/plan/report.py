@@ -20,7 +20,8 @@ GiB = float(1 << 30)
 MEM_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
 TIME_LABELS = {
     "compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
-    "ep_comm": "expert all-to-all", "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
+    "ep_comm": "expert all-to-all", "cp_comm": "context-parallel communication",
+    "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
     "dp_comm": "data-parallel communication", "optimizer": "optimizer step", "offload": "offload transfers",
     "loader": "data loading", "sync": "step synchronisation", "stragglers": "waiting for the slowest GPU",
 }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, fields
 
-from scaletrain.config.schema import TP_MODES
+from scaletrain.config.schema import CP_MODES, CP_UNSUPPORTED_RECOMPUTE, TP_MODES
 from scaletrain.distributed.grid import grid_shape
 from scaletrain.errors import UserError
 from scaletrain.guards import MAX_GPUS, short
@@ -69,9 +69,10 @@ def parse_layout(text: str) -> dict:
             raise UserError(f"--layout: unknown field {key!r} (known: {', '.join(LAYOUT_FIELDS)})")
         if key in out:  # tp=8,tp=4 kept the last one silently
             raise UserError(f"--layout names {key} twice ({key}={out[key]} and {key}={raw}); give it once")
-        if key == "tp_mode":
-            if raw not in TP_MODES:
-                raise UserError(f"--layout: tp_mode must be one of {', '.join(TP_MODES)}, got {raw!r}")
+        if key in ("tp_mode", "cp_mode"):
+            allowed = TP_MODES if key == "tp_mode" else CP_MODES
+            if raw not in allowed:
+                raise UserError(f"--layout: {key} must be one of {', '.join(allowed)}, got {raw!r}")
             out[key] = raw
             continue
         if key in ("sequence_parallel", "reshard_after_forward"):
@@ -124,19 +125,21 @@ def _options(fixed: dict, key: str, default: list) -> list:
 
 def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixed: dict,
                       offload: tuple[str, ...] = ("none",)) -> list[Layout]:
-    if {"dp", "tp", "pp"} <= fixed.keys() and fixed["dp"] * fixed["tp"] * fixed["pp"] != n_gpus:
-        raise UserError(f"layout dp ({fixed['dp']}) x tp ({fixed['tp']}) x pp ({fixed['pp']}) ="
-                        f" {fixed['dp'] * fixed['tp'] * fixed['pp']} does not match --gpus ({n_gpus})")
-    for key in ("dp", "tp", "pp"):
+    cp_fixed = fixed.get("cp", 1)
+    if {"dp", "tp", "pp"} <= fixed.keys() and fixed["dp"] * fixed["tp"] * fixed["pp"] * cp_fixed != n_gpus:
+        cp = f" x cp ({cp_fixed})" if "cp" in fixed else ""
+        raise UserError(f"layout dp ({fixed['dp']}) x tp ({fixed['tp']}) x pp ({fixed['pp']}){cp} ="
+                        f" {fixed['dp'] * fixed['tp'] * fixed['pp'] * cp_fixed} does not match --gpus ({n_gpus})")
+    for key in ("dp", "tp", "pp", "cp"):
         if key in fixed and n_gpus % fixed[key]:
             raise UserError(f"layout {key} ({fixed[key]}) does not divide --gpus ({n_gpus})")
     out: list[Layout] = []
-    for mode, tp, depth, rows in _tp_choices(m, gpu, n_gpus, fixed):
+    for mode, tp, depth, rows, cp, cp_mode in _tp_cp_choices(m, gpu, n_gpus, fixed):
         grid_mode = mode != "1d"
-        for pp in _options(fixed, "pp", divisors(n_gpus // tp) if n_gpus % tp == 0 else []):
-            if n_gpus % (tp * pp) or m.n_layers < pp or (pp > 1 and mode in ("2.5d", "3d")):
+        for pp in _options(fixed, "pp", divisors(n_gpus // (tp * cp)) if n_gpus % (tp * cp) == 0 else []):
+            if n_gpus % (tp * pp * cp) or m.n_layers < pp or (pp > 1 and mode in ("2.5d", "3d")):
                 continue
-            dp = n_gpus // (tp * pp)
+            dp = n_gpus // (tp * pp * cp)
             if "dp" in fixed and fixed["dp"] != dp:
                 continue
             if train.global_batch % dp:
@@ -170,12 +173,45 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
                     continue
                 if sched == "interleaved" and (per_rank // mb) % pp:
                     continue
+                if cp > 1 and (rec.split(":")[0] in CP_UNSUPPORTED_RECOMPUTE or sched == "zb-h1" and rec.split(
+                        ":")[0] in ("full", "every")):
+                    continue  # refused by validate() (parallel/context/rules.py): W recomputes the ring per group
                 # ZeRO-3 without pipelining: also the units kept gathered from forward to backward (FSDP's option)
                 reshards = _options(fixed, "reshard_after_forward", [None, False] if zero == 3 and pp == 1 and
                                     off != "nvme" else [None])
                 out += [Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, recompute=rec, schedule=sched,
                                virtual_stages=v, sequence_parallel=sp, offload=off, tp_mode=mode, tp_depth=depth,
-                               partition=part, reshard_after_forward=keep) for keep in reshards]
+                               cp=cp, cp_mode=cp_mode, partition=part, reshard_after_forward=keep)
+                        for keep in reshards]
+    return out
+
+
+MIN_CP_CHUNK = 1024
+"""Context parallelism is searched for degrees whose sequence chunks keep at least this many tokens (a ring
+attention block of fewer tokens is too small to hide its transfer); --layout cp=N asks for any degree."""
+
+
+def _tp_cp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tuple]:
+    """`_tp_choices` with the context-parallel degree and mode of each (plan/analytic/context.py): cp = 1, and for
+    1D tensor parallelism the powers of two dividing the remaining GPUs whose chunks keep `MIN_CP_CHUNK` tokens, ring
+    and (heads and kv heads per tp rank divisible by cp) Ulysses."""
+    out = []
+    for mode, tp, depth, rows in _tp_choices(m, gpu, n_gpus, fixed):
+        rest = n_gpus // tp if n_gpus % tp == 0 else 0
+        if "cp" in fixed:
+            cps = [fixed["cp"]] if rest and rest % fixed["cp"] == 0 else []
+        else:
+            cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if rest and rest % c == 0
+                   and (c == 1 or m.seq_len // (2 * c) >= MIN_CP_CHUNK)]
+        for cp in cps:
+            if cp > 1 and mode != "1d":
+                continue
+            modes = _options(fixed, "cp_mode", ["ring", "ulysses"]) if cp > 1 else [fixed.get("cp_mode", "ring")]
+            for cp_mode in modes:
+                heads_ok = all(max(n // tp, 1) % cp == 0 for n in (m.n_heads, m.kv_heads)) if n_gpus else True
+                if cp > 1 and cp_mode == "ulysses" and not heads_ok and "cp_mode" not in fixed:
+                    continue
+                out.append((mode, tp, depth, rows, cp, cp_mode))
     return out
 
 

@@ -238,5 +238,5 @@ def planned_memory(cfg: Config) -> PlannedMemory:
 
 
 def rank_stage(cfg: Config, rank: int) -> int:
-    """The pipeline stage (pp coordinate) of a global rank: the grid is arange(world).view(pp, dp, tp)."""
-    return rank // (cfg.parallel.dp * cfg.parallel.tp)
+    """The pipeline stage (pp coordinate) of a global rank: the grid is arange(world).view(pp, dp, cp, tp)."""
+    return rank // (cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.tp)

@@ -381,6 +381,8 @@ def run_section(run: RunData) -> Section:
     c, p = run.cfg, run.cfg.parallel
     layout = [["world size", run.world_size], ["dp", p.dp], ["tp", p.tp], ["pp", p.pp], ["ep", p.ep],
               ["zero", p.zero], ["sequence parallel", p.sequence_parallel]]
+    if p.cp > 1:  # context parallelism (docs/context_parallel.md)
+        layout += [["cp", p.cp], ["cp mode", p.cp_mode]]
     if p.pp > 1:
         layout += [["schedule", p.schedule], ["micro-batches", p.microbatches or c.grad_accum],
                    ["virtual stages", p.virtual_stages]]

@@ -25,6 +25,7 @@ def first_line(cfg: Config, nproc: int, out: Path) -> None:
 
     p, t = cfg.parallel, cfg.train
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}" + (f" ep={p.ep}" if cfg.model.moe.experts else "")
+    layout += f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
     resuming = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
     _say(f"scaletrain train: {total_params(from_model_config(cfg.model)):,} parameters, {layout} on {nproc} "
          f"process{'es' if nproc > 1 else ''}, {t.steps} steps of {cfg.tokens_per_step:,} tokens, {t.dtype} "

@@ -58,10 +58,10 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     if p.dp % p.replicas:
         return [f"parallel.replicas ({p.replicas}) must divide parallel.dp ({p.dp})"]
     errors = []
-    if p.dp != p.replicas or p.tp > 1 or p.pp > 1 or p.ep > 1 or p.zero:
+    if p.dp != p.replicas or p.tp > 1 or p.pp > 1 or p.ep > 1 or p.cp > 1 or p.zero:
         errors.append(f"parallel.replicas ({p.replicas}) needs one process per replica group: parallel.dp = replicas "
-                      f"and no tp, pp, ep or ZeRO inside a group (got dp={p.dp}, tp={p.tp}, pp={p.pp}, ep={p.ep}, "
-                      f"zero={p.zero}); larger groups are not built yet")
+                      f"and no tp, pp, ep, cp or ZeRO inside a group (got dp={p.dp}, tp={p.tp}, pp={p.pp}, ep={p.ep}, "
+                      f"cp={p.cp}, zero={p.zero}); larger groups are not built yet")
     if p.sync != "bsp":
         errors.append(f"parallel.replicas > 1 is for parallel.sync=bsp (got {p.sync!r}): the asynchronous modes "
                       "supervise their own workers")

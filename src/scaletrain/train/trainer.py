@@ -37,6 +37,7 @@ from scaletrain.memory.precision import DynamicLossScaler
 from scaletrain.model.init import name_seed
 from scaletrain.model.moe import begin_step as begin_moe_step
 from scaletrain.optim import lr_multiplier
+from scaletrain.parallel.context import positions_of
 from scaletrain.parallel.experts import moe_metrics
 from scaletrain.parallel.parallelize import build_engine
 from scaletrain.report.observers import RunObservers
@@ -81,11 +82,13 @@ class Trainer:
         p, t = cfg.parallel, cfg.train
 
         self.mesh = Mesh.build(ParallelDims.from_config(p), p.timeout_s)
-        self.dp_group, self.dp_rank = self.mesh.group("dp"), self.mesh.local_rank("dp")
+        # losses are summed over dp x cp: context-parallel ranks hold the other tokens of the same sequences
+        self.dp_group, self.dp_rank = self.mesh.group("dp_cp"), self.mesh.local_rank("dp")
         self.comm = CommStats()
 
         self.loader = BatchLoader(load_corpus(cfg.data), cfg.model.seq_len, t.global_batch, t.seed,
-                                  cfg.data.val_fraction, cfg.model.vocab_size)
+                                  cfg.data.val_fraction, cfg.model.vocab_size,
+                                  positions_of(p, cfg.model.seq_len, self.mesh))
         self.engine = build_engine(cfg, self.mesh, self.device, self.dtype, self.comm)
         self.model = self.engine.module
         self.attention = probe_run(cfg, self.device, self.dtype)  # the SDPA kernel that runs (device/attention.py)

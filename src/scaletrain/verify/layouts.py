@@ -74,6 +74,8 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "tp_mode": ("1d", "2d"),
     "reversible": (False, True),
     "contiguous": (False, True),
+    "cp": (1, 2),
+    "cp_mode": ("ring", "ulysses"),
     "kv_heads": (0, 2, 1),
     "rope_scaling": ("none", "llama3"),
     "activation": ("gelu", "gelu_tanh"),
@@ -81,6 +83,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "reshard_after_forward": (None, False),
     "precision": ("dtype", "fp8"),
 }
+GRID = ("dp", "tp", "pp", "cp")  # the dimensions whose product is the number of processes
 WORLD_SIZES = (1, 2, 4, 8)
 MICRO_BATCH, SEQ_LEN, STEPS = 2, 32, 3
 
@@ -107,13 +110,14 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self["dp"] * self["tp"] * self["pp"]
+        return self["dp"] * self["tp"] * self["pp"] * self["cp"]
 
     @property
     def name(self) -> str:
         """The non-default values, e.g. `dp2 tp2 zero=1 dtype=bf16` (`single` for the defaults)."""
-        parts = [f"{d}{self[d]}" for d in ("dp", "tp", "pp", "ep") if self[d] != 1]
-        parts += [f"{d}={v}" for d, v in self.values if d not in ("dp", "tp", "pp", "ep") and v != DIMENSIONS[d][0]]
+        parts = [f"{d}{self[d]}" for d in ("dp", "tp", "pp", "ep", "cp") if self[d] != 1]
+        parts += [f"{d}={v}" for d, v in self.values
+                  if d not in ("dp", "tp", "pp", "ep", "cp") and v != DIMENSIONS[d][0]]
         return " ".join(parts) or "single"
 
 
@@ -140,6 +144,7 @@ def config(layout: Layout) -> Config:
         layout["dropout"]
     p.dp, p.tp, p.pp, p.ep, p.zero, p.offload = (layout[k] for k in ("dp", "tp", "pp", "ep", "zero", "offload"))
     p.sequence_parallel, p.tp_mode = layout["sequence_parallel"], layout["tp_mode"]
+    p.cp, p.cp_mode = layout["cp"], layout["cp_mode"]
     m.reversible = layout["reversible"]
     schedule, _, v = str(layout["schedule"]).partition(":")
     p.schedule, p.virtual_stages = schedule, int(v or 1)
@@ -186,7 +191,7 @@ def reference_config(layout: Layout) -> Config:
     c = config(layout)
     p, default = c.parallel, Config().parallel
     for name in ("dp", "tp", "pp", "ep", "zero", "offload", "schedule", "virtual_stages", "sequence_parallel",
-                 "partition", "tp_mode", "reshard_after_forward"):
+                 "partition", "tp_mode", "reshard_after_forward", "cp", "cp_mode"):
         setattr(p, name, getattr(default, name))
     c.memory.partition_checkpoints = False
     c.memory.contiguous = False  # bit-identical either way; with zero < 2 and no recompute it has nothing to hold
@@ -211,12 +216,11 @@ def enumerate_space(world: int) -> Iterator[Layout]:
     """Every accepted layout of exactly `world` processes (lazily: the space is the product of all dimensions)."""
     if world not in WORLD_SIZES:
         raise ConfigError(f"world size must be one of {', '.join(map(str, WORLD_SIZES))}, got {world}")
-    shapes = [(dp, tp, pp) for dp in DIMENSIONS["dp"] for tp in DIMENSIONS["tp"] for pp in DIMENSIONS["pp"]
-              if dp * tp * pp == world]
-    rest = [d for d in DIMENSIONS if d not in ("dp", "tp", "pp")]
-    for dp, tp, pp in shapes:
+    shapes = [shape for shape in itertools.product(*(DIMENSIONS[d] for d in GRID)) if math.prod(shape) == world]
+    rest = [d for d in DIMENSIONS if d not in GRID]
+    for shape in shapes:
         for combo in itertools.product(*(DIMENSIONS[d] for d in rest)):
-            layout = Layout.of(dp=dp, tp=tp, pp=pp, **dict(zip(rest, combo)))
+            layout = Layout.of(**dict(zip(GRID, shape)), **dict(zip(rest, combo)))
             if accepted(layout):
                 yield layout
 
@@ -249,7 +253,8 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
     checkpoints, 2d grid or zero bubble); keeping ZeRO-3 parameters gathered needs ZeRO-3 without nvme offload; FP8
     needs fp32 or bf16 parameters and a dense 1d model without reversible blocks, arenas or nvme offload;
     grouped-query attention is split by the 1d tensor parallelism only; RoPE scaling needs RoPE and the tanh GELU the
-    GELU MLP."""
+    GELU MLP; Ulysses needs cp > 1, and cp > 1 the 1d tensor parallelism and a block or attn-core recomputation
+    policy (not nth:k or ops:...)."""
     v = layout.as_dict()
 
     def want(dim: str, value: Any) -> None:
@@ -262,7 +267,7 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             for dim, value in (("sequence_parallel", False), ("offload", "none"), ("moe", "dense"), ("ep", 1),
                                ("optimizer", "adamw"), ("partition_checkpoints", False), ("compress", "none"),
                                ("offload_activations", False), ("reversible", False), ("contiguous", False),
-                               ("kv_heads", 0)):
+                               ("cp", 1), ("kv_heads", 0)):
                 want(dim, value)
             if v["zero"] >= 2:
                 want("zero", 1)
@@ -318,10 +323,16 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             want("zero", 3)
         if v["offload"] == "optimizer" and v["zero"] == 0:
             want("zero", 1)
-        for dim in ("dp", "tp", "pp"):  # over the world limit: halve what nobody asked for (a 2d grid keeps tp = 4)
+        if v["cp_mode"] != "ring" and v["cp"] == 1:  # parallel/context: Ulysses needs cp > 1
+            want("cp", 2)
+        if v["cp"] > 1:  # what context parallelism does not compose with (validate() says why)
+            want("tp_mode", "1d")
+            if v["recompute"] in ("nth:2", "ops:matmul"):
+                want("recompute", "full")
+        for dim in GRID:  # over the world limit: halve what nobody asked for (a 2d grid keeps tp = 4)
             if dim == "tp" and v["tp_mode"] == "2d":
                 continue
-            while v["dp"] * v["tp"] * v["pp"] > max_world and v[dim] > 1 and dim not in fixed:
+            while math.prod(v[d] for d in GRID) > max_world and v[dim] > 1 and dim not in fixed:
                 v[dim] //= 2
     return Layout.of(**v)
 
@@ -365,7 +376,7 @@ class _Search:
     def complete(self, fixed: dict[str, Any]) -> Layout | None:
         """An accepted layout with the `fixed` values: the defaults with what the fixed values need (`needs`),
         repaired by changing up to two other dimensions (None if there is none: the pair is refused)."""
-        if math.prod(fixed.get(d, 1) for d in ("dp", "tp", "pp")) > self.max_world:
+        if math.prod(fixed.get(d, 1) for d in GRID) > self.max_world:
             return None  # the fixed values alone need more processes
         base = needs(Layout.of(**fixed), set(fixed), self.max_world)
         if self.ok(base):
@@ -486,6 +497,8 @@ MEANING = {
     "tp_mode": "`parallel.tp_mode` (`2d`: SUMMA on a q x q grid, tp = 4)",
     "reversible": "`model.reversible` (RevNet blocks, half-width F and G)",
     "contiguous": "`memory.contiguous` (ZeRO-R arenas for checkpoints and ZeRO-2/3 gradient buffers)",
+    "cp": "`parallel.cp` (context parallelism: every sequence split over cp ranks)",
+    "cp_mode": "`parallel.cp_mode` (`ring`: ring attention, 2 x cp load-balanced chunks; `ulysses`: all-to-all)",
     "kv_heads": "`model.n_kv_heads` of the 4 heads (0: multi-head; 2: grouped-query, copied when tp = 4; 1: "
                 "multi-query)",
     "rope_scaling": "`model.rope_scaling.type` (`llama3`: with `model.rope_theta=500000`, original context 16)",

@@ -35,6 +35,8 @@ def layout_words(cfg: Config) -> str:
     words = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}"
     if p.tp_mode != "1d":  # 2d / 2.5d / 3d tensor parallelism (docs/tensor_parallel.md)
         words += f" tp_mode={p.tp_mode}" + (f" tp_depth={p.tp_depth}" if p.tp_mode == "2.5d" else "")
+    if p.cp > 1:  # context parallelism (docs/context_parallel.md)
+        words += f" cp={p.cp} cp_mode={p.cp_mode}"
     return words
 
 

@@ -44,6 +44,7 @@ class PipelineStages(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.seq_shards = seq_shards  # hidden states hold T / seq_shards positions (sequence parallelism)
+        self.positions = getattr(model, "positions", None)  # context parallelism: this rank's global positions
         self.stage_ids, self.bounds, self.n_stages = list(stage_ids), list(bounds), n_stages
         self.has_first, self.has_last = 0 in stage_ids, n_stages - 1 in stage_ids
         if self.has_first:  # registration order as in GPT, so buckets and state dicts line up
@@ -93,7 +94,8 @@ class PipelineStages(nn.Module):
             T = x.shape[1]
             h = self.wte(x)  # (B, T, C)
             if self.wpe is not None:
-                h = h + self.wpe(torch.arange(T, device=x.device))
+                pos = torch.arange(T, device=x.device) if self.positions is None else self.positions.to(x.device)
+                h = h + self.wpe(pos)
             x = self.drop(h)
             rope = self._rope(T, x.device)
         else:
@@ -108,7 +110,7 @@ class PipelineStages(nn.Module):
     def _rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         from scaletrain.model.gpt import rope_for
 
-        return rope_for(self.cfg, T, device)
+        return rope_for(self.cfg, T, device, self.positions)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -175,7 +177,7 @@ def split_pp(engine, model_cfg: ModelConfig, par: ParallelConfig, train: TrainCo
         from scaletrain.parallel.pipeline.rules import V_ON_NCCL
 
         raise ConfigError(V_ON_NCCL)
-    act_shape = (train.micro_batch, model_cfg.seq_len // shards, model_cfg.d_model)
+    act_shape = (train.micro_batch, model_cfg.seq_len // (shards * par.cp), model_cfg.d_model)  # cp: its tokens
     if par.tp_mode != "1d":  # 2d tensor parallelism: this rank's block
         from scaletrain.parallel.tensor_nd import local_activation_shape
 

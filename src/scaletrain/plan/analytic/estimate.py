@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from scaletrain.errors import UserError
-from scaletrain.plan.analytic import tp_nd
+from scaletrain.plan.analytic import context, tp_nd
 from scaletrain.plan.analytic.inputs import (
     DEFAULT_ASSUMPTIONS,
     OFFLOAD,
@@ -91,12 +91,16 @@ class Estimate:
 
 def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None = None) -> int:
     """Raise UserError for an impossible layout; return the number of microbatches per dp rank."""
-    for name in ("dp", "tp", "pp", "ep", "micro_batch", "virtual_stages"):
+    for name in ("dp", "tp", "pp", "ep", "micro_batch", "virtual_stages", "cp"):
         if getattr(lay, name) < 1:
             raise UserError(f"layout {name} must be >= 1, got {getattr(lay, name)}")
     if n_gpus is not None and lay.world != n_gpus:
-        raise UserError(f"layout dp ({lay.dp}) x tp ({lay.tp}) x pp ({lay.pp}) = {lay.world}"
+        cp = f" x cp ({lay.cp})" if lay.cp > 1 else ""
+        raise UserError(f"layout dp ({lay.dp}) x tp ({lay.tp}) x pp ({lay.pp}){cp} = {lay.world}"
                         f" does not match --gpus ({n_gpus})")
+    context.check_cp(m.seq_len, m.n_heads, m.kv_heads, lay.tp, lay.cp, lay.cp_mode)
+    if lay.cp > 1 and lay.tp_mode != "1d":
+        raise UserError(f"cp ({lay.cp}) > 1 needs tp_mode=1d, got {lay.tp_mode}")
     if lay.tp_mode != "1d" or lay.tp_depth != 1:  # 2d / 2.5d / 3d: the grid's own constraints
         tp_nd.check_layout(m, lay)
     elif m.n_heads % lay.tp:

@@ -90,6 +90,10 @@ class Layout:
     """PipeDream's vertical sync (schedule=pipedream): every stage keeps p weight versions instead of p - r."""
     tp_depth: int = 1
     """The depth d of tp_mode=2.5d."""
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (plan/analytic/context.py)."""
+    cp_mode: str = "ring"
+    """`ring` (ring attention, arXiv 2310.01889) or `ulysses` (all-to-all, arXiv 2309.14509)."""
     partition: str = "uniform"
     """How the blocks split into pp x virtual_stages stages: uniform, params, time, ends or block counts "7,8,8,7"
     (plan/analytic/stages.py; the engine's `parallel.partition`)."""
@@ -106,17 +110,20 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute",
                                                "schedule", "virtual_stages", "sequence_parallel", "offload",
-                                               "tp_mode", "tp_depth", "partition", "reshard_after_forward")}
+                                               "tp_mode", "tp_depth", "cp", "cp_mode", "partition",
+                                               "reshard_after_forward")}
 
     def short(self) -> str:
         mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth})" if self.tp_depth > 1
                                                                       else ")")
         s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
+        if self.cp > 1:
+            s += f" cp{self.cp}" + ("(ulysses)" if self.cp_mode == "ulysses" else "")
         if self.ep > 1:
             s += f" ep{self.ep}"
         s += f" z{self.zero}" + ("-keep" if self.zero == 3 and self.pp == 1 and not self.reshards else "")

@@ -20,6 +20,7 @@ import functools
 import math
 
 from scaletrain.optim.registry import optimizer_spec
+from scaletrain.plan.analytic import context
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Recompute, Training, recompute_policy
 from scaletrain.plan.analytic.params import StageParams, block_kinds, factored_statistics, param_counts
 from scaletrain.plan.analytic.stages import Stages, inflight_count, is_moe_block, peak_chunk_bytes
@@ -133,15 +134,16 @@ def rank_activation_bytes(m: ModelSpec, train: Training, lay: Layout, mbs: int, 
     inputs plus fp32 logits for the loss, 4sbv/t (Korthikanti Sec. 4.3)."""
     _, _, eb, _ = DTYPES[train.dtype]
     t, p, v, s, h = lay.tp, lay.pp, lay.virtual_stages, m.seq_len, m.d_model
-    tokens = lay.micro_batch * s
+    tokens = lay.micro_batch * s / lay.cp  # context parallelism: a rank holds T / cp tokens (context.py)
     # (the grid modes split every activation over the t ranks: Korthikanti's fully partitioned form, as with sp)
     sp = lay.sequence_parallel or lay.tp_mode != "1d"
+    attention = context.attention_kind(lay, train.attention)  # cp: the kernel the ring / Ulysses core runs
     sp_div = t if sp else 1
     pol = recompute_policy(lay.recompute)
     kinds = block_kinds(m)  # dense, MoE block
-    kept = [_block_bytes(x, tokens, t, sp, pol, train.attention, eb) for x in kinds]  # a block that is kept
-    whole = [layer_activation_bytes(x, tokens, t, sp, "none", train.attention, eb) for x in kinds]
-    ckpt = layer_activation_bytes(m, tokens, t, sp, "full", train.attention, eb)  # a checkpoint's input
+    kept = [_block_bytes(x, tokens, t, sp, pol, attention, eb) for x in kinds]  # a block that is kept
+    whole = [layer_activation_bytes(x, tokens, t, sp, "none", attention, eb) for x in kinds]
+    ckpt = layer_activation_bytes(m, tokens, t, sp, "full", attention, eb)  # a checkpoint's input
     out = []
     for g in st.groups:
         r = g.rank
@@ -195,13 +197,14 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, rank
     gb, pb = train.grad_bytes or gb, train.param_bytes or pb
     k, k_whole = optimizer_bytes(m, train)
     t, p, h = lay.tp, lay.pp, m.d_model
-    edp = lay.dp // lay.ep
-    tokens = lay.micro_batch * m.seq_len
+    dp = lay.dp * lay.cp  # gradients and ZeRO shards over dp x cp (context parallelism)
+    edp = dp // lay.ep
+    tokens = lay.micro_batch * m.seq_len / lay.cp
     sp_div = t if lay.sequence_parallel or lay.tp_mode != "1d" else 1
     pc = param_counts(m)
     rows = []
     for st, stage_acts in zip(ranks, acts):
-        params, grads, optim = memory_model_states(st.dense, lay.dp, lay.zero, pb, gb, k, st.expert, edp)
+        params, grads, optim = memory_model_states(st.dense, dp, lay.zero, pb, gb, k, st.expert, edp)
         if lay.schedule == "pipedream" and stage_ranks is not None:
             from scaletrain.parallel.pipeline.pipedream import stash_copies
 
@@ -223,9 +226,9 @@ def rank_memory(m: ModelSpec, train: Training, lay: Layout, a: Assumptions, rank
             from scaletrain.config.sizes import NVME_STEP_CHUNK as STEP_CHUNK
 
             params = grads = optim = 0.0
-            layer_shard = pc.layer_per_rank(t, lay.ep) / lay.dp
+            layer_shard = pc.layer_per_rank(t, lay.ep) / dp
             buffers += 3 * layer_shard * (pb + gb) + 3 * min(STEP_CHUNK, layer_shard) * (k + gb)
-        if lay.dp > 1 and lay.zero < 3:
+        if dp > 1 and lay.zero < 3:
             buffers += 2 * a.bucket_bytes
         if p > 1:  # send/recv buffers of one activation each way
             buffers += 2 * tokens * h * eb / sp_div

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from scaletrain.parallel.pipeline.balance import LayerCosts
-from scaletrain.plan.analytic import offload_costs, tp_nd
+from scaletrain.plan.analytic import context, offload_costs, tp_nd
 from scaletrain.plan.analytic.comm import allreduce_time, gather_time, group_link
 from scaletrain.plan.analytic.flops import attention_kept, forward_flops_per_token, layer_matmul_flops, step_flops
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_policy
@@ -57,6 +57,12 @@ class LayerTimes:
     """Reached HBM bandwidth, bytes/s."""
     tp_raw: float = 0.0
     """tp collectives of one pass before any overlap (what `tp_f` would be with all of it exposed)."""
+    cp_f: float = 0.0
+    """Context parallelism's exposed communication of the forward (ring steps not hidden, Ulysses' all-to-alls)."""
+    cp_b: float = 0.0
+    """... of the backward."""
+    cp_bytes: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) bytes one rank sends per attention call."""
 
     @property
     def forward(self) -> float:
@@ -111,8 +117,9 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     """Compute, memory traffic, tp and ep communication and recomputation of one layer and microbatch."""
     _, _, eb = _elem_bytes(train)
     t, b = lay.tp, lay.micro_batch
-    tokens = b * m.seq_len
+    tokens = b * m.seq_len / lay.cp  # context parallelism: this rank's tokens (its attention reads all T keys)
     peak = gpu.peak_flops
+    attention = context.attention_kind(lay, train.attention)
     nd = lay.tp_mode != "1d"  # 2d / 3d (tp_nd.py): a rank's GEMMs are h/q wide, every activation is split
     d = m.width / t if not nd else m.width / tp_nd.grid(lay.tp_mode, t).q
     eff = gpu.gemm_efficiency * d / (d + a.gemm_half_dim)
@@ -122,9 +129,9 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     fp8 = train.dtype == "fp8"  # the blocks' linear layers (split over tp) in FP8; experts, routers in bf16
     split_rate = gpu.fp8_flops * gpu.fp8_gemm_efficiency * d / (d + a.gemm_half_dim) if fp8 else peak * eff
     t_gemm = tokens * (mats_split / t / split_rate + mats_rep / (peak * eff)) / m.n_layers
-    t_attn = tokens * attn / m.n_layers / t / attention_rate(gpu, train, a, eff)
+    t_attn = tokens * attn / m.n_layers / t / attention_rate(gpu, attention, a, eff)
     sp = lay.sequence_parallel or nd
-    stored = layer_activation_bytes(m, tokens, t, sp, "none", train.attention, eb)
+    stored = layer_activation_bytes(m, tokens, t, sp, "none", attention, eb)
     t_mem = a.mem_traffic * stored / hbm + (fp8_cast_bytes(m, tokens, t) / hbm / 3 if fp8 else 0.0)
     tp_link = group_link(gpu, t, 1, a)
     msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
@@ -140,33 +147,36 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     # expert all-to-alls: dispatch + combine of capacity_factor x k slots per token, on the ep group (ranks
     # t apart: intra- or inter-node by `group_link`), per MoE layer; n_moe = the MoE share of the layers
     n_moe = m.n_moe_layers / m.n_layers
-    ep_link = group_link(gpu, lay.ep, t, a)
+    ep_link = group_link(gpu, lay.ep, t * lay.cp, a)
     a2a_bytes = msg * m.expert_slots_per_token
     t_ep = n_moe * 2 * gather_time(a2a_bytes, lay.ep, ep_link)
     f_layer = t_gemm + t_attn + t_mem
+    cp_f, cp_b, cp_bytes = context.layer_comm(m, gpu, lay, a, tokens, eb, t_attn)
     pol = recompute_policy(lay.recompute)
-    full = f_layer + t_tp + t_ep
+    full = f_layer + t_tp + t_ep + cp_f  # a recomputed forward sends its cp messages again (context.py)
     if pol.kind == "ops":  # everything but the kept ops' outputs runs again; in-place all-reduces on kept outputs not
-        kept_gemm, kept_attn = "matmul" in pol.ops, attention_kept(pol, train.attention)
-        r_block = t_mem + (0.0 if kept_gemm else t_gemm) + (0.0 if kept_attn else t_attn) + t_ep + \
+        kept_gemm, kept_attn = "matmul" in pol.ops, attention_kept(pol, attention)
+        r_block = t_mem + (0.0 if kept_gemm else t_gemm) + (0.0 if kept_attn else t_attn + cp_f) + t_ep + \
             (t_tp if sp or not kept_gemm else 0.0)
     elif pol.kind == "attn-core":  # the attention core again (with flash attention: the kernel's forward again)
-        r_block = t_attn + a.mem_traffic * (stored - layer_activation_bytes(
-            m, tokens, t, sp, "attn-core", train.attention, eb)) / hbm
+        r_block = t_attn + cp_f + a.mem_traffic * (stored - layer_activation_bytes(
+            m, tokens, t, sp, "attn-core", attention, eb)) / hbm
     else:
         r_block = 0.0 if pol.kind == "none" else full
     r_layer = r_block + full * m.reversible
     t_tp_b = t_tp_nd_b if nd else t_tp
-    return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm, t_tp_raw)
+    return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm, t_tp_raw,
+                      cp_f, cp_b, cp_bytes)
 
 
-def attention_rate(gpu: GPU, train: Training, a: Assumptions, eff: float) -> float:
+def attention_rate(gpu: GPU, attention: str, a: Assumptions, eff: float) -> float:
     """FLOP/s at which the attention core's counted FLOPs (the full s x s square, as MFU counts them) are done:
     unfused batched matmuls at `attn_efficiency` of the GEMM rate; the flash kernel at the GPU's
     `flash_efficiency` of peak on the work it executes - half the square for causal attention, 1 forward and 2.5
     backward (its backward recomputes the scores), which is 1.75 of the 3 passes counted - or, for a GPU
-    without that figure, at the GEMM rate."""
-    if train.attention == "standard":
+    without that figure, at the GEMM rate. `attention` is the kernel the layout runs (`context.attention_kind`:
+    ring attention is blockwise flash whatever the run's kernel)."""
+    if attention == "standard":
         return gpu.peak_flops * eff * a.attn_efficiency
     if not gpu.flash_efficiency:
         return gpu.peak_flops * eff
@@ -218,7 +228,7 @@ def kind_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpti
 
 def logits_time(m: ModelSpec, gpu: GPU, lay: Layout, a: Assumptions, lt: LayerTimes) -> float:
     """Forward of the head on one microbatch: the 2Vh logits GEMM and the fp32 logits' memory traffic."""
-    tokens = lay.micro_batch * m.seq_len
+    tokens = lay.micro_batch * m.seq_len / lay.cp  # context parallelism: this rank's tokens
     _, _, logits = forward_flops_per_token(m)
     t = lay.tp
     return tokens * logits / t / (gpu.peak_flops * lt.eff) + a.mem_traffic * tokens * 4 * m.vocab_size / t / lt.hbm
@@ -232,11 +242,11 @@ def block_time_costs(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: As
     _, _, eb = _elem_bytes(train)
     lt = layer_times(m, gpu, train, lay, a)
     kinds = kind_times(m, gpu, train, lay, a, lt)
-    per = [3 * k.forward + k.tp_f + k.tp_b + 2 * k.ep + k.recompute for k in kinds]
+    per = [3 * k.forward + k.tp_f + k.tp_b + 2 * k.ep + k.cp_f + k.cp_b + k.recompute for k in kinds]
     blocks = tuple(per[is_moe_block(m, i)] for i in range(m.n_layers))
-    embed = 3 * lay.micro_batch * m.seq_len * m.d_model * eb / lt.hbm  # a gather, and its gradient's scatter-add
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    embed = 3 * tokens * m.d_model * eb / lt.hbm  # a gather, and its gradient's scatter-add
     return LayerCosts(blocks, embed, 3 * logits_time(m, gpu, lay, a, lt), "s")
-
 
 def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptions, mbs: int,
                    lt: LayerTimes, st: Stages) -> PipelineTimes:
@@ -244,10 +254,10 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     pipeline's step time and bubble (`stages.pipeline_makespan`); the fields are the heaviest rank's."""
     _, _, eb = _elem_bytes(train)
     t, p, v = lay.tp, lay.pp, lay.virtual_stages
-    tokens = lay.micro_batch * m.seq_len
+    tokens = lay.micro_batch * m.seq_len / lay.cp  # context parallelism: this rank's tokens
     t_logits = logits_time(m, gpu, lay, a, lt)
     pp_bytes = tokens * m.d_model * eb / t  # Megatron's scatter/gather of the p2p message over tp ranks
-    pp_link = group_link(gpu, p, t * lay.dp, a)
+    pp_link = group_link(gpu, p, t * lay.dp * lay.cp, a)
     t_pp = v * (pp_bytes / pp_link[0] + pp_link[1]) if p > 1 else 0.0
     kinds = kind_times(m, gpu, train, lay, a, lt)
     fwd, bwd, wgt = [], [], []
@@ -257,9 +267,9 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     recomp, tp_again = [], []
     for g in groups:
         n, again = (g.dense, g.moe), recomputed_blocks(m, st, g, pol)
-        fwd.append(sum(c * (k.forward + k.tp_f + k.ep) for c, k in zip(n, kinds)))
+        fwd.append(sum(c * (k.forward + k.tp_f + k.ep + k.cp_f) for c, k in zip(n, kinds)))
         recomp.append(sum(r * k.recompute for r, k in zip(again, kinds)))
-        bwd.append(sum(c * (2 * k.forward + k.tp_b + k.ep) for c, k in zip(n, kinds)) + recomp[-1])
+        bwd.append(sum(c * (2 * k.forward + k.tp_b + k.ep + k.cp_b) for c, k in zip(n, kinds)) + recomp[-1])
         tp_again.append(sum(again) if pol.kind in ("full", "every", "nth") or (
             pol.kind == "ops" and (lay.sequence_parallel or "matmul" not in pol.ops)) else 0.0)
         wgt.append(sum(c * k.gemm for c, k in zip(n, kinds)))  # weight-gradient GEMMs (the zero-bubble W pass)
@@ -387,8 +397,9 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     lt = layer_times(m, gpu, train, lay, a)
     pt = pipeline_times(m, gpu, train, lay, a, mbs, lt, stages)
     st = max(ranks, key=lambda x: x.total)
-    t_dp, dp_bytes = dp_time(m, gpu, train, lay, a, st, mbs, lt, pt)
-    t_opt, t_off, shard = optimizer_time(m, gpu, train, lay, a, st, mbs, k, pt, lps)
+    reduce_lay = context.as_reduction_layout(lay)  # gradients reduced and ZeRO-sharded over dp x cp
+    t_dp, dp_bytes = dp_time(m, gpu, train, reduce_lay, a, st, mbs, lt, pt)
+    t_opt, t_off, shard = optimizer_time(m, gpu, train, reduce_lay, a, st, mbs, k, pt, lps)
 
     slow = straggler_factor(n_gpus, a.gpu_speed_spread)
     step = (pt.pipe + t_opt) * slow + t_dp + t_off
@@ -398,10 +409,12 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
     recomp = pt.recompute
     tp_c = lps * (lt.tp_f + lt.tp_b)
     ep_c = lps * 2 * lt.ep
-    share = pt.busy / max(mbs * (comp + recomp + tp_c + ep_c + 2 * pt.pp), 1e-30)
+    cp_c = lps * (lt.cp_f + lt.cp_b)
+    share = pt.busy / max(mbs * (comp + recomp + tp_c + ep_c + cp_c + 2 * pt.pp), 1e-30)
     breakdown = {
         "compute": mbs * comp * share, "recompute": mbs * recomp * share, "tp_comm": mbs * tp_c * share,
-        "ep_comm": mbs * ep_c * share, "pp_comm": mbs * 2 * pt.pp * share, "bubble": pt.bubble,
+        "ep_comm": mbs * ep_c * share, "cp_comm": mbs * cp_c * share, "pp_comm": mbs * 2 * pt.pp * share,
+        "bubble": pt.bubble,
         "dp_comm": t_dp, "optimizer": t_opt, "offload": t_off, "stragglers": (pt.pipe + t_opt) * (slow - 1),
     }
     tp_bytes = 0.0
@@ -414,11 +427,25 @@ def step_cost(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumptio
         tp_bytes = mbs * lps * n_coll * 2 * (t - 1) / t * lt.msg
     ep_bytes = mbs * lps * lt.n_moe * 4 * (lay.ep - 1) / lay.ep * lt.a2a_bytes if lay.ep > 1 else 0.0
     pp_total = mbs * 2 * v * pt.pp_bytes if p > 1 else 0.0
+    cp_f_bytes, cp_b_bytes = lt.cp_bytes
+    cp_fwds = 1 + cp_again(pol, pt, lps, context.attention_kind(lay, train.attention)) + m.reversible
     comm = {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_total, "ep": ep_bytes,
+            "cp": mbs * lps * (cp_fwds * cp_f_bytes + cp_b_bytes),
             "offload": (shard * (gb + pb) if lay.offload != "none" else 0.0)}
     return StepCost(step, train.global_batch * s / step, model_f / step / n_gpus / 1e12,
                     hw_f / step / n_gpus / 1e12, model_f / step / n_gpus / gpu.peak_flops,
                     pt.bubble / pt.pipe if pt.pipe else 0.0, breakdown, comm, tp_notes(lay, a, lt))
+
+
+def cp_again(pol, pt: PipelineTimes, lps: float, attention: str) -> float:
+    """Extra forwards per block whose context-parallel messages are sent again in backward (context.py): the share
+    of the heaviest rank's blocks that are checkpoints (full, every:k, nth:k), the attention core of every block
+    with attn-core and with ops:... unless the attention output is kept."""
+    if pol.kind in ("full", "every", "nth"):
+        return pt.tp_again / max(lps, 1)
+    if pol.kind == "attn-core" or (pol.kind == "ops" and not attention_kept(pol, attention)):
+        return 1.0
+    return 0.0
 
 
 def straggler_factor(n: int, spread: float) -> float:

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from scaletrain.config import Config
 from scaletrain.config.parse import parse_recompute
+from scaletrain.plan.exact.cp_memory import dp_cp_ranks
 
 
 def gathered_param_bytes(cfg: Config, stages: list[nn.Module]) -> int | None:
@@ -35,12 +36,13 @@ def gathered_param_bytes(cfg: Config, stages: list[nn.Module]) -> int | None:
     experts = cfg.model.moe.experts > 0 and par.ep > 1
     if not keep and (experts or parse_recompute(cfg.memory.recompute).kind == "every"):
         return None
-    dp = par.dp * (par.tp_depth if par.tp_mode == "2.5d" else 1)
+    n = dp_cp_ranks(par)  # ZeRO shards over dp x cp (context parallelism)
+    dp = n * (par.tp_depth if par.tp_mode == "2.5d" else 1)
     peak = 0
     for module in stages:
         params = [p for p in module.parameters() if p.requires_grad]
         parts = [([p for p in params if not getattr(p, "_st_expert", False)], dp),
-                 ([p for p in params if getattr(p, "_st_expert", False)], max(1, par.dp // par.ep))]
+                 ([p for p in params if getattr(p, "_st_expert", False)], max(1, n // par.ep))]
         units = [math.ceil(sum(p.numel() for p in g) / n) * n * g[0].element_size()
                  for own, n in parts if own for g in group_params(module, 3, par.bucket_mb, params=own)]
         if keep:

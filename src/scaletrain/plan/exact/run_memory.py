@@ -42,6 +42,14 @@ from scaletrain.config import Config, ModelConfig
 from scaletrain.plan.analytic import offload_costs
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.exact import tp_nd_memory
+from scaletrain.plan.exact.cp_memory import (
+    cp_core_extra,
+    cp_rope_extra,
+    dp_cp_ranks,
+    expert_rank,
+    loader_ids_bytes,
+    loader_targets_bytes,
+)
 from scaletrain.plan.exact.gathered import gathered_param_bytes
 
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -193,13 +201,14 @@ def _zero_bytes(cfg: Config, module: nn.Module, params: list[nn.Parameter]) -> d
     kw = dict(optimizer=o.name, beta1=o.use_beta1, momentum=o.momentum > 0)
     experts = [p for p in params if getattr(p, "_st_expert", False)]
     if not experts:
-        dp = par.dp * (par.tp_depth if par.tp_mode == "2.5d" else 1)  # 2.5d: ZeRO over dp x depth (tp2p5d.py)
+        dp = dp_cp_ranks(par) * (par.tp_depth if par.tp_mode == "2.5d" else 1)  # 2.5d: dp x depth (tp2p5d.py)
         ranks = predict_bytes_per_rank(module, par.zero, dp, par.bucket_mb, par.offload, **kw)
         return {k: max(r[k] for r in ranks) for k in ranks[0]}
     dense = [p for p in params if not getattr(p, "_st_expert", False)]
-    d = predict_bytes_per_rank(module, par.zero, par.dp, par.bucket_mb, par.offload, params=dense, **kw)
-    e = predict_bytes_per_rank(module, par.zero, par.dp // par.ep, par.bucket_mb, par.offload, params=experts, **kw)
-    return {k: max(d[r][k] + e[r // par.ep][k] for r in range(par.dp)) for k in d[0]}
+    n = dp_cp_ranks(par)  # dense parameters over dp x cp, experts over edp x cp (parallel/experts.py)
+    d = predict_bytes_per_rank(module, par.zero, n, par.bucket_mb, par.offload, params=dense, **kw)
+    e = predict_bytes_per_rank(module, par.zero, n // par.ep, par.bucket_mb, par.offload, params=experts, **kw)
+    return {k: max(d[r][k] + e[expert_rank(par, r)][k] for r in range(n)) for k in d[0]}
 
 
 def nvme_shards(cfg: Config, module: nn.Module | None = None) -> tuple[list[int], int, bool, int]:
@@ -209,7 +218,7 @@ def nvme_shards(cfg: Config, module: nn.Module | None = None) -> tuple[list[int]
 
     if module is None:
         module = engine_module_on_meta(cfg, 0)
-    n = cfg.parallel.dp
+    n = dp_cp_ranks(cfg.parallel)
     shards = [max(1, math.ceil(sum(p.numel() for p in g) / n)) for g in group_params(module, 3, cfg.parallel.bucket_mb)]
     low = cfg.train.dtype in LOW
     e = _TORCH[cfg.train.dtype].itemsize
@@ -277,8 +286,11 @@ def _sizes(cfg: Config) -> dict:
     low = dtype in LOW
     e = _TORCH[dtype].itemsize
     nkv, hd = kv_heads(m), m.d_model // m.n_heads
+    cp = par.cp if par.cp > 1 else 1  # context parallelism: a rank holds T / cp positions of every sequence
     return dict(
-        n=cfg.train.micro_batch * m.seq_len, T=m.seq_len, c=m.d_model, f=ffn_size(m), nh=m.n_heads,
+        n=cfg.train.micro_batch * m.seq_len // cp, T=m.seq_len, Tl=m.seq_len // cp, cp=cp,
+        ring=cp > 1 and par.cp_mode == "ring", ulysses=cp > 1 and par.cp_mode == "ulysses",
+        c=m.d_model, f=ffn_size(m), nh=m.n_heads,
         hd=hd, t=t, sp=par.sequence_parallel and t > 1, e=e, low=low,
         # grouped-query attention (q and kv projections): the key (and value) width as the division by t sees it,
         # kv heads x hd x t / min(t, kv heads) (a kv head is copied on t / kv heads ranks when t is larger)
@@ -372,18 +384,20 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     dropout = cfg.model.dropout > 0
     glob = cfg.model.dropout_impl == "global"  # layout-independent masks: bool, explicit attention
     mask = 1 if glob else e  # bytes per element of a saved dropout mask (torch's CPU dropout keeps x's dtype)
-    explicit = dropout and glob and recompute != "attn-core"
+    # ring attention applies its dropout masks inside its blocks and keeps what a flash kernel keeps (cp_memory.py)
+    explicit = dropout and glob and recompute != "attn-core" and not s["ring"]
     if explicit:
         # explicit attention: q, k, v (views of the qkv output, 3c), the probabilities, their bool mask and the
         # dropped probabilities (nh T each); the causal mask (T x T bool, per block, below); projection input (c)
         core = 3 * c * e + nh * s["T"] * (2 * e + 1) + c * e
-    elif dropout and recompute != "attn-core":
+    elif dropout and recompute != "attn-core" and not s["ring"]:
         # math kernel (fp32 under bf16/fp16): scaled q, k and v copies (3c), the probabilities, their
         # dropout mask and the dropped probabilities (3 nh T); no log-sum-exp; the projection's input is
         # a copy of the output (c)
         core = 3 * c * e32 + 3 * nh * s["T"] * e32 + c * e
     else:
         core = qkv * e + c * e + (0 if recompute == "attn-core" else nh * e32)
+    core += cp_core_extra(s, explicit, recompute)
     replicated = n * (2 * c * e32 + 4 * e32 + 2 * c * e) // rep
     split = n * (core + mlp * e) // t
     total = replicated + split + (s["T"] ** 2 if explicit else 0)
@@ -392,8 +406,10 @@ def layer_saved_bytes(cfg: Config, recompute: str = "none") -> int:
     if dropout:
         total += n * 2 * c * mask // rep  # the masks of the two residual dropouts
     if cfg.model.position == "rope":  # rotated q and k, the projection's input a copy (`_rope_extra`); the cos/sin
-        tables = 0 if e == 8 else 2 * s["T"] * s["hd"] * e  # tables cast to the activations' dtype
-        total += n * _rope_extra(s, dropout, recompute) * e // t + tables
+        tables = 0 if e == 8 else 2 * s["Tl"] * s["hd"] * e  # tables cast to the activations' dtype (this rank's)
+        # ring attention runs the flash kernel's blocks even with dropout; Ulysses keeps no extra (cp_memory.py)
+        rope = _rope_extra(s, dropout and not s["ring"], recompute)
+        total += n * (rope if recompute == "attn-core" else cp_rope_extra(s, rope)) * e // t + tables
     if cfg.memory.offload_activations:
         # recompute none: every saved tensor with autograd history goes to the host; the norms' statistics
         # and the log-sum-exp (outputs without a gradient) and the rope tables stay
@@ -424,9 +440,9 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
         if t > 1:
             total += 9 * n
         else:
-            total += 8 * cfg.train.global_batch * (cfg.model.seq_len + 1)
+            total += loader_ids_bytes(cfg, s)
         if cfg.model.position == "learned":
-            total += 8 * s["T"]
+            total += 8 * s["Tl"]
         if cfg.model.dropout > 0:  # the embedding dropout's mask (bool with the global implementation)
             total += n * c * (1 if cfg.model.dropout_impl == "global" else e) // rep
     if last and s["autocast"]:  # fp32 ln_f; the head's bf16 input and weight copies; the loss on fp32 logits
@@ -438,7 +454,7 @@ def outside_saved_bytes(cfg: Config, first: bool, last: bool, tied_copy: bool) -
         if t > 1:
             total += n * s["Vt"] * e32 + 9 * n
         else:
-            total += n * s["V"] * e32 + 8 * n + e32
+            total += n * s["V"] * e32 + loader_targets_bytes(cfg, s) + e32
         if tied_copy:
             total += s["Vt"] * c * e
     return total
@@ -586,7 +602,7 @@ def rope_table_bytes(cfg: Config, lo: int = 0, hi: int = 1) -> int:
         return 0
     mode = parse_recompute(cfg.memory.recompute)
     if mode.kind in ("none", "attn-core") or (mode.kind == "nth" and any(i % mode.k for i in range(lo, hi))):
-        return 8 * cfg.model.seq_len * (cfg.model.d_model // cfg.model.n_heads)
+        return 8 * _sizes(cfg)["Tl"] * (cfg.model.d_model // cfg.model.n_heads)
     return 0
 
 
