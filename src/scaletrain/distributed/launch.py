@@ -197,19 +197,28 @@ def run_torchrun(cmd: list[str], env: dict[str, str], launcher_log: Path) -> int
 
 
 class Tee:
-    """A text stream that writes to `stream` (the terminal, or the launcher's log) and to a rank's log file."""
+    """A text stream that writes to `stream` (the terminal, or the launcher's log) and to a rank's log file. The copy
+    is best effort: a log that cannot be written (a full disk) is dropped, never the rank's output or the rank."""
 
     def __init__(self, stream, log):
         self.stream, self.log = stream, log
 
     def write(self, text: str) -> int:
         self.stream.write(text)
-        self.log.write(text)
+        if self.log is not None:
+            try:
+                self.log.write(text)
+            except OSError:
+                self.log = None
         return len(text)
 
     def flush(self) -> None:
         self.stream.flush()
-        self.log.flush()
+        if self.log is not None:
+            try:
+                self.log.flush()
+            except OSError:
+                self.log = None
 
     def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's
         return getattr(self.stream, name)
@@ -229,7 +238,7 @@ class LauncherLines:
         """Stop copying and write the lines so far to `path` (the launcher appends torchrun's to it)."""
         self.stop()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.buf.getvalue())
+        path.write_text(self.buf.getvalue(), errors="surrogateescape")
 
     def text(self) -> str:
         """Stop copying; the lines so far (a single-process run writes them once its checkpoint is read)."""
@@ -286,26 +295,42 @@ class WorkerContext:
             # one process: held in memory until `commit` (a refused resume leaves the run's logs as they were)
             if self.logs is None:
                 f = self.pending = io.StringIO()
+                f.write(rank_header(0))
             else:
-                f = self._open()
-            f.write(rank_header(0))
+                f = self._open(rank_header(0))
             self.saved = (sys.stdout, sys.stderr, f)
             sys.stdout, sys.stderr = Tee(sys.stdout, f), Tee(sys.stderr, f)
         return self
 
-    def _open(self):
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        return open(self.log_dir / "rank0.log", "w", buffering=1)
+    def _open(self, first: str):
+        """rank0.log starting with `first`, or None where it cannot be written (a full disk): the run goes on
+        without its copy."""
+        path, f = self.log_dir / "rank0.log", None
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            f = open(path, "w", buffering=1, errors="surrogateescape")
+            f.write(first)
+            f.flush()
+            return f
+        except OSError:
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)  # no partial log left behind
+            return None
 
     def commit(self) -> None:
         """A single-process run whose checkpoint was read: its logs are written from now on (launcher.log with the
         command's lines, rank0.log with what the rank printed so far)."""
         if self.pending is None or self.saved is None:
             return
-        f = self._open()
-        f.write(self.pending.getvalue())
-        if self.launcher_lines is not None:
-            (self.log_dir / "launcher.log").write_text(self.launcher_lines)
+        f = self._open(self.pending.getvalue())  # its header and what it printed so far
+        try:
+            if self.launcher_lines is not None:
+                (self.log_dir / "launcher.log").write_text(self.launcher_lines, errors="surrogateescape")
+        except OSError:
+            pass  # a full disk: the logs are a copy of what the terminal shows; the run goes on
         sys.stdout.log = sys.stderr.log = f
         self.saved = (*self.saved[:2], f)
         self.pending = None
@@ -318,8 +343,10 @@ class WorkerContext:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 sys.stdout, sys.stderr, f = self.saved
-                f.close()
                 self.saved = None
+                with contextlib.suppress(OSError):
+                    if f is not None:
+                        f.close()
 
     def _exit(self, exc) -> bool:
         if exc is None or self.logs is None or isinstance(exc, (SystemExit, KeyboardInterrupt)):
