@@ -279,24 +279,46 @@ def train_reference(overrides: dict) -> tuple[dict, dict]:
     return result.losses, t.full_state()
 
 
-def train_reference_rules(overrides: dict, rules: tuple[str, ...]) -> tuple[dict, dict]:
-    """One process, step t computing its gradient at the current weights (`sync`) or, PipeDream-2BW's rule
-    (`2bw`, arXiv 2006.09503), at the version before the last update (W(0) = W(1); entering 2BW from a synchronous
-    step likewise starts with the older version equal to the current one). Clipping by the global norm, AdamW.
-    Written independently of the engine: (losses by step, final parameters)."""
+def plain_setup(overrides: dict):
+    """The plain loops' (cfg, fp64 model, AdamW with decay on matrices, BatchLoader) for `overrides` with every
+    parallel setting at its default: what the independent references below train."""
     from scaletrain.data import BatchLoader, load_tokens
-    from scaletrain.model import build_gpt, loss_sum
-    from scaletrain.train.schedule import lr_at
+    from scaletrain.model import build_gpt
 
     cfg = make_config({k: v for k, v in overrides.items() if not k.startswith(("parallel.", "_"))})
     t, o = cfg.train, cfg.optim
-    current = build_gpt(cfg.model, t.seed, "cpu", torch.float64)
-    params = list(current.parameters())
+    model = build_gpt(cfg.model, t.seed, "cpu", torch.float64)
+    params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=t.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     loader = BatchLoader(load_tokens(cfg.data.source, cfg.data.cache_dir), cfg.model.seq_len, t.global_batch,
                          t.seed, cfg.data.val_fraction, cfg.model.vocab_size)
+    return cfg, model, opt, loader
+
+
+def clip_and_step(params: list, opt, step: int, train) -> None:
+    """Clip the gradients by their global norm (train.grad_clip, eps 1e-6), set step's learning rate, step AdamW."""
+    from scaletrain.train.schedule import lr_at
+
+    norm = torch.sqrt(sum(p.grad.square().sum() for p in params)).item()
+    if train.grad_clip > 0 and train.grad_clip / (norm + 1e-6) < 1:
+        for p in params:
+            p.grad.mul_(train.grad_clip / (norm + 1e-6))
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, train)
+    opt.step()
+
+
+def train_reference_rules(overrides: dict, rules: tuple[str, ...]) -> tuple[dict, dict]:
+    """One process, step t computing its gradient at the current weights (`sync`) or, PipeDream-2BW's rule
+    (`2bw`, arXiv 2006.09503), at the version before the last update (W(0) = W(1); entering 2BW from a synchronous
+    step likewise starts with the older version equal to the current one). Clipping by the global norm, AdamW.
+    Written independently of the engine: (losses by step, final parameters)."""
+    from scaletrain.model import loss_sum
+
+    cfg, current, opt, loader = plain_setup(overrides)
+    params = list(current.parameters())
     losses, older = {}, None
     for step, rule in enumerate(rules, start=1):
         if rule == "2bw" and older is None:
@@ -310,14 +332,8 @@ def train_reference_rules(overrides: dict, rules: tuple[str, ...]) -> tuple[dict
         if at is not current:
             for p, q in zip(current.parameters(), at.parameters()):
                 p.grad = q.grad.clone()
-        norm = torch.sqrt(sum(p.grad.square().sum() for p in params)).item()
-        if t.grad_clip > 0 and t.grad_clip / (norm + 1e-6) < 1:
-            for p in params:
-                p.grad.mul_(t.grad_clip / (norm + 1e-6))
         before = copy.deepcopy(current.state_dict())
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
-        opt.step()
+        clip_and_step(params, opt, step, cfg.train)
         if rule == "2bw":
             older.load_state_dict(before)  # W(t): what the next 2BW step computes at
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from harness import make_config
+from harness import clip_and_step, plain_setup
 
 
 def stage_of(name: str, n_layers: int, p: int) -> int:
@@ -38,24 +38,15 @@ def forward_versions(rows: list[dict]) -> dict[tuple[int, int], int]:
 
 def replay(overrides: dict, rows: list[dict], p: int) -> tuple[dict, dict]:
     """(losses by step, final parameters) recomputed from the version log rows of all stages."""
-    from scaletrain.data import BatchLoader, load_tokens
-    from scaletrain.model import build_gpt, loss_sum
-    from scaletrain.train.schedule import lr_at
+    from scaletrain.model import loss_sum
 
-    cfg = make_config({k: v for k, v in overrides.items() if not k.startswith(("parallel.", "_"))})
-    t, o = cfg.train, cfg.optim
-    model = build_gpt(cfg.model, t.seed, "cpu", torch.float64)
+    cfg, model, opt, loader = plain_setup(overrides)
     named = dict(model.named_parameters())
     params = list(named.values())
-    opt = torch.optim.AdamW([{"params": [q for q in params if q.ndim >= 2], "weight_decay": o.weight_decay},
-                             {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}],
-                            lr=t.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    loader = BatchLoader(load_tokens(cfg.data.source, cfg.data.cache_dir), cfg.model.seq_len, t.global_batch,
-                         t.seed, cfg.data.val_fraction, cfg.model.vocab_size)
     versions = {0: {n: q.detach().clone() for n, q in named.items()}}
     used = forward_versions(rows)
     losses = {}
-    for step in range(1, t.steps + 1):
+    for step in range(1, cfg.train.steps + 1):
         at = copy.deepcopy(model)
         with torch.no_grad():
             for n, q in at.named_parameters():
@@ -66,12 +57,6 @@ def replay(overrides: dict, rows: list[dict], p: int) -> tuple[dict, dict]:
         losses[step] = loss.item()
         for q, g in zip(named.values(), at.parameters()):
             q.grad = g.grad.clone()
-        norm = torch.sqrt(sum(q.grad.square().sum() for q in params)).item()
-        if t.grad_clip > 0 and t.grad_clip / (norm + 1e-6) < 1:
-            for q in params:
-                q.grad.mul_(t.grad_clip / (norm + 1e-6))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
-        opt.step()
+        clip_and_step(params, opt, step, cfg.train)
         versions[step] = {n: q.detach().clone() for n, q in named.items()}
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

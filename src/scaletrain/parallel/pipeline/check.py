@@ -272,13 +272,19 @@ def check_2bw_steps(steps: list[list[list[Action]]], p: int, m: int) -> None:
             for a in lists[r]:
                 if a.batch not in (0, 1) or (a.batch and t == n_steps - 1):
                     raise ValueError(f"step {t} rank {r}: {a} has batch {a.batch}")
-        try:
-            _check_matching(lists, p)
-            _check_deadlock(lists, p)
-        except ValueError as e:
-            raise ValueError(f"step {t}: {e}") from None
+        check_step_messages(t, lists, p)
     for r in range(p):
         _check_2bw_sequence([(t, a) for t, lists in enumerate(steps) for a in lists[r]], r, p, m, n_steps)
+
+
+def check_step_messages(t: int, lists: list[list[Action]], p: int) -> None:
+    """One step's lists of a schedule that steps as a whole (2BW, PipeDream): every message matched within the
+    step, and no deadlock under blocking sends; ValueError naming the step."""
+    try:
+        _check_matching(lists, p)
+        _check_deadlock(lists, p)
+    except ValueError as e:
+        raise ValueError(f"step {t}: {e}") from None
 
 
 def _check_2bw_sequence(seq: list[tuple[int, Action]], r: int, p: int, m: int, n_steps: int) -> None:

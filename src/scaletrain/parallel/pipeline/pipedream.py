@@ -28,6 +28,7 @@ a run of steps.
 
 from __future__ import annotations
 
+from scaletrain.parallel.pipeline.check import check_step_messages
 from scaletrain.parallel.pipeline.schedules import Action, Compute, Op, _insert_comms
 
 
@@ -100,15 +101,9 @@ def check_pipedream(p: int, n_steps: int = 5, drains: tuple[int, ...] = ()) -> N
     and each rank's sequence: minibatch t's backward in step t, after its forward; the forward's receive
     before it and its send after it; p - r minibatches in flight just before each update in steady state.
     """
-    from scaletrain.parallel.pipeline.check import _check_deadlock, _check_matching
-
     steps = [build_pipedream_step(p, f, la) for f, la in phases(n_steps, drains)]
     for t, lists in enumerate(steps):
-        try:
-            _check_matching(lists, p)
-            _check_deadlock(lists, p)
-        except ValueError as e:
-            raise ValueError(f"step {t}: {e}") from None
+        check_step_messages(t, lists, p)
     for r in range(p):
         _check_rank(steps, r, p, drains)
 
