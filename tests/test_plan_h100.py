@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 
+import pytest
 from test_plan_published import DEV_ROWS, TT_H100_SRC, errors, predict
 
 from scaletrain.commands.plan import config_layout, config_training
@@ -105,3 +106,30 @@ def test_our_h100_runs_as_measured():
     slower than eager, 54%."""
     ratios = [meas / planned_step(s, v) for s, v, meas in OURS]
     assert [round(x, 2) for x in ratios] == [1.15, 1.18, 1.10, 1.11, 1.54, 1.11]
+
+
+def test_plan_kernels_flag_prices_eager_blocks_and_config_takes_it_from_train_compile(capsys, tmp_path):
+    """`plan --kernels eager` adds the eager element-wise traffic to the same layout (and says so in --json);
+    `plan --config` reads it from train.compile, so --kernels with it is refused in one line, exit 2."""
+    import json
+
+    from scaletrain.cli import main
+
+    argv = ["plan", "--model", "gpt3-1.3b", "--gpu", "h100-80gb", "--gpus", "8", "--global-batch", "64",
+            "--layout", "dp=8,tp=1,pp=1,zero=1,mb=2,recompute=none", "--top", "1", "--json"]
+    steps = {}
+    for kernels in ("fused", "eager"):
+        assert main(argv + ["--kernels", kernels]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["training"]["kernels"] == kernels
+        steps[kernels] = doc["candidates"][0]["step_time_s"]
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["candidates"][0]["step_time_s"] == steps["fused"]
+    assert steps["eager"] > 1.05 * steps["fused"]
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(our_config("125m", "eager").to_yaml())
+    assert main(["plan", "--config", str(cfg), "--gpu", "h100-80gb", "--kernels", "eager"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kernels would be ignored" in err and "\n" not in err
+    with pytest.raises(SystemExit) as bad:  # argparse's choices: one line, exit 2
+        main(["plan", "--kernels", "jit"])
+    assert bad.value.code == 2 and "invalid choice: 'jit'" in capsys.readouterr().err

@@ -165,8 +165,8 @@ class Assumptions:
     its output back, where fused kernels make one pass. Fitted on two measured eager / compiled pairs, the same model
     and GPU with only the kernels changed (tests/test_plan_h100.py): our GPT-3 125M on one H100 (benchmarks/RESULTS.md
     "GPU fast path": 0.0611 s eager, 0.0528 s compiled) gives 3.30, torchtitan's Llama 3.1 8B on 8 H100 (pytorch/
-    torchtitan docs/performance.md Table 1: 5,762 and 6,667 tokens/s per GPU) 3.76; their mean, 3.5. On H100 (3x A100's
-    FLOP/s, 1.6x its bandwidth) this memory-bound work weighs about twice as much as on A100."""
+    torchtitan docs/performance.md Table 1: 5,762 and 6,667 tokens/s per GPU) 3.76; their mean, 3.5. On H100 (3.2x
+    A100's FLOP/s, 1.6x its bandwidth) this memory-bound work weighs about twice as much as on A100."""
     hbm_efficiency: float = 0.8
     tp_comm_overlap: bool = False
     """Tensor-parallel communication overlapped with its GEMMs (`--tp-overlap`; Megatron's tp-comm-overlap, PyTorch's
