@@ -146,8 +146,6 @@ def test_planner_counts_the_stashed_versions_and_the_minibatches_in_flight():
     ({"parallel.pp": 2, "train.global_batch": 2, "parallel.zero": 1}, "parallel.zero"),
     ({"parallel.pp": 2, "train.global_batch": 2, "model.dropout": 0.1}, "model.dropout"),
     ({"parallel.pp": 1, "train.global_batch": 2}, "needs parallel.pp > 1"),
-    ({"parallel.pp": 2, "train.global_batch": 2, "memory.recompute": "full"}, "memory.recompute=full"),
-    ({"parallel.pp": 2, "train.global_batch": 2, "memory.compress": "bf16"}, "memory.compress=bf16"),
     ({"parallel.pp": 2, "train.global_batch": 2, "train.compile": "true"}, "train.compile=true"),
     ({"parallel.pp": 2, "train.global_batch": 2, "parallel.schedule": "1f1b", "parallel.vertical_sync": "true"},
      "vertical_sync"),
@@ -184,6 +182,10 @@ PP2 = {"pp2": {"parallel.pp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.sched
        "pp2-drain": {"parallel.pp": 2, "train.checkpoint_every": 3, "_out": ""},
        "pp2-vsync": {"parallel.pp": 2, "parallel.vertical_sync": "true"}}
 FOUR = {"pp4": {"parallel.pp": 4}, "pp4-vsync": {"parallel.pp": 4, "parallel.vertical_sync": "true"},
+        # the memory savers' pp4 case (the pp2 ones: tests/test_pipedream_savers.py)
+        "pp4-vsync-recompute-offload-contiguous": {"parallel.pp": 4, "parallel.vertical_sync": "true",
+                                                   "memory.recompute": "full", "memory.offload_activations": "true",
+                                                   "memory.contiguous": "true"},
         "dp2-pp2": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4}}
 
 
