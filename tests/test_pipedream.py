@@ -285,3 +285,44 @@ def test_pp4_and_dp2_pp2_replay_exactly_and_keep_the_versions(runs4, name):
     assert peaks == ([p] * p if vertical else [p - r for r in range(p)]), peaks
     copies = [r["copies"] for r in _one_replica(ranks)]
     assert copies == [stash_copies(p, r, vertical) for r in range(p)], copies  # what the planner counts
+
+
+# --------------------------------------------------------------------------- scaletrain replay --out RUN
+
+
+def test_replay_command_recomputes_the_run_from_its_folder_and_fails_on_a_wrong_version(runs2, tmp_path, capsys):
+    """`scaletrain replay --out RUN` (train/pipedream_replay.py, a second implementation beside this file's loop)
+    replays the pp2 run with a drain from its folder alone: exit 0, losses and parameters within rtol 1e-10. The same
+    folder with one forward's logged version changed (a log that does not say what ran) fails with exit 1."""
+    import shutil
+
+    from scaletrain.cli import main
+
+    run = Path(PP2["pp2-drain"]["_out"])
+    assert main(["replay", "--out", str(run), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["pass"] and got["step"] == BASE["train.steps"] and got["losses_compared"] == BASE["train.steps"]
+    assert got["max_rel_param_diff"] <= 1e-10 and got["max_rel_loss_diff"] <= 1e-10
+
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    log = bad / "pipedream_versions" / "rank0.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    row = next(r for r in rows if r["pass"] == "forward" and r["minibatch"] == 3)
+    row["version"] += 1
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["replay", "--out", str(bad)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_replay_command_refuses_a_folder_without_its_log_in_one_line(runs2, tmp_path, capsys):
+    import shutil
+
+    from scaletrain.cli import main
+
+    bad = tmp_path / "nolog"
+    shutil.copytree(Path(PP2["pp2-drain"]["_out"]), bad)
+    shutil.rmtree(bad / "pipedream_versions")
+    assert main(["replay", "--out", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no PipeDream version log" in err and "\n" not in err
