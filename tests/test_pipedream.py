@@ -170,8 +170,9 @@ def _run(rank, world, runs):
         t = Trainer(cfg, overrides.get("_out"), DistEnv(rank, world, 0, "test"))
         result = t.run()
         state = t.full_state()
+        mem = t.memory()  # a collective: every rank asks
         stash = t.engine.pipeline.stash
-        out.append({"losses": result.losses, "state": state if rank == 0 else None,
+        out.append({"losses": result.losses, "state": state if rank == 0 else None, "mem": mem,
                     "log": stash.log if stash is not None else None,
                     "peak": stash.peak_versions if stash is not None else None,
                     "copies": stash.peak_copies if stash is not None else None})
@@ -285,6 +286,20 @@ def test_pp4_and_dp2_pp2_replay_exactly_and_keep_the_versions(runs4, name):
     assert peaks == ([p] * p if vertical else [p - r for r in range(p)]), peaks
     copies = [r["copies"] for r in _one_replica(ranks)]
     assert copies == [stash_copies(p, r, vertical) for r in range(p)], copies  # what the planner counts
+    _assert_planned_stash(ranks)
+
+
+def _assert_planned_stash(ranks: list[dict]) -> None:
+    """The run-exact planner (`plan --config`, plan/exact/stash_memory.py) predicts the measured stashed copies to
+    the byte (max over ranks, fp64)."""
+    mem = ranks[0]["mem"]
+    assert mem["mem_stash"] == mem["plan_mem_stash"] > 0, (mem["mem_stash"], mem["plan_mem_stash"])
+
+
+def test_pp2_planner_predicts_the_measured_stash_to_the_byte(runs2):
+    for name in ("pp2", "pp2-vsync"):
+        _assert_planned_stash(runs2[name])
+    assert runs2["pp2-vsync"][0]["mem"]["mem_stash"] == runs2["pp2"][0]["mem"]["mem_stash"]  # stage 0: 2 copies
 
 
 # --------------------------------------------------------------------------- scaletrain replay --out RUN
