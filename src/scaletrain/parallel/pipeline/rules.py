@@ -86,6 +86,9 @@ def pipedream(cfg: Config, world_size: int | None) -> list[str]:
                      f"memory.compress={mem.compress} with memory.recompute={mem.recompute} {why}: the recomputation "
                      "starts from the compressed checkpoint, which the version-log replay that proves PipeDream does "
                      "not model (each saver alone is proven, tests/test_pipedream_savers.py)"))
+    policy = mem.recompute.split(":")[0]
+    refusals.append((policy in ("nth", "ops"), f"memory.recompute={mem.recompute} {why}: not proven against the "
+                     "version-log replay (full, every:k and attn-core are: tests/test_pipedream_savers.py)"))
     if t.compile:  # the memory savers are proven against the replay (tests/test_pipedream_savers.py); compile is not
         refusals.append((True, f"train.compile=true {why}: not proven against the version-log replay "
                                "(tests/test_pipedream.py)"))
