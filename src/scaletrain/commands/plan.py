@@ -512,6 +512,8 @@ def _run_config(args) -> int:
                       ("optimizer", "plan_mem_optim"), ("activations", "plan_mem_activations")):
         if name in pred:
             est.memory[key] = float(pred[name])
+    if "plan_mem_stash" in pred:  # PipeDream's stashed weight copies, counted with the parameters (as the estimate)
+        est.memory["params"] += float(pred["plan_mem_stash"])
     est.memory["total"] = sum(v for k, v in est.memory.items() if k != "total")
     if p.sync != "bsp":  # the run's own synchronisation next to the all-reduce (ps: servers, local: H)
         args.servers = args.servers or p.servers
