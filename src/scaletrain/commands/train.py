@@ -359,7 +359,12 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     with WorkerContext(rank, out / "logs" if env is None else None, launcher_lines) as logs:  # logs/rankN.log
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
         if env is not None and not supervised:
-            distributed.init(env, cfg.parallel.timeout_s, device)
+            store = None
+            if cfg.parallel.replicas > 1 and env.world_size > 1:  # a replica group's ranks (docs/fault_tolerance.md)
+                from scaletrain.distributed.quorum import group_store
+
+                store = group_store(env.rank, cfg.parallel.timeout_s)
+            distributed.init(env, cfg.parallel.timeout_s, device, store=store)
         try:
             # the asynchronous modes supervise their own ranks (docs/async.md); bsp runs get docs/multinode.md's
             with supervise(cfg, out, env, device) if supervised else contextlib.nullcontext() as job:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -154,6 +155,16 @@ class QuorumClient:
         if not committed:
             self.pg_id = -1
         return committed
+
+
+def group_store(rank: int, timeout_s: float) -> dist.Store:
+    """The store a replica group's ranks make their own process group with: torchrun's (MASTER_ADDR:MASTER_PORT,
+    hosted by its agent, or by rank 0 without one), prefixed by the agent's restart count, so that a restarted group
+    never reads the addresses its dead incarnation left there (the agent keeps one store across restarts)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=not agent and rank == 0,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"replica-group/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
