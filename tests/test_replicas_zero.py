@@ -7,6 +7,7 @@ and its checkpoints (written by the lowest member's two ranks) equal the replay 
 
 import json
 
+import pytest
 import torch
 
 from scaletrain.config import load_config
@@ -15,8 +16,10 @@ from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from tests.harness import TINY, train_reference
 from tests.test_replicas import _finals, _group_steps, _max_diff, _train
 
-RUN = {**TINY, "train.global_batch": 16, "train.checkpoint_every": 0, "parallel.dp": 4, "parallel.replicas": 2,
-       "parallel.zero": 2, "parallel.heartbeat_s": 2.0}
+pytestmark = pytest.mark.usefixtures("one_thread")  # the groups' one thread each: the replay adds as they do
+
+RUN = {**TINY, "train.global_batch": 8, "train.micro_batch": 1, "train.checkpoint_every": 0, "parallel.dp": 4,
+       "parallel.replicas": 2, "parallel.zero": 2, "parallel.heartbeat_s": 2.0}
 
 
 def test_replay_of_zero2_groups_with_full_quorums_equals_the_single_process_trainer():

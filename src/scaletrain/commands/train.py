@@ -301,7 +301,9 @@ def check_replica_run(args, out: Path) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
     if args.rdzv_endpoint or args.nnodes != 1 or args.reshard or args.init_from is not None:
         raise UserError("parallel.replicas > 1 runs on one machine and resumes only its own layout: --nnodes/"
-                        "--rdzv-endpoint, --reshard and --init-from are not supported with it")
+                        "--rdzv-endpoint, --reshard and --init-from are not supported with it (`scaletrain replay` "
+                        "recomputes a replica run from step 0 out of its membership log: a start from another run's "
+                        "state has no log to replay)")
     from scaletrain.train.checkpoint_dirs import latest
 
     if (out / "membership.jsonl").exists() and latest(out / "checkpoints") is None:
