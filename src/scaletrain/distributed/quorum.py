@@ -17,7 +17,8 @@ count, N the join); each rank I of the members forms the cross-group gloo group 
 ordered sum, its heal) and reports its own outcome, so a round commits only when every rank of every member did.
 
 Keys in the store: `hb/G/I` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `qof/G/A/N`,
-`done/R/G/I`, `heal/R/G/I` (seconds, bytes, resent chunks), `healed/R/I`, `commit/R`, `finished`.
+`phase/R/G/I` (the heal phase's outcome, agreed inside a group), `done/R/G/I`, `heal/R/G/I` (seconds, bytes,
+resent chunks), `healed/R/I`, `commit/R`, `finished`.
 """
 
 from __future__ import annotations
@@ -140,6 +141,21 @@ class QuorumClient:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"replica group {self.group}: no {key!r} within {timeout_s} s")
             time.sleep(0.002)
+
+    def agree(self, q: Quorum, ok: bool, ranks: int, timeout_s: float) -> bool:
+        """Whether every rank of this group reported `ok` for round q's heal phase (False after `timeout_s` without
+        all of them): the group's ranks enter their intra-group collectives together or not at all."""
+        if ranks == 1:
+            return ok
+        prefix = f"phase/{q.round}/{self.group}/"
+        self.store.set(prefix + str(self.local_rank), "1" if ok else "0")
+        keys = [prefix + str(i) for i in range(ranks)]
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline or self.finished():
+                return False
+            time.sleep(0.002)
+        return all(self.store.get(k) == b"1" for k in keys)
 
     def commit(self, q: Quorum, ok: bool, heal: dict | None = None) -> bool:
         """Report this member's outcome (and its heal's stats); the lighthouse's decision for the round (True:

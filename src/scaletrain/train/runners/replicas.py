@@ -177,7 +177,7 @@ class ReplicaRunner:
         diffs = resume.check_compatible(found, meta, self.cfg, self.cfg.world_size, reshard=False)
         resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
         self.step = int(meta["step"])
-        if self.group == 0 and self.rank == 0:  # resumes.jsonl records whole-job resumes only (heals go to the membership log)
+        if self.group == 0 and self.rank == 0:  # resumes.jsonl: whole-job resumes only (heals: the membership log)
             resume.record_resume(self.out, self.step, diffs, checkpoint=found.name)
             resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
 
@@ -193,23 +193,41 @@ class ReplicaRunner:
     def full_state(self) -> dict[str, torch.Tensor]:
         return self.model.trainer.full_state()
 
-    def _heal(self, q: Quorum, pg) -> dict | None:
+    def _heal(self, q: Quorum) -> tuple[dict, dict] | None:
         """Bring members that are behind to the source's state (the others wait until it is done, so the step's
-        collective does not time out on a long transfer); this member's receive stats (None if not behind)."""
-        link, src = Link(pg), q.members.index(q.source)  # pg: the cross-group group of this local rank
-        got = None
+        collective does not time out on a long transfer). A receiver gets (its verified state, its receive stats),
+        loaded only once every rank of its group has its own (`_phase`); None for the others."""
+        link = Link(self.client.process_group(q))  # the cross-group group of this local rank
+        src = q.members.index(q.source)
         if self.group == q.source:
             tamper = _flip_first_chunk if self.fault is not None and self.fault[0] == "corrupt" else None
-            for g in q.behind:
-                send_state(self._heal_state(), q.members.index(g), link, tamper=tamper)
-            self.client.store.set(f"healed/{q.round}/{self.rank}", "1")
+            try:
+                for g in q.behind:
+                    send_state(self._heal_state(), q.members.index(g), link, tamper=tamper)
+            finally:  # sent or failed: the others stop waiting (a failed heal fails the round through its receiver)
+                self.client.store.set(f"healed/{q.round}/{self.rank}", "1")
         elif self.group in q.behind:
             state, stats = recv_state(src, link)
-            self.step = self._load_heal(state)
-            got = {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
+            return state, {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
         else:
             self.client.wait(f"healed/{q.round}/{self.rank}", self.cfg.parallel.timeout_s)
-        return got
+        return None
+
+    def _phase(self, q: Quorum) -> dict | None:
+        """The round's heal phase, agreed by the group's ranks: the heal's stats (None if not behind); RuntimeError
+        when any rank of this group failed it. The ranks go on to the step's collectives inside the group (ZeRO-2's
+        reduce-scatter, the healed parameters' all-gather) together or not at all."""
+        try:
+            got = self._heal(q) if q.behind else None
+            ok = True
+        except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
+            got, ok = None, False
+        if not self.client.agree(q, ok, self.model.ranks, self.cfg.parallel.timeout_s):
+            raise RuntimeError(f"replica group {self.group}: the heal of round {q.round} failed on a rank")
+        if got is None:
+            return None
+        self.step = self._load_heal(got[0])
+        return got[1]
 
     def _heal_state(self) -> dict:
         """What this rank sends to the same local rank of a group that is behind: the whole training state (a group
@@ -251,7 +269,7 @@ class ReplicaRunner:
                     self._drill()
                 t0 = time.perf_counter()
                 try:
-                    heal = self._heal(q, self.client.process_group(q)) if q.behind else None
+                    heal = self._phase(q)
                 except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
                     self.client.commit(q, False)
                     continue
