@@ -35,7 +35,7 @@ def test_zero2_group_killed_heals_rank_by_rank_and_the_run_equals_its_replay(tmp
            "train.report": False}
     # group 0's rank 1 is SIGKILLed after joining step 3's quorum (its agent stops rank 0 and restarts both);
     # both ranks of group 1 corrupt the first chunk of the heal they send once
-    p = _train(out, run, "kill:0:3,corrupt:1:0", "--restarts", "1", pace=2.5)
+    p = _train(out, run, "kill:0:3,corrupt:1:0", "--restarts", "1", pace=4.0)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = load_log(out)
     committed = [r for r in rows if r["committed"]]
