@@ -1,11 +1,13 @@
 """model.share_blocks (WideNet arXiv 2107.11817, ALBERT arXiv 1909.11942): one set of attention / MLP (or MoE)
-weights for every block, per-block norms, the shared gradient the sum over layers; plain dp equals one process."""
+weights for every block, per-block norms, the shared gradient the sum over layers. dp, ZeRO-1/2/3, 1d tensor
+parallelism (with and without sequence parallelism) and expert parallelism with dp equal one process in fp64
+(parallel/shared_blocks.py); each layout keeps the distinct parameter tensors the sharing implies."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from harness import TINY, assert_same_run, make_config, train_parallel, train_reference
+from harness import TINY, assert_same_run, make_config, run_ranks, train_parallel, train_reference
 
 from scaletrain.config import load_config, validate
 from scaletrain.errors import ConfigError
@@ -69,11 +71,90 @@ def test_widenet_under_zero_equals_one_process(widenet_reference, zero):
     assert_same_run(widenet_reference, got, rtol=1e-9, atol=1e-11)
 
 
+# --------------------------------------------------------------------------- the parallel layouts
+
+DENSE = {"model.share_blocks": "true", "model.n_layers": 3}
+# (name, reference, overrides): world 2 each; tp shards the dense shared attention and MLP, ep splits the shared
+# experts, ZeRO-3 makes the shared attention and MoE layer units of their own
+LAYOUTS = {
+    "tp2": (DENSE, {"parallel.tp": 2}),
+    "tp2_sp": (DENSE, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+    "dp2_ep2": (WIDENET, {"parallel.dp": 2, "parallel.ep": 2}),
+    "dp2_zero3": (WIDENET, {"parallel.dp": 2, "parallel.zero": 3}),
+}
+
+
+def _layout_rank(rank, world, runs):
+    """Each run's (losses, full state) and, of this rank's engine, the distinct parameter tensors, whether the
+    blocks still share one attention and MLP module, the ZeRO-3 flat groups (units holding parameters) and the
+    measured memory next to the plan the trainer logged."""
+    from harness import measured_and_planned
+
+    from scaletrain.distributed.process_group import DistEnv
+    from scaletrain.train.trainer import Trainer
+
+    out = []
+    for overrides in runs:
+        t = Trainer(make_config({**TINY, **overrides}), None, DistEnv(rank, world, 0, "test"))
+        result = t.run()
+        state = t.full_state()
+        blocks = t.engine.module.blocks
+        opt = t.engine.optimizer
+        parts = getattr(opt, "parts", (opt,))
+        out.append({"run": (result.losses, state), "tensors": len(list(t.engine.module.parameters())),
+                    "memory": measured_and_planned(t),
+                    "tied": all(b.attn is blocks[0].attn and b.mlp is blocks[0].mlp for b in blocks),
+                    "units": sum(len(getattr(o, "groups", [])) for o in parts if getattr(o, "stage", 0) == 3)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    return train_reference(DENSE)
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    """All layouts in one set of two processes (one start-up)."""
+    runs = run_ranks(_layout_rank, 2, [{**ref, **over} for ref, over in LAYOUTS.values()], timeout=300)
+    return {name: [r[i] for r in runs] for i, name in enumerate(LAYOUTS)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_shared_blocks_layout_equals_one_process(name, layouts, dense_reference, widenet_reference):
+    """Losses of every step and every final parameter (under every block's name) as one process, fp64: measured
+    differences are below 1e-13 relative, the bound is 1e-9 (the other layouts' bound in this suite)."""
+    ref = dense_reference if LAYOUTS[name][0] is DENSE else widenet_reference
+    assert_same_run(ref, layouts[name][0]["run"], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_layout_keeps_the_tensors_the_sharing_implies(name, layouts):
+    """After the passes every block still calls block 0's attention and MLP, and each rank holds as many distinct
+    parameter tensors as one process (tp and ep shard a tensor, they do not copy it per layer). Under ZeRO-3 the
+    flat units are the root, one per block (its norms) and one per shared module (attention, MoE layer)."""
+    ref, over = LAYOUTS[name]
+    want = len(list(_model(ref).parameters()))
+    for rank in layouts[name]:
+        assert rank["tied"] and rank["tensors"] == want, (rank["tied"], rank["tensors"], want)
+        n_layers = make_config({**TINY, **ref}).model.n_layers
+        assert rank["units"] == (1 + n_layers + 2 if over.get("parallel.zero") == 3 else 0), rank["units"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_planned_memory_equals_the_engines_for_shared_blocks(name, layouts):
+    """`plan` (run-exact, predict_run) counts a shared block's parameters, gradients and optimizer state once per
+    rank under tp / ep / ZeRO-3 and its saved activations per layer: equal to the trainer's measurement to the byte
+    on every rank (as tests/test_plan_memory.py does for the other layouts)."""
+    for rank in layouts[name]:
+        wrong = {k: (planned, measured) for k, (measured, planned) in rank["memory"].items() if planned != measured}
+        assert not wrong, wrong
+
+
 @pytest.mark.parametrize("key,value,word", [
-    ("model.reversible", "true", "reversible"), ("parallel.tp", 2, "parallel.tp=2"),
-    ("parallel.pp", 2, "parallel.pp=2"), ("parallel.zero", 3, "parallel.zero=3"),
+    ("model.reversible", "true", "reversible"), ("parallel.pp", 2, "parallel.pp=2"),
     ("model.dropout", 0.1, "dropout"), ("model.moe.every", 2, "every=2"),
-    ("model.moe.router_noise", 1.0, "router_noise"), ("parallel.ep", 2, "parallel.ep=2"),
+    ("model.moe.router_noise", 1.0, "router_noise"), ("parallel.offload", "nvme", "offload=nvme"),
 ])
 def test_share_blocks_refuses_layouts_not_made_to_work(key, value, word):
     sets = [f"{k}={v}" for k, v in {**TINY, **WIDENET, key: value}.items()]
