@@ -151,15 +151,17 @@ def test_planned_memory_equals_the_engines_for_shared_blocks(name, layouts):
         assert not wrong, wrong
 
 
-@pytest.mark.parametrize("key,value,word", [
-    ("model.reversible", "true", "reversible"), ("parallel.pp", 2, "parallel.pp=2"),
-    ("model.dropout", 0.1, "dropout"), ("model.moe.every", 2, "every=2"),
-    ("model.moe.router_noise", 1.0, "router_noise"), ("parallel.offload", "nvme", "offload=nvme"),
+@pytest.mark.parametrize("overrides,word", [
+    ({"model.reversible": "true"}, "reversible"), ({"parallel.pp": 2}, "parallel.pp=2"),
+    ({"model.dropout": 0.1}, "dropout"), ({"model.moe.every": 2}, "every=2"),
+    ({"model.moe.router_noise": 1.0}, "router_noise"),
+    ({"parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "nvme"}, "offload=nvme"),
+    ({"model.moe.experts": 0, "parallel.tp": 4, "parallel.tp_mode": "2d"}, "tp_mode=2d"),
 ])
-def test_share_blocks_refuses_layouts_not_made_to_work(key, value, word):
-    sets = [f"{k}={v}" for k, v in {**TINY, **WIDENET, key: value}.items()]
+def test_share_blocks_refuses_layouts_not_made_to_work(overrides, word):
+    sets = [f"{k}={v}" for k, v in {**TINY, **WIDENET, **overrides}.items()]
     with pytest.raises(ConfigError, match=word):
-        validate(load_config(None, sets), world_size=2)
+        validate(load_config(None, sets), world_size=4)
 
 
 def test_plain_model_is_unchanged_by_the_key():

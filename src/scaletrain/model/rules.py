@@ -231,11 +231,11 @@ def share_blocks(cfg: Config, world_size: int | None) -> list[str]:
         errors.append("model.share_blocks with model.moe.router_noise > 0 or model.moe.random_routing: the shared "
                       "layer's random streams are keyed by its layer, so every layer would draw the same draws")
     if p.tp > 1 and p.tp_mode != "1d":
-        errors.append(f"model.share_blocks with parallel.tp_mode={p.tp_mode}: only 1d tensor parallelism shards a "
-                      "shared block once (the grid layers of 2d / 2.5d / 3d are built per block)")
+        errors.append(f"model.share_blocks with parallel.tp_mode={p.tp_mode}: only 1d tensor parallelism is "
+                      "verified to shard a shared block once; use parallel.tp_mode=1d")
     if p.pp > 1:
-        errors.append(f"model.share_blocks with parallel.pp={p.pp}: the shared weights would live on several "
-                      "stages, and their gradients are not summed across the pipeline group")
+        errors.append(f"model.share_blocks with parallel.pp={p.pp}: the shared block would be copied on every "
+                      "stage, and its gradients are not summed across the pipeline group (only the tied embedding's)")
     if p.offload == "nvme":
         errors.append("model.share_blocks with parallel.offload=nvme: ZeRO-Infinity keeps each block's parameters "
                       "in files of their own, so a weight every block shares would be stored once per block")
