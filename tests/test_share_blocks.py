@@ -77,11 +77,14 @@ DENSE = {"model.share_blocks": "true", "model.n_layers": 3}
 # (name, reference, overrides): world 2 each; tp shards the dense shared attention and MLP, ep splits the shared
 # experts, ZeRO-3 makes the shared attention and MoE layer units of their own
 LAYOUTS = {
-    "tp2_recompute": (DENSE, {"parallel.tp": 2, "memory.recompute": "full"}),  # the shared module re-run per block
+    # WideNet under tp: the shared MoE layer replicated over tp, its attention split; the shared modules re-run in
+    # each block's checkpoint
+    "tp2_recompute": (WIDENET, {"parallel.tp": 2, "memory.recompute": "full"}),
     "tp2_sp": (DENSE, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
     "dp2_ep2": (WIDENET, {"parallel.dp": 2, "parallel.ep": 2}),
     "dp2_zero3": (WIDENET, {"parallel.dp": 2, "parallel.zero": 3}),
     "dp2_ep2_zero3": (WIDENET, {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3}),
+    "cp2": (DENSE, {"parallel.cp": 2}),  # ring attention swapped into the shared attention once
 }
 
 
