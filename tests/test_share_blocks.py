@@ -1,7 +1,8 @@
 """model.share_blocks (WideNet arXiv 2107.11817, ALBERT arXiv 1909.11942): one set of attention / MLP (or MoE)
 weights for every block, per-block norms, the shared gradient the sum over layers. dp, ZeRO-1/2/3, 1d tensor
-parallelism (with and without sequence parallelism) and expert parallelism with dp equal one process in fp64
-(parallel/shared_blocks.py); each layout keeps the distinct parameter tensors the sharing implies."""
+parallelism (with and without sequence parallelism, with recomputation), expert parallelism with dp (and ZeRO-3) and
+context parallelism equal one process in fp64 (parallel/shared_blocks.py); each layout keeps the distinct parameter
+tensors the sharing implies and the plan's memory equals the engine's."""
 
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def test_widenet_under_zero_equals_one_process(widenet_reference, zero):
 # --------------------------------------------------------------------------- the parallel layouts
 
 DENSE = {"model.share_blocks": "true", "model.n_layers": 3}
-# (name, reference, overrides): world 2 each; tp shards the dense shared attention and MLP, ep splits the shared
-# experts, ZeRO-3 makes the shared attention and MoE layer units of their own
+# name: (reference, overrides), world 2 each; tp shards the shared attention (and the dense shared MLP), ep splits the
+# shared experts, ZeRO-3 makes the shared attention and MoE layer units of their own, cp swaps the shared attention's
+# core once
 LAYOUTS = {
     # WideNet under tp: the shared MoE layer replicated over tp, its attention split; the shared modules re-run in
     # each block's checkpoint

@@ -212,8 +212,9 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
 @rule("combinations")
 def share_blocks(cfg: Config, world_size: int | None) -> list[str]:
     """What model.share_blocks=true (model/gpt.py's share_block_weights) is refused with: it is made to work and
-    tested on one process, data parallelism, ZeRO-1/2/3, 1d tensor parallelism (with and without sequence parallelism)
-    and expert parallelism (parallel/shared_blocks.py, tests/test_share_blocks.py); what is refused has its reason."""
+    tested on one process, data parallelism, ZeRO-1/2/3, 1d tensor parallelism (with and without sequence parallelism),
+    expert and context parallelism (parallel/shared_blocks.py, tests/test_share_blocks.py); what is refused has its
+    reason."""
     m, p = cfg.model, cfg.parallel
     if not m.share_blocks:
         return []
