@@ -28,6 +28,7 @@ from scaletrain.parallel.pipeline.schedules import (
     build_schedule,
     rank_chunk_to_stage,
     stage_to_rank_chunk,
+    unfold,
 )
 from scaletrain.parallel.pipeline.simulate import Event, SimResult, _finish_batch, _result, simulate
 
@@ -125,7 +126,7 @@ class PipelineTrace:
         What is left between this and the measurement is what the model leaves out: message latency
         beyond `t_comm`, and time a rank is late to start its next action after a message arrived.
         """
-        actions = build_schedule(self.schedule, self.p, self.m, self.v)
+        actions = [unfold(acts) for acts in build_schedule(self.schedule, self.p, self.m, self.v)]
         took = {(e.rank, e.name, e.microbatch, e.chunk): e.end_s - e.start_s for e in self.events}
         steps = [batches(acts) for acts in actions]
         pos, clock = [0] * self.p, [0.0] * self.p
