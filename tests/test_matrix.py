@@ -95,6 +95,28 @@ def _world(rank, world, layouts, mutants, roots):
     return runs, bad
 
 
+def _threads_after_layouts(rank, world, layouts):
+    """The rank's thread count after each layout, one after the other in this process."""
+    import gc
+
+    from scaletrain.distributed.process_group import DistEnv
+
+    env, counts = DistEnv(rank, world, 0, "test"), []
+    for lay in layouts:
+        run_layout(lay, env)
+        gc.collect()  # the finished trainer's objects (reference cycles hold a group until collected)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+def test_a_rank_running_layout_after_layout_keeps_no_process_groups_of_the_finished_ones():
+    """The matrix's persistent ranks run dozens of layouts; each layout's gloo groups (threads that keep waking
+    up) are destroyed when it ends, so the thread count does not grow with the number of layouts run."""
+    lays = [Layout.of(dp=2, zero=3), Layout.of(tp=2), Layout.of(pp=2)]
+    counts = run_ranks(_threads_after_layouts, 2, lays)[0]
+    assert counts == [counts[0]] * len(counts), counts
+
+
 @pytest.fixture(scope="module")
 def matrix_runs(tmp_path_factory):
     """{layout: Run}, {mutant: Run} and the checkpoint folder of each (low-precision runs: verify/stepwise.py)."""

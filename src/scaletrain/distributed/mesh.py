@@ -199,3 +199,19 @@ class Mesh:
     @property
     def world_size(self) -> int:
         return self.dims.world_size
+
+    def close(self) -> None:
+        """Destroy the groups this mesh created, after every rank has met (all ranks call this together, when the
+        run is over). A process that trains several layouts one after the other (the layout matrix's persistent
+        ranks) would otherwise keep every layout's gloo groups: each holds its own connection-loop and worker
+        threads, which keep waking up (measured: 40 idle groups cost a rank 4% of a core, and a matrix job of 88
+        layouts had reached 484 threads per rank)."""
+        if self.dims.world_size == 1 or not dist.is_initialized():
+            return
+        dist.barrier()
+        seen: set[int] = set()
+        for g in self.groups.values():
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                dist.destroy_process_group(g)
+        self.groups = {name: None for name in self.groups}

@@ -29,7 +29,7 @@ from scaletrain.config import OptimConfig, ParallelConfig
 from scaletrain.distributed.comm import CommStats, all_reduce, group_size
 from scaletrain.distributed.mesh import Mesh
 from scaletrain.optim import config_hyper, optimizer_spec
-from scaletrain.parallel.engine import EngineOptimizer
+from scaletrain.parallel.engine import EngineOptimizer, weak_grad_hook
 from scaletrain.parallel.norms import clip_coefficient, global_grad_norm, is_norm_owner, squared_norm
 
 
@@ -90,7 +90,7 @@ class BucketedAllReduce:
         self.copy_in = not self.main_grads and group_size(group) > 1
         if group_size(group) > 1 or self.main_grads:
             for p in self.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready))
 
     def begin_micro(self, index: int, count: int) -> None:
         """Called before each micro-batch's backward: communicate only after the last one."""

@@ -13,6 +13,7 @@ to report); callers never probe an optimizer for a method.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,21 @@ import torch.nn as nn
 from scaletrain.device.accounting import SavedTensorCounter
 from scaletrain.model import loss_sum
 from scaletrain.model.moe import set_grad_scale
+
+
+def weak_grad_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls an optimizer's bound `method` without keeping the optimizer alive. A hook lives in
+    the parameter's C++ autograd data, where Python's garbage collector cannot see it: a bound method there makes
+    parameter -> optimizer -> parameter a cycle that is never collected, and the optimizer's process groups (with
+    their threads) outlive the run. A process that trains run after run (the layout matrix) kept them all."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return hook
 
 
 class EngineOptimizer(Protocol):

@@ -51,7 +51,7 @@ from scaletrain.distributed.comm import CommStats, all_gather_single, group_size
 from scaletrain.distributed.mesh import Mesh
 from scaletrain.optim import config_hyper, optimizer_spec, state_elements
 from scaletrain.parallel.data_parallel import bucket_params
-from scaletrain.parallel.engine import EngineOptimizer
+from scaletrain.parallel.engine import EngineOptimizer, weak_grad_hook
 from scaletrain.parallel.norms import clip_coefficient, is_norm_owner, squared_norm
 from scaletrain.parallel.zero_gather import GatherMeter
 
@@ -252,7 +252,7 @@ class ZeroOptimizer(EngineOptimizer):
                 self._offset_of[id(p)] = off
         for g in self.groups:
             for p in g.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready))
 
     def _setup_stage3(self, module: nn.Module, params: list[nn.Parameter], units) -> None:
         self.units = units = unit_list(module, units)
@@ -275,7 +275,7 @@ class ZeroOptimizer(EngineOptimizer):
             self._unit_group[id(u)] = g
             for p in g.params:
                 self._group_of[id(p)] = g
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready))
         self.order = [u for u in units if id(u) in self._unit_group]
         if self.gather_per_step:
             return  # gathered by begin_step / params_gathered, released by finish_backward

@@ -56,6 +56,7 @@ from scaletrain.distributed.comm import CommStats, all_gather_single
 from scaletrain.distributed.mesh import Mesh
 from scaletrain.memory.nvme_io import ReadAhead, ShardFiles
 from scaletrain.optim import config_hyper, optimizer_spec
+from scaletrain.parallel.engine import weak_grad_hook
 from scaletrain.parallel.norms import is_norm_owner
 from scaletrain.parallel.zero import (
     FlatGroup,
@@ -175,7 +176,7 @@ class NvmeZeroOptimizer(ZeroOptimizer):
             self._index[id(g)] = k
             for p in g.params:
                 self._group_of[id(p)] = g
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready))
         self.order = [u for u, _ in owned]
         for i, u in enumerate(self.order):
             u.register_forward_pre_hook(self._make_pre_forward(i))

@@ -69,6 +69,7 @@ def train(cfg, env=None, stale: bool = False, prepare: Callable | None = None) -
         row = step(t.step) if stale else step(t.step, drain=t.step == cfg.train.steps)
         losses[t.step], norms[t.step] = row["loss"], row["grad_norm"]
     state = t.full_state()
+    t.mesh.close()
     keep = env is None or env.rank == 0
     return Run(losses, norms, {k: v.to(torch.float64) for k, v in state.items()} if keep else None)
 

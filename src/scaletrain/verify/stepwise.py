@@ -98,6 +98,7 @@ def run_layout(layout: Layout, root: str | Path, env=None, dtype: str | None = N
             every: list = [None] * env.world_size
             torch.distributed.all_gather_object(every, decisions)
             decisions = merge(every)
+    t.mesh.close()
     keep = env is None or env.rank == 0
     return Run(losses, norms, None, decisions if keep else None)
 
