@@ -61,8 +61,9 @@ def _our_order(p: int, m: int, r: int) -> list[tuple]:
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 6, 8])
 def test_compute_order_is_torch_pipelinings_dualpipev_order_op_for_op(p):
-    """Every compute action and every overlapped (forward, backward) slot, in order, for m from 2p to 2p + 8."""
-    for m in range(2 * p, 2 * p + 9):
+    """Every compute action and every overlapped (forward, backward) slot, in order, for m from 2p to 2p + 8 (p <= 4;
+    2p, 2p + 1, 3p and 4p + 1 above)."""
+    for m in range(2 * p, 2 * p + 9) if p <= 4 else (2 * p, 2 * p + 1, 3 * p, 4 * p + 1):
         for r in range(p):
             assert _our_order(p, m, r) == _torch_order(p, m, r), (p, m, r)
     assert any(a.op is Op.OVERLAP_F_B for a in build_schedule("dualpipev", p, 2 * p + 2, 2)[0])
@@ -89,10 +90,11 @@ def test_check_rejects_a_same_chunk_overlap_and_a_peak_other_than_the_stated_one
         check_schedule(backward_first, p, m, 2, "dualpipev")
 
 
-@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("p", [2, 3, 4])
 def test_dualpipev_holds_2p_plus_1_microbatch_chunks_on_every_rank(p):
     """The stated peak: the 2p forwards of the warm-up and one more, since an overlapped slot starts its forward
-    before its backward frees a pair; one chunk more than zb-v (2p), i.e. p + 1/2 microbatches of a full stage."""
+    before its backward frees a pair; one chunk more than zb-v (2p), i.e. p + 1/2 microbatches of a full stage.
+    (check.py holds every list of p <= 8, m <= 16 to it: tests/test_pipeline_schedules.py.)"""
     for m in (2 * p, 3 * p, 4 * p + 1):
         sim = simulate(build_schedule("dualpipev", p, m, 2), 1.0, 1.0, 1.0)
         assert sim.peak_in_flight == [stated_peak("dualpipev", p)] * p == [2 * p + 1] * p
