@@ -6,10 +6,18 @@ with each stage's parameters at the version the log says that stage's forward re
 by its global norm and lets AdamW apply it to the newest weights. Which parameter belongs to which stage follows
 from the names and the uniform partition (blocks [s L/p, (s+1) L/p) on stage s, the embeddings on the first and
 the head on the last).
+
+Memory savers: recomputation, activation offload and contiguous buffers change where a saved activation lives or
+when it is rebuilt, never its value, so the replay runs without them: a run with them must equal it. Activation
+compression rounds what the backward reads (Gist, lossy for bf16 / int8), so the replay encodes the saved
+activations of its one model the same way (`memory.compressor`, the layout-independent settings of the engine's
+pass: every float activation, one int8 scale per `int8_block` entries), which is what the minibatch's backward
+reads in one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -36,6 +44,18 @@ def forward_versions(rows: list[dict]) -> dict[tuple[int, int], int]:
     return used
 
 
+def _compressed(model, cfg):
+    """The saved activations of `model`'s forward encoded as memory.compress says (a no-op context for none)."""
+    if cfg.memory.compress == "none":
+        return contextlib.nullcontext()
+    from scaletrain.memory.compress import ActivationCompressor, int8_block
+
+    comp = ActivationCompressor(cfg.memory.compress, min_numel=0, block=int8_block(cfg.model), leaves=True)
+    comp.swap_activations(model)
+    comp.hold(model)
+    return comp
+
+
 def replay(overrides: dict, rows: list[dict], p: int) -> tuple[dict, dict]:
     """(losses by step, final parameters) recomputed from the version log rows of all stages."""
     from scaletrain.model import loss_sum
@@ -52,7 +72,9 @@ def replay(overrides: dict, rows: list[dict], p: int) -> tuple[dict, dict]:
             for n, q in at.named_parameters():
                 q.copy_(versions[used[(step, stage_of(n, cfg.model.n_layers, p))]][n])
         x, y = loader.global_batch_at(step)
-        loss = loss_sum(at(x), y) / cfg.tokens_per_step
+        with _compressed(at, cfg):
+            logits = at(x)
+        loss = loss_sum(logits, y) / cfg.tokens_per_step
         loss.backward()
         losses[step] = loss.item()
         for q, g in zip(named.values(), at.parameters()):

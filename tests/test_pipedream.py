@@ -146,8 +146,6 @@ def test_planner_counts_the_stashed_versions_and_the_minibatches_in_flight():
     ({"parallel.pp": 2, "train.global_batch": 2, "parallel.zero": 1}, "parallel.zero"),
     ({"parallel.pp": 2, "train.global_batch": 2, "model.dropout": 0.1}, "model.dropout"),
     ({"parallel.pp": 1, "train.global_batch": 2}, "needs parallel.pp > 1"),
-    ({"parallel.pp": 2, "train.global_batch": 2, "memory.recompute": "full"}, "memory.recompute=full"),
-    ({"parallel.pp": 2, "train.global_batch": 2, "memory.compress": "bf16"}, "memory.compress=bf16"),
     ({"parallel.pp": 2, "train.global_batch": 2, "train.compile": "true"}, "train.compile=true"),
     ({"parallel.pp": 2, "train.global_batch": 2, "parallel.schedule": "1f1b", "parallel.vertical_sync": "true"},
      "vertical_sync"),
@@ -172,8 +170,9 @@ def _run(rank, world, runs):
         t = Trainer(cfg, overrides.get("_out"), DistEnv(rank, world, 0, "test"))
         result = t.run()
         state = t.full_state()
+        mem = t.memory()  # a collective: every rank asks
         stash = t.engine.pipeline.stash
-        out.append({"losses": result.losses, "state": state if rank == 0 else None,
+        out.append({"losses": result.losses, "state": state if rank == 0 else None, "mem": mem,
                     "log": stash.log if stash is not None else None,
                     "peak": stash.peak_versions if stash is not None else None,
                     "copies": stash.peak_copies if stash is not None else None})
@@ -184,6 +183,10 @@ PP2 = {"pp2": {"parallel.pp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.sched
        "pp2-drain": {"parallel.pp": 2, "train.checkpoint_every": 3, "_out": ""},
        "pp2-vsync": {"parallel.pp": 2, "parallel.vertical_sync": "true"}}
 FOUR = {"pp4": {"parallel.pp": 4}, "pp4-vsync": {"parallel.pp": 4, "parallel.vertical_sync": "true"},
+        # the memory savers' pp4 case (the pp2 ones: tests/test_pipedream_savers.py)
+        "pp4-vsync-recompute-offload-contiguous": {"parallel.pp": 4, "parallel.vertical_sync": "true",
+                                                   "memory.recompute": "full", "memory.offload_activations": "true",
+                                                   "memory.contiguous": "true"},
         "dp2-pp2": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 4}}
 
 
@@ -283,3 +286,58 @@ def test_pp4_and_dp2_pp2_replay_exactly_and_keep_the_versions(runs4, name):
     assert peaks == ([p] * p if vertical else [p - r for r in range(p)]), peaks
     copies = [r["copies"] for r in _one_replica(ranks)]
     assert copies == [stash_copies(p, r, vertical) for r in range(p)], copies  # what the planner counts
+    _assert_planned_stash(ranks)
+
+
+def _assert_planned_stash(ranks: list[dict]) -> None:
+    """The run-exact planner (`plan --config`, plan/exact/stash_memory.py) predicts the measured stashed copies to
+    the byte (max over ranks, fp64)."""
+    mem = ranks[0]["mem"]
+    assert mem["mem_stash"] == mem["plan_mem_stash"] > 0, (mem["mem_stash"], mem["plan_mem_stash"])
+
+
+def test_pp2_planner_predicts_the_measured_stash_to_the_byte(runs2):
+    for name in ("pp2", "pp2-vsync"):
+        _assert_planned_stash(runs2[name])
+    assert runs2["pp2-vsync"][0]["mem"]["mem_stash"] == runs2["pp2"][0]["mem"]["mem_stash"]  # stage 0: 2 copies
+
+
+# --------------------------------------------------------------------------- scaletrain replay --out RUN
+
+
+def test_replay_command_recomputes_the_run_from_its_folder_and_fails_on_a_wrong_version(runs2, tmp_path, capsys):
+    """`scaletrain replay --out RUN` (train/pipedream_replay.py, a second implementation beside this file's loop)
+    replays the pp2 run with a drain from its folder alone: exit 0, losses and parameters within rtol 1e-10. The same
+    folder with one forward's logged version changed (a log that does not say what ran) fails with exit 1."""
+    import shutil
+
+    from scaletrain.cli import main
+
+    run = Path(PP2["pp2-drain"]["_out"])
+    assert main(["replay", "--out", str(run), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["pass"] and got["step"] == BASE["train.steps"] and got["losses_compared"] == BASE["train.steps"]
+    assert got["max_rel_param_diff"] <= 1e-10 and got["max_rel_loss_diff"] <= 1e-10
+
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    log = bad / "pipedream_versions" / "rank0.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    row = next(r for r in rows if r["pass"] == "forward" and r["minibatch"] == 3)
+    row["version"] += 1
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["replay", "--out", str(bad)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_replay_command_refuses_a_folder_without_its_log_in_one_line(runs2, tmp_path, capsys):
+    import shutil
+
+    from scaletrain.cli import main
+
+    bad = tmp_path / "nolog"
+    shutil.copytree(Path(PP2["pp2-drain"]["_out"]), bad)
+    shutil.rmtree(bad / "pipedream_versions")
+    assert main(["replay", "--out", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no PipeDream version log" in err and "\n" not in err

@@ -115,10 +115,10 @@ def test_baseline_says_whether_the_search_beats_it_beyond_the_held_out_error(cap
             "--layout", "zero=1,recompute=full,mb=1", "--baseline", "dp=2,tp=8,pp=4,recompute=full"]
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "Your layout dp2 tp8 pp4 z0 mb1 full 1f1b:" in out and "held-out error of ±26%" in out
+    assert "Your layout dp2 tp8 pp4 z0 mb1 full 1f1b:" in out and "held-out error of ±20%" in out
     assert main(argv + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["held_out_error"] == 0.26 and doc["baseline"]["layout"]["pp"] == 4
+    assert doc["held_out_error"] == 0.20 and doc["baseline"]["layout"]["pp"] == 4
     assert doc["baseline"]["faster"] and all("beyond_held_out_error" in f for f in doc["baseline"]["faster"])
     assert main(argv[:-1] + ["dp=16,tp=8"]) == 2
     assert "--baseline names a whole layout: it needs pp" in capsys.readouterr().err

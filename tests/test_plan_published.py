@@ -61,6 +61,9 @@ class Row:
     dp_overlap: bool = True
     tp_overlap: bool = False
     note: str = ""
+    kernels: str = "fused"
+    """`eager` for the PyTorch frameworks whose source states no torch.compile (MPT llm-foundry's benchmark, torchtitan
+    rows without it), `fused` for Megatron-LM / Megatron-core with TransformerEngine and Meta's Llama 3 run."""
 
 
 def _fsdp(n: int, mb: int, ga: int, rec: str) -> Layout:
@@ -82,9 +85,11 @@ DEV_ROWS = [
     # small models on H100: torchtitan Llama 3.1 8B, FSDP, local batch 2, selective op checkpointing
     *(Row(TT_H100_SRC, get_model("llama3-8b"), "h100-96gb", n, 2 * n, _fsdp(n, 2, 1, "ops:matmul+attention"),
           "tokens/s/GPU", pub, note="selective op AC read as ops:matmul+attention (torchtitan recomputes every "
-          "other matmul too)") for n, pub in ((8, 5762), (128, 5605))),
+          "other matmul too); Table 1's FSDP row, without torch.compile", kernels="eager")
+      for n, pub in ((8, 5762), (128, 5605))),
     # MPT on H100 and A100 80GB (FULL_SHARD, bf16): the rows looked at while modelling
-    *(Row(MPT_SRC, mpt(size, seq), gpu, n, mb * ga * n, _fsdp(n, mb, ga, "full" if ac else "none"), "MFU", mfu)
+    *(Row(MPT_SRC, mpt(size, seq), gpu, n, mb * ga * n, _fsdp(n, mb, ga, "full" if ac else "none"), "MFU", mfu,
+          kernels="eager")
       for size, seq, n, gpu, mfu, mb, ga, ac in (
           ("7b", 2048, 8, "h100-80gb", 46.44, 6, 1, False), ("7b", 2048, 8, "a100-80gb", 64.23, 6, 2, False),
           ("13b", 2048, 64, "h100-80gb", 39.86, 2, 1, False), ("3b", 2048, 64, "h100-80gb", 40.8, 6, 3, False),
@@ -97,7 +102,8 @@ DEV_ROWS = [
 HELD_OUT = [
     # torchtitan on 64 A100 80GB, FSDP2 (1D), sequence 8192 (Llama 3) / 4096 (Llama 2)
     *(Row(TT_A100_SRC, get_model(name), "a100-80gb", 64, lbs * 64, _fsdp(64, lbs, 1, rec), "tokens/s/GPU", wps,
-          note="selective layer = nth:2, selective op = ops:matmul+attention")
+          note="selective layer = nth:2, selective op = ops:matmul+attention; torch.compile not stated: eager",
+          kernels="eager")
       for name, lbs, rec, wps in (
           ("llama3-8b", 1, "nth:2", 2904), ("llama3-8b", 1, "ops:matmul+attention", 2973),
           ("llama3-70b", 1, "full", 331), ("llama2-13b", 2, "none", 2162), ("llama2-13b", 2, "nth:2", 1914),
@@ -116,26 +122,26 @@ HELD_OUT = [
           (nemo_gpt3(44, 6144, 48), 64, 256, 2, 2, 1, 1, 5851))),
     # MPT at FP8 (TransformerEngine linears) on 8 H100 80GB, FULL_SHARD, no activation checkpointing
     *(Row(MPT_SRC, mpt(size, seq), "h100-80gb", 8, mb * ga * 8, _fsdp(8, mb, ga, "none"), "tokens/s/GPU", tps,
-          dtype="fp8") for size, seq, mb, ga, tps in (
+          dtype="fp8", kernels="eager") for size, seq, mb, ga, tps in (
           ("3b", 2048, 10, 6, 30586), ("3b", 512, 40, 6, 36527), ("1b", 512, 56, 4, 70315), ("1b", 8192, 2, 4, 32010))),
     # MPT on A100 40GB with 1600 Gb/s per node (RoCE), pure bf16, FULL_SHARD
     *(Row(MPT_SRC, mpt(size, 2048), "a100-40gb", n, mb * n, _fsdp(n, mb, 1, "full" if ac else "none"),
-          "tokens/s/GPU", tps) for size, n, mb, ac, tps in (
+          "tokens/s/GPU", tps, kernels="eager") for size, n, mb, ac, tps in (
           ("7b", 64, 18, True, 3665), ("13b", 64, 16, True, 1976), ("30b", 128, 6, True, 865),
           ("3b", 64, 6, False, 9736), ("70b", 128, 4, True, 376))),
 ]
 
 
-def predict(row: Row) -> float:
-    train = Training(row.global_batch, row.dtype, row.attention, row.dp_overlap)
-    est = estimate(row.model, get_gpu(row.gpu), train, row.layout, Assumptions(tp_comm_overlap=row.tp_overlap),
-                   n_gpus=row.gpus)
+def predict(row: Row, a: Assumptions | None = None) -> float:
+    train = Training(row.global_batch, row.dtype, row.attention, row.dp_overlap, kernels=row.kernels)
+    a = dataclasses.replace(a or Assumptions(), tp_comm_overlap=row.tp_overlap)
+    est = estimate(row.model, get_gpu(row.gpu), train, row.layout, a, n_gpus=row.gpus)
     return {"tokens/s/GPU": est.tokens_per_s / row.gpus, "model TFLOP/s": est.model_tflops_per_gpu,
             "hardware TFLOP/s": est.hardware_tflops_per_gpu, "MFU": 100 * est.mfu}[row.metric]
 
 
-def errors(rows: list[Row]) -> list[float]:
-    return [predict(r) / r.published - 1 for r in rows]
+def errors(rows: list[Row], a: Assumptions | None = None) -> list[float]:
+    return [predict(r, a) / r.published - 1 for r in rows]
 
 
 def test_held_out_rows_are_enough_and_new():
@@ -166,19 +172,21 @@ if __name__ == "__main__":
 
 def test_held_out_errors_as_measured():
     """Measured once the rows and bound above were committed (docs/planner-validation.md section 1b): 23 of the 24
-    rows within the stated 35% (MPT-1B at FP8 with 8192-token sequences and 2 of them per GPU is +38.7%), mean
-    |error| 10.9% (within the stated 15%), mean signed +4.0% (10.8% and +3.9% before grouped-query attention's
-    key/value projections were counted exactly, issue 27)."""
+    rows within the stated 35% (MPT-1B at FP8 with 8192-token sequences and 2 of them per GPU +38.7%), mean |error|
+    10.9%, mean signed +4.0%. With eager PyTorch kernels modelled (`Assumptions.eager_mem_traffic`, fitted on the
+    eager / compiled pairs of tests/test_plan_h100.py, none of these rows): all 24 within 35%, max 23.8% (the same
+    MPT-1B row), mean 9.0%, mean signed -1.9%."""
     e = errors(HELD_OUT)
     mean = sum(abs(x) for x in e) / len(e)
-    assert sum(abs(x) <= HELD_OUT_BOUND[0] for x in e) == len(e) - 1 and mean <= HELD_OUT_BOUND[1]
-    assert (round(max(abs(x) for x in e), 3), round(mean, 3), round(sum(e) / len(e), 3)) == (0.387, 0.109, 0.04)
+    assert all(abs(x) <= HELD_OUT_BOUND[0] for x in e) and mean <= HELD_OUT_BOUND[1]
+    assert (round(max(abs(x) for x in e), 3), round(mean, 3), round(sum(e) / len(e), 3)) == (0.238, 0.09, -0.019)
 
 
 def test_development_errors_as_measured():
-    """The rows the calibration was diagnosed on (no bound was set for them): max 36.7%, mean |error| 16.2%."""
+    """The rows the calibration was diagnosed on (no bound was set for them): max 36.7%, mean |error| 16.2% before the
+    eager kernels were modelled; max 31.5% (MT-NLG, unchanged), mean 10.5% after."""
     e = errors(DEV_ROWS)
-    assert (round(max(abs(x) for x in e), 3), round(sum(abs(x) for x in e) / len(e), 3)) == (0.367, 0.162)
+    assert (round(max(abs(x) for x in e), 3), round(sum(abs(x) for x in e) / len(e), 3)) == (0.315, 0.105)
 
 
 def test_the_margin_beside_each_candidate_is_the_held_out_90th_percentile():

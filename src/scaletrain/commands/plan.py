@@ -13,7 +13,7 @@ from scaletrain.errors import UserError
 from scaletrain.guards import MAX_GLOBAL_BATCH, MAX_GPUS, SIZE_LIMITS, positive_float, short
 from scaletrain.optim import optimizer_spec
 from scaletrain.plan import catalog, hardware
-from scaletrain.plan.analytic.inputs import DTYPES, OPTIMIZERS, Assumptions, Layout, Training
+from scaletrain.plan.analytic.inputs import DTYPES, KERNELS, OPTIMIZERS, Assumptions, Layout, Training
 
 EXAMPLES = """examples:
   scaletrain plan --model gpt3-175b --gpus 1024
@@ -107,6 +107,10 @@ def add_parser(subparsers) -> None:
                          "per-tensor (DeepSpeed ZeRO-3 up to v0.4); see docs/planner.md")
     tr.add_argument("--zero3-bw", type=float, metavar="GB/S",
                     help="per-GPU bandwidth ZeRO-3's collectives reach across nodes (default: all NICs of a node)")
+    tr.add_argument("--kernels", choices=KERNELS,
+                    help="element-wise work of the blocks: fused (Megatron / TransformerEngine kernels, torch.compile; "
+                         "default) or eager (PyTorch eager, one kernel per operation: about twice the memory-bound "
+                         "time; plan --config takes it from train.compile)")
     tr.add_argument("--tp-overlap", action="store_true",
                     help="tensor-parallel all-gathers / reduce-scatters (with sequence parallelism) decomposed and "
                          "overlapped with their GEMMs, as Megatron's tp-comm-overlap or PyTorch's async TP (default: "
@@ -231,7 +235,7 @@ INT_LIMITS = {"layers": SIZE_LIMITS["model.n_layers"], "hidden": SIZE_LIMITS["mo
               "global_batch": MAX_GLOBAL_BATCH, "servers": MAX_GPUS, "local_steps": 10**9, "top": 10**6}
 """Upper bounds of plan's integer flags, checked before any arithmetic (guards.py: a --gpus of 10^20 made the
 search enumerate divisors for minutes)."""
-CONFIG_IGNORES = ("model", "params", "layers", "hidden", "heads", "vocab", "gpus", "global_batch",
+CONFIG_IGNORES = ("model", "params", "layers", "hidden", "heads", "vocab", "gpus", "global_batch", "kernels",
                   *(dest for _, _, dest in MODEL_FLAGS))
 """Flags that `plan --config` would ignore (the config names the model, batch and layout): refused with it."""
 
@@ -282,7 +286,7 @@ def run(args) -> int:
         raise UserError(f"--global-batch must be >= 1, got {args.global_batch}")
     cluster = hardware.Cluster(gpu, args.gpus)
     train = Training(args.global_batch, args.dtype, args.attention, not args.no_dp_overlap,
-                     optimizer=args.optimizer, first_moment=args.first_moment)
+                     optimizer=args.optimizer, first_moment=args.first_moment, kernels=args.kernels or "fused")
     fixed = parse_layout(args.layout)
     result = search(model, gpu, args.gpus, train, fixed, _assumptions(args))
     top = dedupe(result.candidates, args.top)
@@ -425,12 +429,13 @@ def config_training(cfg) -> Training:
     moments = 0 if spec.factored else spec.moments  # element-wise moments (factored statistics: not per element)
     k = moments * (4 if low else elem) + (4 if low else 0)
     attention = "standard" if cfg.model.dropout > 0 else "flash"
+    kernels = "fused" if t.compile else "eager"  # torch.compile fuses the blocks' element-wise work
     if t.precision == "autocast-bf16":  # fp32 parameters, gradients and moments; bf16 matmuls and activations
         return Training(t.global_batch, "bf16", attention, True, optimizer_k=4 * moments, grad_bytes=4,
-                        param_bytes=4)
+                        param_bytes=4, kernels=kernels)
     gather = fp8_gathered_fraction(cfg) if t.precision == "fp8" and t.fp8_all_gather else 0.0
     return Training(t.global_batch, t.dtype, attention, True, optimizer_k=k, grad_bytes=4 if low else elem,
-                    fp8_gather=gather)
+                    fp8_gather=gather, kernels=kernels)
 
 
 def fp8_gathered_fraction(cfg) -> float:
@@ -507,6 +512,8 @@ def _run_config(args) -> int:
                       ("optimizer", "plan_mem_optim"), ("activations", "plan_mem_activations")):
         if name in pred:
             est.memory[key] = float(pred[name])
+    if "plan_mem_stash" in pred:  # PipeDream's stashed weight copies, counted with the parameters (as the estimate)
+        est.memory["params"] += float(pred["plan_mem_stash"])
     est.memory["total"] = sum(v for k, v in est.memory.items() if k != "total")
     if p.sync != "bsp":  # the run's own synchronisation next to the all-reduce (ps: servers, local: H)
         args.servers = args.servers or p.servers

@@ -186,7 +186,7 @@ def to_json(m: ModelSpec, cluster: Cluster, train: Training, cands: list[Estimat
         "model": model,
         "cluster": cluster.to_dict(),
         "training": {"global_batch": train.global_batch, "seq_len": m.seq_len, "dtype": train.dtype,
-                     "attention": train.attention, "optimizer": train.optimizer,
+                     "attention": train.attention, "kernels": train.kernels, "optimizer": train.optimizer,
                      "optimizer_bytes_per_param": sum(optimizer_bytes(m, train))},
         "candidates": [c.to_dict() for c in cands],
         "held_out_error": TRUST,

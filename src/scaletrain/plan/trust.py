@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scaletrain.plan.analytic.estimate import Estimate
 
-TRUST = 0.26
+TRUST = 0.20
 """How far a predicted step time can be trusted: the 90th percentile of the planner's |error| on the published runs
 held out from its calibration (9 in 10 of them within it). Differences between layouts smaller than this are not ones
 the planner can vouch for."""

@@ -55,9 +55,13 @@ def cmd_replay(args) -> int:
         from scaletrain.train.replica_replay import cmd_replay_replicas
 
         return cmd_replay_replicas(out, cfg, args.json)
+    if cfg.parallel.schedule == "pipedream" and cfg.parallel.pp > 1:  # its version log (train/pipedream_replay.py)
+        from scaletrain.train.pipedream_replay import cmd_replay_pipedream
+
+        return cmd_replay_pipedream(out, cfg, args.json)
     if cfg.parallel.sync not in ("ps", "hogwild"):
-        raise UserError(f"{out} is a parallel.sync={cfg.parallel.sync} run; only ps and hogwild runs have a "
-                        "version log")
+        raise UserError(f"{out} is a parallel.sync={cfg.parallel.sync} run; only ps, hogwild and "
+                        "parallel.schedule=pipedream runs have a version log")
     log = VersionLog.load(out / "version_log.jsonl")
     params, step = final_params(out, cfg)
     expect = step if cfg.parallel.sync == "ps" else step * cfg.parallel.dp

@@ -309,6 +309,9 @@ class Trainer:
         from scaletrain.memory.contiguous import allocation_report
 
         local = {"mem_peak": peak_bytes(self.device), **cuda_memory_fields(self.device)}
+        stash = getattr(getattr(self.engine, "pipeline", None), "stash", None)
+        if stash is not None:  # PipeDream: its stashed weight copies at their peak so far (plan_mem_stash beside it)
+            local["mem_stash"] = stash.peak_bytes
         peaks = {k: int(v) for k, v in zip(local, all_reduce_max_list([float(v) for v in local.values()]))}
         return {**self.mem, **allocation_report(self.engine), **peaks,
                 **(planned_total(self.mem) if len(local) > 1 else {})}

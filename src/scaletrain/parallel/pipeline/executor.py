@@ -39,6 +39,7 @@ Measured per step: every compute action's start and end (`last_events`), the pea
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -262,10 +263,14 @@ class PipelineExecutor:
 
     def write_trace(self, out_dir: str | Path) -> list[Path]:
         """Write the measured timeline (JSON + PNG) into out_dir; only the rank holding it writes. PipeDream: every
-        rank also writes its version log, out_dir/pipedream_versions/rank<global rank>.jsonl."""
+        rank also writes its version log, out_dir/pipedream_versions/rank<global rank>.jsonl, and the names of the
+        parameters its stage holds beside it (rank<global rank>.params.json)."""
         if self.stash is not None:
             rank = dist.get_rank() if dist.is_initialized() else 0
-            logged = [self.stash.write_log(Path(out_dir) / "pipedream_versions" / f"rank{rank}.jsonl")]
+            log = self.stash.write_log(Path(out_dir) / "pipedream_versions" / f"rank{rank}.jsonl")
+            names = {"stage": self.rank, "params": [n for n, _ in self.stages.named_parameters()]}
+            log.with_suffix(".params.json").write_text(json.dumps(names))  # which stage holds what (the replay)
+            logged = [log, log.with_suffix(".params.json")]
             return logged + self._write_timeline(out_dir)
         return self._write_timeline(out_dir)
 

@@ -86,11 +86,16 @@ def pipedream(cfg: Config, world_size: int | None) -> list[str]:
         (m.reversible or m.share_blocks, f"model.{'reversible' if m.reversible else 'share_blocks'}=true {why}: "
                                          "not wired to the stashed versions"),
     ]
-    mem = cfg.memory  # the memory savers re-run or re-read a forward at backward time: not proven with stashing yet
-    savers = [f"memory.recompute={mem.recompute}" if mem.recompute != "none" else "",
-              "memory.offload_activations=true" if mem.offload_activations else "",
-              f"memory.compress={mem.compress}" if mem.compress != "none" else "",
-              "memory.contiguous=true" if mem.contiguous else "", "train.compile=true" if t.compile else ""]
-    refusals += [(True, f"{s} {why}: not proven against the version-log replay yet (tests/test_pipedream.py)")
-                 for s in savers if s]
+    mem = cfg.memory
+    lossy = [c for c in mem.compress.split(",") if c.strip() in ("bf16", "int8")]
+    refusals.append((bool(lossy) and mem.recompute != "none",
+                     f"memory.compress={mem.compress} with memory.recompute={mem.recompute} {why}: the recomputation "
+                     "starts from the compressed checkpoint, which the version-log replay that proves PipeDream does "
+                     "not model (each saver alone is proven, tests/test_pipedream_savers.py)"))
+    policy = mem.recompute.split(":")[0]
+    refusals.append((policy in ("nth", "ops"), f"memory.recompute={mem.recompute} {why}: not proven against the "
+                     "version-log replay (full, every:k and attn-core are: tests/test_pipedream_savers.py)"))
+    if t.compile:  # the memory savers are proven against the replay (tests/test_pipedream_savers.py); compile is not
+        refusals.append((True, f"train.compile=true {why}: not proven against the version-log replay "
+                               "(tests/test_pipedream.py)"))
     return [msg for bad, msg in refusals if bad]

@@ -40,6 +40,7 @@ class WeightStash:
         self.step = 0
         self.peak_versions = 1  # most versions held at once, the live one included
         self.peak_copies = 0  # most frozen copies of the weights held at once (memory besides the live weights)
+        self.peak_bytes = 0  # the bytes of those copies at their peak: the run's `mem_stash`
         self.log: list[dict] = []
 
     @torch.no_grad()
@@ -57,6 +58,8 @@ class WeightStash:
             self.store[version] = [t.clone() for t in self.live]
             self.peak_versions = max(self.peak_versions, len(self.store) + (self.newest not in self.store))
             self.peak_copies = max(self.peak_copies, len(self.store))
+            held = sum(t.untyped_storage().nbytes() for copies in self.store.values() for t in copies)
+            self.peak_bytes = max(self.peak_bytes, held)
         return self.store[version]
 
     def _point(self, version: int) -> None:

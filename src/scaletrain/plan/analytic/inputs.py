@@ -35,6 +35,9 @@ def recompute_policy(spec: str) -> Recompute:
 
 SCHEDULES = ("1f1b", *(s for s in _SCHEDULES if s != "1f1b"))  # the config's, 1F1B (the default) listed first
 OFFLOAD = OFFLOADS
+KERNELS = ("fused", "eager")
+"""How the element-wise work of a block runs (`Training.kernels`): `fused` kernels (Megatron-LM's fused bias-GeLU,
+softmax and layer norm, TransformerEngine, torch.compile) or PyTorch `eager`, one kernel per operation."""
 OPTIMIZERS = tuple(name for name, spec in OPTIMIZER_SPECS.items() if spec.sharded)  # the ones layouts can shard
 # bytes per element of parameters / gradients / activations, and K (optimizer bytes per parameter)
 DTYPES = {
@@ -66,6 +69,10 @@ class Training:
     """Bytes per gradient element; None = the dtype's (2 in bf16/fp16; our engine keeps fp32 buffers: 4)."""
     param_bytes: int | None = None
     """Bytes per parameter element; None = the dtype's (autocast keeps fp32 parameters, 4, with bf16 compute)."""
+    kernels: str = "fused"
+    """`fused` (Megatron-LM's and TransformerEngine's fused element-wise kernels, torch.compile: `Assumptions.
+    mem_traffic`) or `eager` (PyTorch eager, every element-wise operation its own kernel reading and writing HBM:
+    `Assumptions.eager_mem_traffic`); `scaletrain plan --kernels`, and for `plan --config` the run's train.compile."""
     fp8_gather: float = 0.0
     """Fraction of the blocks' parameter elements ZeRO-3 all-gathers as float8, one byte each (`train.fp8_all_gather`:
     the FP8 layers' weights, parallel/zero_fp8.py); the rest in `param_bytes`."""
@@ -152,6 +159,14 @@ class Assumptions:
     mem_traffic: float = 2.0
     """HBM bytes moved by the element-wise work of a forward pass per byte of activations it stores
     (each stored tensor written once and read once); backward moves twice that."""
+    eager_mem_traffic: float = 3.5
+    """The same with PyTorch eager kernels (`Training.kernels="eager"`): each element-wise operation of a block (norms,
+    casts, activations, residual adds, head transposes) is its own kernel that reads its inputs from HBM and writes
+    its output back, where fused kernels make one pass. Fitted on two measured eager / compiled pairs, the same model
+    and GPU with only the kernels changed (tests/test_plan_h100.py): our GPT-3 125M on one H100 (benchmarks/RESULTS.md
+    "GPU fast path": 0.0611 s eager, 0.0528 s compiled) gives 3.30, torchtitan's Llama 3.1 8B on 8 H100 (pytorch/
+    torchtitan docs/performance.md Table 1: 5,762 and 6,667 tokens/s per GPU) 3.76; their mean, 3.5. On H100 (3.2x
+    A100's FLOP/s, 1.6x its bandwidth) this memory-bound work weighs about twice as much as on A100."""
     hbm_efficiency: float = 0.8
     tp_comm_overlap: bool = False
     """Tensor-parallel communication overlapped with its GEMMs (`--tp-overlap`; Megatron's tp-comm-overlap, PyTorch's

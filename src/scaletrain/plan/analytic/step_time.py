@@ -132,7 +132,8 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     t_attn = tokens * attn / m.n_layers / t / attention_rate(gpu, attention, a, eff)
     sp = lay.sequence_parallel or nd
     stored = layer_activation_bytes(m, tokens, t, sp, "none", attention, eb)
-    t_mem = a.mem_traffic * stored / hbm + (fp8_cast_bytes(m, tokens, t) / hbm / 3 if fp8 else 0.0)
+    traffic = elementwise_traffic(train, a)
+    t_mem = traffic * stored / hbm + (fp8_cast_bytes(m, tokens, t) / hbm / 3 if fp8 else 0.0)
     tp_link = group_link(gpu, t, 1, a)
     msg = tokens * m.width * eb  # a sub-layer's output (half the stream with reversible blocks)
     t_tp = t_tp_raw = 2 * allreduce_time(msg, t, tp_link)  # 2 all-reduces (or AG + RS pairs with sp) per pass
@@ -159,7 +160,7 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
         r_block = t_mem + (0.0 if kept_gemm else t_gemm) + (0.0 if kept_attn else t_attn + cp_f) + t_ep + \
             (t_tp if sp or not kept_gemm else 0.0)
     elif pol.kind == "attn-core":  # the attention core again (with flash attention: the kernel's forward again)
-        r_block = t_attn + cp_f + a.mem_traffic * (stored - layer_activation_bytes(
+        r_block = t_attn + cp_f + traffic * (stored - layer_activation_bytes(
             m, tokens, t, sp, "attn-core", attention, eb)) / hbm
     else:
         r_block = 0.0 if pol.kind == "none" else full
@@ -167,6 +168,12 @@ def layer_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpt
     t_tp_b = t_tp_nd_b if nd else t_tp
     return LayerTimes(t_gemm, t_attn, t_mem, t_tp, t_tp_b, t_ep, r_layer, msg, a2a_bytes, n_moe, eff, hbm, t_tp_raw,
                       cp_f, cp_b, cp_bytes)
+
+
+def elementwise_traffic(train: Training, a: Assumptions) -> float:
+    """HBM bytes the element-wise work of a forward moves per byte of activations it stores: `Assumptions.mem_traffic`
+    with fused kernels, `Assumptions.eager_mem_traffic` with PyTorch eager ones (`Training.kernels`)."""
+    return a.eager_mem_traffic if train.kernels == "eager" else a.mem_traffic
 
 
 def attention_rate(gpu: GPU, attention: str, a: Assumptions, eff: float) -> float:
@@ -227,7 +234,8 @@ def kind_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumpti
 
 
 def logits_time(m: ModelSpec, gpu: GPU, lay: Layout, a: Assumptions, lt: LayerTimes) -> float:
-    """Forward of the head on one microbatch: the 2Vh logits GEMM and the fp32 logits' memory traffic."""
+    """Forward of the head on one microbatch: the 2Vh logits GEMM and the fp32 logits' memory traffic (the loss's few
+    kernels, the same eager or compiled: `train.compile` compiles the blocks)."""
     tokens = lay.micro_batch * m.seq_len / lay.cp  # context parallelism: this rank's tokens
     _, _, logits = forward_flops_per_token(m)
     t = lay.tp

@@ -51,6 +51,7 @@ from scaletrain.plan.exact.cp_memory import (
     loader_targets_bytes,
 )
 from scaletrain.plan.exact.gathered import gathered_param_bytes
+from scaletrain.plan.exact.stash_memory import stash_bytes
 
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW = ("bf16", "fp16")
@@ -695,4 +696,5 @@ def predict_run(cfg: Config) -> dict:
         out["plan_mem_params_gathered"] = gathered
     if predicts_activations(cfg):
         out["plan_mem_activations"] = int(activation_bytes(cfg))
+    out.update(stash_bytes(cfg, model_state_bytes_per_stage(cfg)))  # PipeDream's stashed weight versions
     return out
