@@ -177,7 +177,8 @@ def _planned_vs_simulated(p: int, m: int, blocks: int, head: float) -> tuple[flo
 
 def test_planned_dualpipev_step_equals_the_simulator_on_equal_stages_and_is_close_with_a_head():
     """Equal stages: the same lists simulated, so equal. A head of one block on rank 0's chunk 1, which the planner
-    spreads over both chunks: the plan is slower by +0.16%..+1.82% over these cases (measured, deterministic), bound 2%."""
+    spreads over both chunks: the plan is slower by +0.16%..+1.82% over these cases (measured, deterministic),
+    bound 2%."""
     for p, blocks in ((2, 3), (4, 3), (8, 12)):
         for m in (2 * p, 4 * p):
             t_sim, planned = _planned_vs_simulated(p, m, blocks, 0.0)
