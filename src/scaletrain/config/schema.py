@@ -16,7 +16,7 @@ import yaml
 # The closed sets of values, each defined once: the field that takes one is annotated with its Literal, and every
 # module that lists, checks or branches on the values reads them here (`get_args` gives the tuple for messages).
 Dtype = Literal["fp32", "fp64", "bf16", "fp16"]
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream", "zb-v"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream", "zb-v", "dualpipev"]
 TpMode = Literal["1d", "2d", "2.5d", "3d"]
 CpMode = Literal["ring", "ulysses"]
 SyncMode = Literal["bsp", "ps", "hogwild", "local"]
@@ -243,7 +243,8 @@ class ParallelConfig:
     """Megatron sequence parallelism inside the tp group (arXiv 2205.05198)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, 2bw, pipedream (asynchronous 1F1B with weight stashing,
-    arXiv 1806.03377; one minibatch per optimizer step), zb-v (zero bubble V: parallel.virtual_stages=2)."""
+    arXiv 1806.03377; one minibatch per optimizer step), zb-v (zero bubble V: parallel.virtual_stages=2), dualpipev
+    (DeepSeek-V3's DualPipe in its V form, arXiv 2412.19437: parallel.virtual_stages=2, microbatches >= 2 x pp)."""
     vertical_sync: bool = False
     """PipeDream's vertical sync (schedule=pipedream): every stage uses the weight version stage 0 used for the
     minibatch, sent along with the activations; without it each stage uses its newest version (weight stashing)."""

@@ -203,7 +203,7 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
     if mem.compress.strip().lower() not in ("", "none"):
         errors.append(f"memory.compress={mem.compress} with model.reversible: reversible blocks save nothing for "
                       "backward to encode")
-    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v"):
+    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v", "dualpipev"):
         errors.append(f"parallel.schedule={p.schedule} with model.reversible: the reverse pass rebuilds a block's "
                       "input and its weight gradients together, so zero bubble cannot defer the weight part")
     return errors
