@@ -15,6 +15,10 @@ for one steady step (`simulate` of `build_schedule("1f1b")` or `build_2bw_step(f
 with the measured median F / B times, plus the measured time between steps.
 
     .venv/bin/python benchmarks/bench_bubble.py [--steps 6] [--microbatches 4]
+        [--schedules gpipe,1f1b,interleaved,zb-h1] [--no-window]
+
+The V schedules (`--schedules 1f1b,zb-v,dualpipev --microbatches 4 --no-window`) run two chunks per rank
+(virtual_stages 2); DualPipeV's overlapped slots run their halves one after the other, as the executor does on CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1"]
 
 
-def _rank(rank, world, steps, m):
+def _rank(rank, world, steps, m, schedules=None):
     from harness import TINY, make_config
 
     from scaletrain.distributed.process_group import DistEnv
@@ -40,8 +44,8 @@ def _rank(rank, world, steps, m):
 
     torch.set_num_threads(1)
     out = {}
-    for sched in SCHEDULES:
-        v = 2 if sched == "interleaved" else 1
+    for sched in schedules or SCHEDULES:
+        v = 2 if sched in ("interleaved", "zb-v", "dualpipev") else 1
         cfg = make_config({**TINY, "model.n_layers": 4, "model.d_model": 128, "model.n_heads": 4,
                            "model.seq_len": 64, "train.micro_batch": 4, "train.global_batch": 4 * m,
                            "train.dtype": "fp32", "train.steps": steps, "train.eval_every": 0,
@@ -123,24 +127,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)  # >= 4 for the window of steady steps
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated parallel.schedule values")
+    ap.add_argument("--no-window", action="store_true", help="skip the 1f1b vs 2bw runs of steps")
     args = ap.parse_args()
+    schedules = args.schedules.split(",")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from harness import run_ranks
 
-    outs = run_ranks(_rank, 2, args.steps, args.microbatches, timeout=600)
+    outs = run_ranks(_rank, 2, args.steps, args.microbatches, schedules, timeout=600)
     print("| schedule | rank | measured | simulated (median op times) | replay (own durations) | closed form |"
           " peak in flight |")
     print("|---|---|---|---|---|---|---|")
-    for sched in SCHEDULES:
+    for sched in schedules:
         traces, _ = outs[0][sched]
         trace = min(traces, key=lambda t: t.makespan)
         lat = trace.message_latency()
         meas, pred, rep = trace.bubble_per_rank(), trace.predicted(lat).bubble_per_rank, \
             trace.replay(lat).bubble_per_rank
-        v = 2 if sched == "interleaved" else 1
+        v = 2 if sched in ("interleaved", "zb-v", "dualpipev") else 1
         for r in range(2):
             print(f"| {sched} | {r} | {meas[r]:.3f} | {pred[r]:.3f} | {rep[r]:.3f} | "
                   f"{closed_form(sched, 2, args.microbatches, v)} | {outs[r][sched][1]} |")
+    if args.no_window:
+        return
     print()
     windows = run_ranks(_window_rank, 2, args.steps, args.microbatches, timeout=600)
     print("\n".join(window_table(windows, args.steps, args.microbatches)))

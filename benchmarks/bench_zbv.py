@@ -1,15 +1,17 @@
-"""ZB-V (arXiv 2401.10241 section 6) throughput: scaletrain's 1f1b, zb-h1 and zb-v vs torch.distributed.pipelining's
-Schedule1F1B and ScheduleZBVZeroBubble, 2 processes (gloo, CPU, one thread each).
+"""V schedules' throughput, ZB-V (arXiv 2401.10241 section 6) and DualPipeV (arXiv 2412.19437): scaletrain's 1f1b,
+zb-h1, zb-v and dualpipev vs torch.distributed.pipelining's Schedule1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV,
+2 processes (gloo, CPU, one thread each).
 
 Same model (plain GPT, untied embeddings), same initial weights, same microbatches and loss (token cross-entropy
-sum / tokens of the step). 1f1b and zb-h1 cut the blocks into 2 stages; zb-v and torch's ZB-V into 4 chunks in a V
-(rank 0: stages 0 and 3, rank 1: stages 1 and 2). One timed step is forward + backward of all microbatches and
-zeroing the gradients (no optimizer step). The five runners alternate step by step, so load from other jobs hits
+sum / tokens of the step). 1f1b and zb-h1 cut the blocks into 2 stages; the V schedules (ours and torch's) into 4
+chunks in a V (rank 0: stages 0 and 3, rank 1: stages 1 and 2). One timed step is forward + backward of all
+microbatches and zeroing the gradients (no optimizer step). `--schedules` picks ours (default 1f1b,zb-h1,zb-v); each
+V schedule brings torch's beside it. The runners alternate step by step, so load from other jobs hits
 them alike; the table gives tokens/s at the median step (slower rank of each step), the spread (min-max tokens/s)
 and each runner's ratio to scaletrain 1f1b.
 
     python benchmarks/bench_zbv.py [--layers 8 --d-model 128 --heads 4 --seq 128 --micro-batch 2 --microbatches 8
-                                    --repeats 11 --warmup 2]
+                                    --repeats 11 --warmup 2 --schedules 1f1b,zb-v,dualpipev]
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _config(args, schedule: str):
         "model.seq_len": args.seq, "model.tie_embeddings": False, "train.micro_batch": args.micro_batch,
         "train.global_batch": args.micro_batch * args.microbatches, "train.dtype": "fp32",
         "parallel.pp": 2, "parallel.schedule": schedule, "train.steps": 1000,
-        "parallel.virtual_stages": 2 if schedule == "zb-v" else 1,
+        "parallel.virtual_stages": 2 if schedule in ("zb-v", "dualpipev") else 1,
     }
     return validate(load_config(None, [f"{k}={v}" for k, v in sets.items()]), 2)
 
@@ -65,6 +67,7 @@ def _worker(rank: int, world: int, store_path: str, args, queue) -> None:
 
 def _bench(rank: int, args) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
     from scaletrain.distributed.comm import CommStats
     from scaletrain.distributed.mesh import Mesh, ParallelDims
@@ -84,7 +87,8 @@ def _bench(rank: int, args) -> dict:
     def loss(out, tgt):
         return loss_sum(out, tgt) / tokens
 
-    for schedule in ("1f1b", "zb-h1", "zb-v"):
+    ours = args.schedules.split(",")
+    for schedule in ours:
         engine = build_engine(_config(args, schedule), mesh, torch.device("cpu"), torch.float32, CommStats())
 
         def run_ours(engine=engine):
@@ -92,7 +96,7 @@ def _bench(rank: int, args) -> dict:
             engine.optimizer.zero_grad()
 
         runners[f"scaletrain {schedule}"] = run_ours
-    for schedule in ("1f1b", "zb-v"):
+    for schedule in [s for s in ("1f1b", "zb-v", "dualpipev") if s in ours]:
         theirs = build_engine(_config(args, schedule), mesh, torch.device("cpu"), torch.float32, CommStats())
         if schedule == "1f1b":
             mods = [TorchChunk(theirs.module, 0)]
@@ -103,7 +107,8 @@ def _bench(rank: int, args) -> dict:
             mods = [TorchChunk(theirs.module, c) for c in range(2)]
             stages = [PipelineStage(mods[c], rank_chunk_to_stage(rank, c, 2, "zb-v"), 4, torch.device("cpu"))
                       for c in range(2)]
-            sched = ScheduleZBVZeroBubble(stages, m, loss_fn=loss, scale_grads=False)
+            kind = ScheduleZBVZeroBubble if schedule == "zb-v" else ScheduleDualPipeV
+            sched = kind(stages, m, loss_fn=loss, scale_grads=False)
             first = last = rank == 0
 
         def run_theirs(sched=sched, mods=mods, first=first, last=last):
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--schedules", default="1f1b,zb-h1,zb-v", help="ours, comma-separated (1f1b first: the base)")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

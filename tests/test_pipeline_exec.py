@@ -1,6 +1,6 @@
 """Pipeline parallelism end to end: executor, stages, partitioner, timeline, validation, CLI.
 
-Every synchronous schedule (gpipe, 1f1b, interleaved, zb-h1, zb-v) on pp 2 and 4 ranks must reproduce the
+Every synchronous schedule (gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev) on pp 2 and 4 ranks must reproduce the
 single-process run: the training loss at every step, the validation loss and the final parameters
 (gathered by plain name). Runs are fp64 on CPU with gloo; the pipeline changes only the order of
 floating-point sums (microbatch gradients accumulate in the schedule's order, the tied embedding's two
@@ -67,6 +67,7 @@ def _pp2_configs() -> dict[str, dict]:
     out["zb-h1-untied-rope-swiglu"] = {**_cfg(2, "zb-h1", 4, 2, 4), "model.tie_embeddings": False,
                                        "model.position": "rope", "model.mlp": "swiglu"}
     out["zb-v-m3"] = _cfg(2, "zb-v", 3, 2, 4, v=2)  # V placement: first and last stage on rank 0 (tied: no copy)
+    out["dualpipev-m5"] = _cfg(2, "dualpipev", 5, 2, 4, v=2)  # DualPipeV, arXiv 2412.19437: the same V
     return out
 
 
@@ -80,6 +81,9 @@ def _pp4_configs() -> dict[str, dict]:
     out["2bw-m4"] = _cfg(4, "2bw", 4, 1, 4)
     out["pp2-dp2-1f1b"] = _cfg(2, "1f1b", 2, 2, 4, **{"parallel.dp": 2})
     out["zb-v-m7"] = _cfg(4, "zb-v", 7, 1, 8, v=2)
+    out["dualpipev-m8"] = _cfg(4, "dualpipev", 8, 1, 8, v=2)
+    out["pp2-dp2-dualpipev-untied"] = {**_cfg(2, "dualpipev", 4, 1, 4, v=2, **{"parallel.dp": 2}),
+                                       "model.tie_embeddings": False}
     out["pp2-dp2-zb-v-untied-rope-swiglu"] = {**_cfg(2, "zb-v", 4, 1, 4, v=2, **{"parallel.dp": 2}),
                                               "model.tie_embeddings": False, "model.position": "rope",
                                               "model.mlp": "swiglu"}
@@ -408,8 +412,9 @@ def test_forward_only_lists_for_evaluation_cannot_deadlock(schedule):
 
     for p in range(1, 6):
         for m in range(p, 2 * p + 2) if schedule != "pipedream" else (1,):  # pipedream: one minibatch a step
-            for v in (1, 2) if schedule == "interleaved" else (2,) if schedule == "zb-v" else (1,):
-                if schedule == "interleaved" and m % p or schedule == "zb-v" and m < 2 * p - 1:
+            for v in (1, 2) if schedule == "interleaved" else (2,) if schedule in ("zb-v", "dualpipev") else (1,):
+                if schedule == "interleaved" and m % p or schedule == "zb-v" and m < 2 * p - 1 or (
+                        schedule == "dualpipev" and m < 2 * p):
                     continue
                 _check_deadlock([forward_only(a) for a in build_schedule(schedule, p, m, v)], p)
 
@@ -498,7 +503,7 @@ def test_validate_rejects_bad_pipeline_settings_naming_values(overrides, message
 def test_validate_accepts_pipeline_layouts_and_config_lists_the_same_schedules():
     assert tuple(CONFIG_SCHEDULES) == tuple(SCHEDULES)
     for sched in SCHEDULES:
-        v = 2 if sched in ("interleaved", "zb-v") else 1
+        v = 2 if sched in ("interleaved", "zb-v", "dualpipev") else 1
         one = {"train.global_batch": 2, "train.micro_batch": 2, "model.tie_embeddings": False} if sched == "pipedream" \
             else {}
         validate(load_config(None, [f"{k}={v_}" for k, v_ in {**TINY, "model.n_layers": 4, "parallel.pp": 2,

@@ -26,6 +26,7 @@ from scaletrain.parallel.pipeline.schedules import (
     rank_chunk_to_stage,
     stage_layout,
     stage_to_rank_chunk,
+    unfold,
 )
 from scaletrain.parallel.pipeline.simulate import Event, simulate
 
@@ -36,12 +37,12 @@ def allowed_configs(name: str):
     """Every (p, m, v) with p in 1..8, m in 1..16 that the schedule accepts."""
     for p in range(1, 9):
         for m in range(1, 17):
-            for v in (1, 2, 3) if name == "interleaved" else (2,) if name == "zb-v" else (1,):
+            for v in (1, 2, 3) if name == "interleaved" else (2,) if name in ("zb-v", "dualpipev") else (1,):
                 if name == "interleaved" and m % p:
                     continue
                 if name == "2bw" and m < p or name == "pipedream" and m != 1:  # pipedream: one minibatch a step
                     continue
-                if name == "zb-v" and m < 2 * p - 1:
+                if name == "zb-v" and m < 2 * p - 1 or name == "dualpipev" and m < 2 * p:
                     continue
                 yield p, m, v
 
@@ -67,19 +68,22 @@ def test_each_microbatch_runs_forward_and_backward_once_per_chunk(name):
     for p, m, v in allowed_configs(name):
         actions = build_schedule(name, p, m, v)
         for acts in actions:
-            counts = Counter((a.op, a.microbatch, a.chunk) for a in acts)
+            counts = Counter((a.op, a.microbatch, a.chunk) for a in unfold(acts))
             for mb in range(m):
                 for c in range(v):
                     assert counts[(Op.FORWARD, mb, c)] == 1
                     if name in ("zb-h1", "zb-v"):
                         assert counts[(Op.BACKWARD_INPUT, mb, c)] == counts[(Op.BACKWARD_WEIGHT, mb, c)] == 1
                         assert counts[(Op.BACKWARD, mb, c)] == 0
+                    elif name == "dualpipev":  # DeepSeek's cool-down splits the second half of its backwards
+                        split = counts[(Op.BACKWARD_INPUT, mb, c)]
+                        assert counts[(Op.BACKWARD_WEIGHT, mb, c)] == split == 1 - counts[(Op.BACKWARD, mb, c)]
                     else:
                         assert counts[(Op.BACKWARD, mb, c)] == 1
         # one message per microbatch and stage boundary between ranks, each way; none when p == 1; the V's tip
         # (stages p-1 and p, both on rank p-1) hands over in memory
         per_op = Counter(a.op for acts in actions for a in acts)
-        boundaries = (p * v - 1 - (name == "zb-v")) if p > 1 else 0
+        boundaries = (p * v - 1 - (name in ("zb-v", "dualpipev"))) if p > 1 else 0
         for op in (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD):
             assert per_op[op] == m * boundaries, (name, p, m, v, op)
 
@@ -150,8 +154,8 @@ def test_send_and_receive_keys_agree_across_the_chunk_boundary():
 
 def test_every_receive_comes_before_its_compute_and_every_send_after():
     for name in SCHEDULES:
-        v = 2 if name in ("interleaved", "zb-v") else 1
-        for acts in build_schedule(name, 4, 1 if name == "pipedream" else 8, v):
+        v = 2 if name in ("interleaved", "zb-v", "dualpipev") else 1
+        for acts in map(unfold, build_schedule(name, 4, 1 if name == "pipedream" else 8, v)):
             for i, a in enumerate(acts):
                 if a.op.is_comm:
                     compute = Op.FORWARD if a.op in (Op.SEND_ACT, Op.RECV_ACT) else None

@@ -44,12 +44,12 @@ def add_parser(sub) -> None:
     r.set_defaults(func=cmd_run)
     t = rsub.add_parser("timeline", help="pipeline schedule as a Gantt chart: planned, or measured in a run")
     t.add_argument("--run", default=None, help="a run directory (or its pipeline_trace.json): draw what was measured")
-    t.add_argument("--schedule", default="1f1b", help="planned: gpipe, 1f1b, interleaved, zb-h1, 2bw, zb-v")
+    t.add_argument("--schedule", default="1f1b", help="planned: gpipe, 1f1b, interleaved, zb-h1, 2bw, zb-v, dualpipev")
     t.add_argument("--pp", type=bounded_int(1, MAX_TIMELINE_STAGES), default=4,
                    help=f"planned: pipeline stages (ranks), at most {MAX_TIMELINE_STAGES}")
     t.add_argument("--microbatches", type=bounded_int(1), default=8, help="planned: microbatches per step")
     t.add_argument("--virtual-stages", type=bounded_int(1), default=1,
-                   help="planned: model chunks per rank (interleaved; 2 for zb-v)")
+                   help="planned: model chunks per rank (interleaved; 2 for zb-v and dualpipev)")
     t.add_argument("--t-f", type=positive_float, default=1.0,
                    help="planned: forward time of one microbatch on one stage (any unit; the chart shows it)")
     t.add_argument("--t-b", type=positive_float, default=2.0,

@@ -266,7 +266,8 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
         if found is None:
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
         p = cfg.parallel
-        code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s)
+        code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s,
+                               ranks=p.dp // p.replicas)
         if cfg.train.report:  # the groups train without an output folder: the launcher writes the report
             from scaletrain.report.observers import safely
             from scaletrain.report.run_page import write_report
@@ -300,7 +301,9 @@ def check_replica_run(args, out: Path) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
     if args.rdzv_endpoint or args.nnodes != 1 or args.reshard or args.init_from is not None:
         raise UserError("parallel.replicas > 1 runs on one machine and resumes only its own layout: --nnodes/"
-                        "--rdzv-endpoint, --reshard and --init-from are not supported with it")
+                        "--rdzv-endpoint, --reshard and --init-from are not supported with it (`scaletrain replay` "
+                        "recomputes a replica run from step 0 out of its membership log: a start from another run's "
+                        "state has no log to replay)")
     from scaletrain.train.checkpoint_dirs import latest
 
     if (out / "membership.jsonl").exists() and latest(out / "checkpoints") is None:
@@ -358,7 +361,12 @@ def run_worker(cfg: Config, out: Path, env, reshard: bool = False, init_from: st
     with WorkerContext(rank, out / "logs" if env is None else None, launcher_lines) as logs:  # logs/rankN.log
         device = distributed.pick_device(cfg.train.device, env.local_rank if env else 0)
         if env is not None and not supervised:
-            distributed.init(env, cfg.parallel.timeout_s, device)
+            store = None
+            if cfg.parallel.replicas > 1 and env.world_size > 1:  # a replica group's ranks (docs/fault_tolerance.md)
+                from scaletrain.distributed.quorum import group_store
+
+                store = group_store(env.rank, cfg.parallel.timeout_s)
+            distributed.init(env, cfg.parallel.timeout_s, device, store=store)
         try:
             # the asynchronous modes supervise their own ranks (docs/async.md); bsp runs get docs/multinode.md's
             with supervise(cfg, out, env, device) if supervised else contextlib.nullcontext() as job:

@@ -16,7 +16,7 @@ import yaml
 # The closed sets of values, each defined once: the field that takes one is annotated with its Literal, and every
 # module that lists, checks or branches on the values reads them here (`get_args` gives the tuple for messages).
 Dtype = Literal["fp32", "fp64", "bf16", "fp16"]
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream", "zb-v"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream", "zb-v", "dualpipev"]
 TpMode = Literal["1d", "2d", "2.5d", "3d"]
 CpMode = Literal["ring", "ulysses"]
 SyncMode = Literal["bsp", "ps", "hogwild", "local"]
@@ -243,7 +243,8 @@ class ParallelConfig:
     """Megatron sequence parallelism inside the tp group (arXiv 2205.05198)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, 2bw, pipedream (asynchronous 1F1B with weight stashing,
-    arXiv 1806.03377; one minibatch per optimizer step), zb-v (zero bubble V: parallel.virtual_stages=2)."""
+    arXiv 1806.03377; one minibatch per optimizer step), zb-v (zero bubble V: parallel.virtual_stages=2), dualpipev
+    (DeepSeek-V3's DualPipe in its V form, arXiv 2412.19437: parallel.virtual_stages=2, microbatches >= 2 x pp)."""
     vertical_sync: bool = False
     """PipeDream's vertical sync (schedule=pipedream): every stage uses the weight version stage 0 used for the
     minibatch, sent along with the activations; without it each stage uses its newest version (weight stashing)."""
@@ -291,7 +292,8 @@ class ParallelConfig:
     replicas: int = 1
     """Fault-tolerant replica groups (docs/fault_tolerance.md): the data-parallel dimension split into this many
     groups that train on through the death of a group (a per-step quorum, torchft-style; a restarted group heals from
-    a live one). 1 = off. Today each group is one process (replicas = dp, no tp/pp/ZeRO inside a group)."""
+    a live one). 1 = off. A group is one process (dp = replicas) or two ranks with ZeRO-2 (dp = 2 x replicas,
+    zero = 2); no tp/pp/ep/cp inside a group."""
     slow_ranks: str = ""
     """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
     forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""

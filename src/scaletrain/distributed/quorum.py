@@ -10,13 +10,22 @@ one). After the gradient all-reduce each member reports ok or failed; the lighth
 every member reported ok, so all members apply the same update or none does (a member that dies mid-collective
 makes the round fail and the step is retried with the survivors).
 
-Keys in the store: `hb/G` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `done/R/G`,
-`heal/R/G` (seconds), `commit/R`, `finished`.
+A group of several processes (each group ZeRO-2 over its own ranks, train/runners/replicas.py): every rank
+heartbeats (`hb/G/I`, I its rank in the group) so that one frozen rank makes the group dead; local rank 0 alone asks
+to join and hands the quorum to the group's other ranks through the store (`qof/G/A/N`: A the group's restart
+count, N the join); each rank I of the members forms the cross-group gloo group of local rank I (its ZeRO shard's
+ordered sum, its heal) and reports its own outcome, so a round commits only when every rank of every member did.
+
+Keys in the store: `hb/G/I` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `qof/G/A/N`,
+`phase/R/G/I` (the heal phase's outcome, agreed inside a group), `done/R/G/I`, `heal/R/G/I` (seconds, bytes,
+resent chunks), `healed/R/I`, `commit/R`, `finished`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -46,21 +55,24 @@ class Quorum:
 class QuorumClient:
     """One replica group's connection to the lighthouse: heartbeat, rounds, process groups, commits."""
 
-    def __init__(self, address: str, group: int, heartbeat_s: float, pg_timeout_s: float):
+    def __init__(self, address: str, group: int, heartbeat_s: float, pg_timeout_s: float, local_rank: int = 0,
+                 attempt: int = 0):
         host, port = address.rsplit(":", 1)
         connect = timedelta(seconds=max(60.0, pg_timeout_s))
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=connect)
         self._beat = dist.TCPStore(host, int(port), is_master=False, timeout=connect)
         self.group, self.heartbeat_s, self.pg_timeout_s = group, heartbeat_s, pg_timeout_s
+        self.local_rank, self.attempt, self._joins = local_rank, attempt, 0  # attempt: the agent's restart count
+        self.beat_key = f"hb/{group}/{local_rank}"
         self.pg: dist.ProcessGroup | None = None
         self.pg_id = -1
         self._stop = threading.Event()
-        self._beat.add(f"hb/{group}", 1)
+        self._beat.add(self.beat_key, 1)
         threading.Thread(target=self._heartbeat, name="replica-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s / 5):
-            self._beat.add(f"hb/{self.group}", 1)
+            self._beat.add(self.beat_key, 1)
 
     def close(self) -> None:
         self._stop.set()
@@ -69,7 +81,22 @@ class QuorumClient:
         return self.store.check(["finished"])
 
     def join(self, completed: int) -> Quorum | None:
-        """The quorum of the next round this group is part of (None once the run is finished)."""
+        """The quorum of the next round this group is part of (None once the run is finished). Local rank 0 asks
+        and hands the answer to the group's other ranks (`qof/...`); they wait for it."""
+        key = f"qof/{self.group}/{self.attempt}/{self._joins}"
+        self._joins += 1
+        if self.local_rank > 0:
+            while not self.store.check([key]):
+                if self.finished():
+                    return None
+                time.sleep(0.002)
+            q = json.loads(self.store.get(key))
+            return Quorum(**q) if q is not None else None
+        q = self._join(completed)
+        self.store.set(key, json.dumps(dataclasses.asdict(q) if q is not None else None))
+        return q
+
+    def _join(self, completed: int) -> Quorum | None:
         while not self.finished():
             r = self.store.add("round", 0)
             self.store.set(f"req/{r}/{self.group}", str(completed))
@@ -84,9 +111,10 @@ class QuorumClient:
         return None
 
     def process_group(self, q: Quorum) -> dist.ProcessGroup:
-        """The gloo group over this quorum's members (rank = index in `members`), made when membership changed."""
+        """The gloo group over this quorum's members (rank = index in `members`; one per local rank: rank I of every
+        member group), made when membership changed."""
         if q.pg_id != self.pg_id:
-            prefix = dist.PrefixStore(f"pg/{q.pg_id}/", self.store)
+            prefix = dist.PrefixStore(f"pg/{q.pg_id}/{self.local_rank}/", self.store)
             self.pg = dist.ProcessGroupGloo(prefix, q.members.index(self.group), len(q.members),
                                             timedelta(seconds=self.pg_timeout_s))
             self.pg_id = q.pg_id
@@ -114,12 +142,28 @@ class QuorumClient:
                 raise RuntimeError(f"replica group {self.group}: no {key!r} within {timeout_s} s")
             time.sleep(0.002)
 
+    def agree(self, q: Quorum, ok: bool, ranks: int, timeout_s: float) -> bool:
+        """Whether every rank of this group reported `ok` for round q's heal phase (False after `timeout_s` without
+        all of them): the group's ranks enter their intra-group collectives together or not at all."""
+        if ranks == 1:
+            return ok
+        prefix = f"phase/{q.round}/{self.group}/"
+        self.store.set(prefix + str(self.local_rank), "1" if ok else "0")
+        keys = [prefix + str(i) for i in range(ranks)]
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline or self.finished():
+                return False
+            time.sleep(0.002)
+        return all(self.store.get(k) == b"1" for k in keys)
+
     def commit(self, q: Quorum, ok: bool, heal: dict | None = None) -> bool:
         """Report this member's outcome (and its heal's stats); the lighthouse's decision for the round (True:
         apply the update)."""
+        me = f"{q.round}/{self.group}/{self.local_rank}"
         if heal is not None:
-            self.store.set(f"heal/{q.round}/{self.group}", json.dumps(heal))
-        self.store.set(f"done/{q.round}/{self.group}", "1" if ok else "0")
+            self.store.set(f"heal/{me}", json.dumps(heal))
+        self.store.set(f"done/{me}", "1" if ok else "0")
         key = f"commit/{q.round}"
         while not self.store.check([key]):
             time.sleep(0.002)
@@ -127,6 +171,16 @@ class QuorumClient:
         if not committed:
             self.pg_id = -1
         return committed
+
+
+def group_store(rank: int, timeout_s: float) -> dist.Store:
+    """The store a replica group's ranks make their own process group with: torchrun's (MASTER_ADDR:MASTER_PORT,
+    hosted by its agent, or by rank 0 without one), prefixed by the agent's restart count, so that a restarted group
+    never reads the addresses its dead incarnation left there (the agent keeps one store across restarts)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=not agent and rank == 0,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"replica-group/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:

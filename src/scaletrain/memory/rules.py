@@ -80,7 +80,7 @@ def op_policy(cfg: Config, world_size: int | None) -> list[str]:
     if cfg.train.compile:
         errors.append(f"memory.recompute={mem.recompute} with train.compile=true is not available: the policy counts "
                       "and tracks the kept outputs as the ops run, which a captured graph does not do")
-    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v"):
+    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v", "dualpipev"):
         errors.append(f"memory.recompute={mem.recompute} with parallel.schedule={p.schedule} is not available: zero "
                       "bubble's input and weight passes recompute a checkpoint once each, and torch's selective "
                       "checkpointing replays its saved outputs once (use full, every:k or nth:k)")

@@ -203,7 +203,7 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
     if mem.compress.strip().lower() not in ("", "none"):
         errors.append(f"memory.compress={mem.compress} with model.reversible: reversible blocks save nothing for "
                       "backward to encode")
-    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v"):
+    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v", "dualpipev"):
         errors.append(f"parallel.schedule={p.schedule} with model.reversible: the reverse pass rebuilds a block's "
                       "input and its weight gradients together, so zero bubble cannot defer the weight part")
     return errors
@@ -212,8 +212,9 @@ def reversible(cfg: Config, world_size: int | None) -> list[str]:
 @rule("combinations")
 def share_blocks(cfg: Config, world_size: int | None) -> list[str]:
     """What model.share_blocks=true (model/gpt.py's share_block_weights) is refused with: it is made to work and
-    tested on one process, plain data parallelism and ZeRO-1/2 (tests/test_share_blocks.py); tp, ep, pp and
-    ZeRO-3 are refused, each with the reason."""
+    tested on one process, data parallelism, ZeRO-1/2/3, 1d tensor parallelism (with and without sequence parallelism),
+    expert and context parallelism (parallel/shared_blocks.py, tests/test_share_blocks.py); what is refused has its
+    reason."""
     m, p = cfg.model, cfg.parallel
     if not m.share_blocks:
         return []
@@ -230,18 +231,15 @@ def share_blocks(cfg: Config, world_size: int | None) -> list[str]:
     if m.moe.experts > 0 and (m.moe.router_noise > 0 or m.moe.random_routing):
         errors.append("model.share_blocks with model.moe.router_noise > 0 or model.moe.random_routing: the shared "
                       "layer's random streams are keyed by its layer, so every layer would draw the same draws")
-    if p.tp > 1:
-        errors.append(f"model.share_blocks with parallel.tp={p.tp}: the tensor-parallel pass shards each block's "
-                      "modules in place, so a module every block shares would be sharded once per layer")
-    if p.ep > 1:
-        errors.append(f"model.share_blocks with parallel.ep={p.ep}: expert placement splits each block's experts "
-                      "in place, so the shared experts would be split once per layer")
+    if p.tp > 1 and p.tp_mode != "1d":
+        errors.append(f"model.share_blocks with parallel.tp_mode={p.tp_mode}: only 1d tensor parallelism is "
+                      "verified to shard a shared block once; use parallel.tp_mode=1d")
     if p.pp > 1:
-        errors.append(f"model.share_blocks with parallel.pp={p.pp}: the shared weights would live on several "
-                      "stages, and their gradients are not summed across the pipeline group")
-    if p.zero == 3:
-        errors.append("model.share_blocks with parallel.zero=3: ZeRO-3 gathers and frees parameters per block, "
-                      "and a weight every block shares belongs to every unit")
+        errors.append(f"model.share_blocks with parallel.pp={p.pp}: the shared block would be copied on every "
+                      "stage, and its gradients are not summed across the pipeline group (only the tied embedding's)")
+    if p.offload == "nvme":
+        errors.append("model.share_blocks with parallel.offload=nvme: ZeRO-Infinity keeps each block's parameters "
+                      "in files of their own, so a weight every block shares would be stored once per block")
     if p.sync != "bsp":
         errors.append(f"model.share_blocks with parallel.sync={p.sync}: only synchronous (bsp) training")
     return errors

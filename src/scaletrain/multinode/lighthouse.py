@@ -5,7 +5,10 @@ Run by the replica launcher (multinode/replicas.py) as `python -m scaletrain.mul
 alive while its heartbeat counter moves; one whose counter has not moved for `heartbeat_s` is dead (killed, frozen
 by SIGSTOP, or its machine gone). A round closes when each member of the previous quorum has asked to join or is
 dead (the first round: when every group has asked, or `start_s` passed), so a dead group is dropped within the
-heartbeat bound and never stalls the others. The membership log `OUT/membership.jsonl` has one line per round:
+heartbeat bound and never stalls the others.
+A group of several processes (`--ranks P`) is alive while every one of its ranks heartbeats, and a round commits only
+when every rank of every member reported ok; a heal's row sums the bytes and resent chunks of the group's ranks and
+takes the slowest rank's seconds. The membership log `OUT/membership.jsonl` has one line per round:
 round, step, members, behind (healed), each heal's seconds, bytes and resent chunks, dropped groups,
 committed, and on the first row of a launch that resumed from a checkpoint `resumed_from` (its step; the rows of
 later steps before it were recomputed, multinode/replicas.py `effective_rows`). `scaletrain replay --out OUT`
@@ -27,17 +30,21 @@ POLL_S = 0.002
 
 class Lighthouse:
     def __init__(self, store: dist.Store, groups: int, steps: int, heartbeat_s: float, log: Path,
-                 start_s: float = 120.0):
+                 start_s: float = 120.0, ranks: int = 1):
         self.store, self.groups, self.steps, self.heartbeat_s = store, groups, steps, heartbeat_s
-        self.log, self.start_s = log, start_s
-        self.beats: dict[int, tuple[int, float]] = {}  # group -> (counter, when it last moved)
+        self.log, self.start_s, self.ranks = log, start_s, ranks
+        self.beats: dict[tuple[int, int], tuple[int, float]] = {}  # (group, rank) -> (counter, when it last moved)
 
     def alive(self, g: int) -> bool:
+        """Whether every rank of group g heartbeats (one frozen or dead rank stalls its group's collectives)."""
+        return all([self._rank_alive(g, i) for i in range(self.ranks)])  # a list: every counter is read
+
+    def _rank_alive(self, g: int, i: int) -> bool:
         now = time.monotonic()
-        count = self.store.add(f"hb/{g}", 0)
-        last = self.beats.get(g)
+        count = self.store.add(f"hb/{g}/{i}", 0)
+        last = self.beats.get((g, i))
         if last is None or count != last[0]:
-            self.beats[g] = (count, now)
+            self.beats[(g, i)] = (count, now)
             return count > 0
         return now - last[1] < self.heartbeat_s
 
@@ -63,16 +70,26 @@ class Lighthouse:
             time.sleep(POLL_S)
 
     def decide(self, r: int, members: list[int]) -> bool:
-        """Commit round r iff every member reported ok (a dead member that never reports fails it)."""
+        """Commit round r iff every rank of every member reported ok (a dead member that never reports fails it)."""
+        keys = {(g, i): f"done/{r}/{g}/{i}" for g in members for i in range(self.ranks)}
         while True:
-            done = {g: self.store.get(f"done/{r}/{g}") for g in members if self.store.check([f"done/{r}/{g}"])}
+            done = {gi: self.store.get(k) for gi, k in keys.items() if self.store.check([k])}
             if any(v != b"1" for v in done.values()):
                 return False
-            if len(done) == len(members):
+            if len(done) == len(keys):
                 return True
-            if any(not self.alive(g) for g in members if g not in done):
+            if any(not self.alive(g) for g in members if any((g, i) not in done for i in range(self.ranks))):
                 return False
             time.sleep(POLL_S)
+
+    def heal_stats(self, r: int, g: int) -> dict | None:
+        """Group g's heal in round r: the bytes and resent chunks of its ranks summed, the slowest rank's seconds."""
+        keys = [f"heal/{r}/{g}/{i}" for i in range(self.ranks)]
+        got = [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+        if not got:
+            return None
+        return {"seconds": max(h["seconds"] for h in got), "bytes": sum(h["bytes"] for h in got),
+                "retries": sum(h["retries"] for h in got)}
 
     def run(self) -> None:
         previous: list[int] | None = None  # who the next round waits for
@@ -94,8 +111,7 @@ class Lighthouse:
                 t0 = time.time()
                 ok = self.decide(r, members)
                 self.store.set(f"commit/{r}", "1" if ok else "0")
-                heal = {g: json.loads(self.store.get(f"heal/{r}/{g}")) for g in behind
-                        if self.store.check([f"heal/{r}/{g}"])}
+                heal = {g: h for g in behind if (h := self.heal_stats(r, g)) is not None}
                 dropped = sorted(set(last) - set(members)) if ok else []
                 row = {"round": r, "step": step, "members": members, "behind": behind, "heal": heal,
                        "dropped": dropped, "committed": ok, "time": t0}
@@ -119,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, required=True)
+    p.add_argument("--ranks", type=int, default=1, help="processes per replica group")
     p.add_argument("--log", required=True)
     p.add_argument("--linger-s", type=float, default=30.0, help="keep the store up after the run for late readers")
     args = p.parse_args(argv)
     store = dist.TCPStore("127.0.0.1", args.port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
     store.add("round", 0)
-    Lighthouse(store, args.groups, args.steps, args.heartbeat_s, Path(args.log)).run()
+    Lighthouse(store, args.groups, args.steps, args.heartbeat_s, Path(args.log), ranks=args.ranks).run()
     time.sleep(args.linger_s)  # groups still read `finished` and their commit
     return 0
 

@@ -26,8 +26,10 @@ LIGHTHOUSE_ENV = "SCALETRAIN_LIGHTHOUSE"
 REPLICA_ENV = "SCALETRAIN_REPLICA"
 
 
-def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, steps: int, heartbeat_s: float) -> int:
-    """Run the replica groups of `scaletrain <argv>`; the exit code for the user (0: every step committed)."""
+def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, steps: int, heartbeat_s: float,
+                    ranks: int = 1) -> int:
+    """Run the replica groups of `scaletrain <argv>` (`ranks` processes each, one torchrun agent per group); the
+    exit code for the user (0: every step committed)."""
     logs, rep = out / "logs", out / "replicas"
     logs.mkdir(parents=True, exist_ok=True)
     rep.mkdir(parents=True, exist_ok=True)
@@ -35,7 +37,8 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
     lh_log = open(logs / "lighthouse.log", "w")
     lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain.multinode.lighthouse", "--port", str(port),
                                    "--groups", str(groups), "--steps", str(steps), "--heartbeat-s", str(heartbeat_s),
-                                   "--log", str(out / "membership.jsonl"), "--linger-s", "2"],
+                                   "--log", str(out / "membership.jsonl"), "--linger-s", "2",
+                                   "--ranks", str(ranks)],
                                   stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
     agents = []
     try:
@@ -44,9 +47,9 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
             glogs = logs / f"group{g}"
             glogs.mkdir(exist_ok=True)
             env.update({LOG_DIR_ENV: str(glogs.resolve()), REPLICA_ENV: str(g), LIGHTHOUSE_ENV: f"127.0.0.1:{port}"})
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // groups)))
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (groups * ranks))))
             f = open(logs / f"group{g}.log", "w")
-            agents.append(subprocess.Popen(torchrun_command(1, argv, restarts=restarts), env=env, stdout=f,
+            agents.append(subprocess.Popen(torchrun_command(ranks, argv, restarts=restarts), env=env, stdout=f,
                                            stderr=subprocess.STDOUT, start_new_session=True))
         while lighthouse.poll() is None and any(a.poll() is None for a in agents):
             time.sleep(0.1)
@@ -74,7 +77,7 @@ def _final_members(out: Path) -> list[int]:
 
 def stop_workers(rep: Path) -> None:
     """SIGKILL group processes still alive (a frozen one survives its agent: torchrun starts ranks in a session of
-    their own); each wrote its pid to `replicas/group{g}.pid` at start."""
+    their own); each wrote its pid to `replicas/group{g}.pid` (local rank I > 0: `group{g}.rank{I}.pid`) at start."""
     for f in rep.glob("group*.pid"):
         with contextlib.suppress(ValueError, OSError):
             pid = int(f.read_text())

@@ -81,6 +81,10 @@ def build_engine(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dty
         from scaletrain.parallel.compile import apply_compile
 
         apply_compile(engine)  # each block compiled, after tp / recompute, before dp / ZeRO (torchtitan's order)
+    if m.share_blocks:
+        from scaletrain.parallel.shared_blocks import gather_shared_once
+
+        gather_shared_once(engine)  # a shared block's weights gathered once for the full state, under every name
     engine.optimizer = _optimizer(engine, cfg, mesh, comm, device)
     if p.zero == 3 and p.offload != "nvme":
         from scaletrain.parallel.zero_gather import report_gathered

@@ -165,7 +165,7 @@ def grid_refusals(cfg: Config) -> list[str]:
     if p.pp > 1 and p.partition == "time":
         errors.append(f"parallel.partition=time {why}: its profile runs one rank's blocks alone, and a grid block "
                       "needs its row and column peers (use uniform, params or block counts)")
-    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v", "2bw"):
+    if p.pp > 1 and p.schedule in ("zb-h1", "zb-v", "dualpipev", "2bw"):
         errors.append(f"parallel.schedule={p.schedule} {why}: zero-bubble's split backward would run the grid's "
                       "backward collectives twice, and 2BW's weight versions are not wired to it")
     if m.moe.experts:
@@ -189,7 +189,7 @@ def grid_refusals(cfg: Config) -> list[str]:
 
 # train.compile=true is refused with these settings: key -> (condition on the config, reason)
 COMPILE_REFUSED = {
-    "parallel.schedule": (lambda c: c.parallel.pp > 1 and c.parallel.schedule in ("zb-h1", "zb-v"),
+    "parallel.schedule": (lambda c: c.parallel.pp > 1 and c.parallel.schedule in ("zb-h1", "zb-v", "dualpipev"),
                           "the zero-bubble schedule splits each block's backward into an input pass and a weight pass, "
                           "while a compiled block has one backward (it would run twice, retaining its graph)"),
     "parallel.tp": (lambda c: c.parallel.tp > 1,

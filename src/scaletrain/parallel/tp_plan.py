@@ -118,6 +118,8 @@ def gpt_plan(cfg: ModelConfig) -> dict[str, Style]:
         else:
             plan[f"{mlp}.fc"] = Column()
         plan |= {f"{mlp}.proj": Row(), f"{mlp}.dropout": Replicated()}
+    if cfg.share_blocks and moe:  # every block calls block 0's MoE layer: listed (and planned) once
+        moe = {min(moe)}
     for i in sorted(moe):  # MoE blocks: router and experts replicated over tp; under sequence parallelism each
         mlp = f"blocks.{i}.mlp"  # rank routes the tokens of its sequence shard (their gradients summed over tp)
         plan |= {f"{mlp}.router": Replicated(), f"{mlp}.experts": Replicated(), f"{mlp}.dropout": Replicated()}

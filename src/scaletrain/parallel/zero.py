@@ -53,6 +53,7 @@ from scaletrain.optim import config_hyper, optimizer_spec, state_elements
 from scaletrain.parallel.data_parallel import bucket_params
 from scaletrain.parallel.engine import EngineOptimizer, weak_grad_hook
 from scaletrain.parallel.norms import clip_coefficient, is_norm_owner, squared_norm
+from scaletrain.parallel.shared_blocks import shared_modules
 from scaletrain.parallel.zero_gather import GatherMeter
 
 preserve_version = torch.autograd._unsafe_preserve_version_counter
@@ -669,9 +670,12 @@ def predict_bytes_per_rank(module: nn.Module, stage: int, n: int, bucket_mb: flo
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
-    """ZeRO-3 units: the root module plus every element of every nn.ModuleList (transformer blocks)."""
+    """ZeRO-3 units: the root module plus every element of every nn.ModuleList (transformer blocks), plus each module
+    several of those share (model.share_blocks' attention and MLP, parallel/shared_blocks.py): a unit of its own,
+    gathered for each block that calls it, its gradient (summed over the blocks) reduce-scattered once."""
     units: list[nn.Module] = [module]
     for m in module.modules():
         if isinstance(m, nn.ModuleList):
             units.extend(m)
-    return units
+    return units + shared_modules(units[1:])
+

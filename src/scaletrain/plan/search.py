@@ -160,6 +160,8 @@ def enumerate_layouts(m: ModelSpec, gpu: GPU, n_gpus: int, train: Training, fixe
                     if name == "interleaved":  # chunks of equal size, or ends' (Megatron's)
                         vs = _options(fixed, "virtual_stages", [v for v in (2, 4, 8) if _partitions(
                             m, {}, pp * v, grid_mode, balance=False)])
+                    elif name in ("zb-v", "dualpipev"):  # two chunks in a V; priced only when --layout names it
+                        vs = [2] if fixed.get("virtual_stages", 2) == 2 else []
                     else:
                         vs = [1] if fixed.get("virtual_stages", 1) == 1 else []
                     scheds += [(name, v, part) for v in vs

@@ -41,12 +41,12 @@ def load_log(out: Path) -> list[dict]:
 def replay_rounds(cfg: Config, rows: list[dict]) -> dict[str, torch.Tensor]:
     """The parameters after the committed rounds of `rows` (after a whole-job resume: those the resumed run went
     through, `effective_rows`), computed in this process."""
-    model = GroupModel(cfg)
+    model = GroupModel(cfg, replay=True)
     step = 0
     for row in effective_rows(rows):
         if row["step"] != step + 1:
             raise CheckpointError(f"membership log: committed step {row['step']} follows step {step}")
-        parts = [model.local_grad(row["step"], g) for g in row["members"]]
+        parts = [model.group_grad(row["step"], g) for g in row["members"]]
         model.apply(row["step"], ordered_sum(parts) / len(row["members"]))
         step = row["step"]
     return model.trainer.full_state()

@@ -49,7 +49,8 @@ def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
 
 @rule("combinations")
 def replicas(cfg: Config, world_size: int | None) -> list[str]:
-    """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups, each one process today."""
+    """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, or of two ranks
+    with ZeRO-2 inside the group."""
     p, t = cfg.parallel, cfg.train
     if p.replicas == 1:
         return []
@@ -58,10 +59,20 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     if p.dp % p.replicas:
         return [f"parallel.replicas ({p.replicas}) must divide parallel.dp ({p.dp})"]
     errors = []
-    if p.dp != p.replicas or p.tp > 1 or p.pp > 1 or p.ep > 1 or p.cp > 1 or p.zero:
-        errors.append(f"parallel.replicas ({p.replicas}) needs one process per replica group: parallel.dp = replicas "
-                      f"and no tp, pp, ep, cp or ZeRO inside a group (got dp={p.dp}, tp={p.tp}, pp={p.pp}, ep={p.ep}, "
-                      f"cp={p.cp}, zero={p.zero}); larger groups are not built yet")
+    ranks = p.dp // p.replicas
+    if p.tp > 1 or p.pp > 1 or p.ep > 1 or p.cp > 1:
+        errors.append(f"parallel.replicas ({p.replicas}): a replica group is data-parallel only (got tp={p.tp}, "
+                      f"pp={p.pp}, ep={p.ep}, cp={p.cp}): the replay recomputes a group's intra-group sums, which for "
+                      "tp/pp/ep/cp are partial sums of split matmuls; use groups of 2 ranks with parallel.zero=2")
+    elif ranks == 1 and p.zero:
+        errors.append(f"parallel.replicas ({p.replicas}) = parallel.dp: one process per group has nothing to shard "
+                      f"(got zero={p.zero}); for ZeRO-2 groups set parallel.dp = 2 x replicas")
+    elif ranks > 1 and (ranks != 2 or p.zero != 2 or t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
+        errors.append(f"parallel.replicas ({p.replicas}) with {ranks} processes per group (dp={p.dp}) needs "
+                      f"groups of 2 ranks with parallel.zero=2, train.dtype fp32/fp64 and optim.name=adamw (got "
+                      f"zero={p.zero}, dtype={t.dtype}, optim={cfg.optim.name}): a sum of 2 shards is the same in "
+                      "either order, so the replay recomputes ZeRO-2's per-micro-batch reduce-scatter exactly; "
+                      "plain dp, ZeRO-1/3 and larger groups are not built")
     if p.sync != "bsp":
         errors.append(f"parallel.replicas > 1 is for parallel.sync=bsp (got {p.sync!r}): the asynchronous modes "
                       "supervise their own workers")

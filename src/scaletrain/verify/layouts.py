@@ -56,7 +56,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "ep": (1, 2),
     "zero": (0, 1, 2, 3),
     "offload": ("none", "optimizer", "params", "nvme"),
-    "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw", "zb-v:2"),
+    "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw", "zb-v:2", "dualpipev:2"),
     "sequence_parallel": (False, True),
     "recompute": ("none", "full", "attn-core", "every:2", "nth:2", "ops:matmul"),
     "partition_checkpoints": (False, True),
@@ -163,8 +163,8 @@ def config(layout: Layout) -> Config:
             if moe == "hierarchical":
                 m.moe.groups, m.moe.top_k = 2, 1
         m.moe.every = 2 if moe == "switch" and m.n_layers >= 2 else 1
-    # pipeline schedules want at least pp micro-batches, ZB-V 2 pp - 1 (its rank 0's warm-up): 2 pp
-    micro = max(1, p.pp) * (2 if schedule == "zb-v" else 1) * layout["accumulation"]
+    # pipeline schedules want at least pp micro-batches, ZB-V 2 pp - 1 and DualPipeV 2 pp (rank 0's warm-up): 2 pp
+    micro = max(1, p.pp) * (2 if schedule in ("zb-v", "dualpipev") else 1) * layout["accumulation"]
     t.steps, t.micro_batch, t.global_batch = STEPS, MICRO_BATCH, MICRO_BATCH * p.dp * micro
     t.warmup_steps, t.eval_every, t.checkpoint_every, t.lr, t.dtype = 1, 0, 0, 3e-3, layout["dtype"]
     o.name = layout["optimizer"]
@@ -271,14 +271,14 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
                 want(dim, value)
             if v["zero"] >= 2:
                 want("zero", 1)
-            if v["schedule"] in ("zb-h1", "2bw", "zb-v:2"):
+            if v["schedule"] in ("zb-h1", "2bw", "zb-v:2", "dualpipev:2"):
                 want("schedule", "1f1b")
         if v["reversible"]:  # model/reversible.py: nothing saved for a checkpoint, an offload or a codec
             if v["recompute"] in ("full", "every:2", "nth:2", "ops:matmul"):
                 want("recompute", "attn-core")
             for dim, value in (("offload_activations", False), ("compress", "none")):
                 want(dim, value)
-            if v["schedule"] in ("zb-h1", "zb-v:2"):
+            if v["schedule"] in ("zb-h1", "zb-v:2", "dualpipev:2"):
                 want("schedule", "1f1b")
         if v["precision"] == "fp8":  # memory/rules.py: fp32 or bf16 parameters, the dense 1d-parallel model
             if v["dtype"] in ("fp64", "fp16"):
@@ -313,7 +313,7 @@ def needs(layout: Layout, fixed: set[str], max_world: int) -> Layout:
             for dim, value in (("offload_activations", False), ("compress", "none"), ("contiguous", False),
                                ("tp_mode", "1d"), ("partition_checkpoints", False)):
                 want(dim, value)
-            if v["schedule"] in ("zb-h1", "zb-v:2"):
+            if v["schedule"] in ("zb-h1", "zb-v:2", "dualpipev:2"):
                 want("schedule", "1f1b")
         if v["reshard_after_forward"] is False:  # a ZeRO-3 choice; ZeRO-Infinity streams its units
             want("zero", 3)
@@ -483,14 +483,14 @@ MEANING = {
     "dp": "`parallel.dp`", "tp": "`parallel.tp`", "pp": "`parallel.pp`", "ep": "`parallel.ep`",
     "zero": "`parallel.zero`",
     "offload": "`parallel.offload` (`nvme`: shard files in the system's temporary folder, `parallel.offload_dir`)",
-    "schedule": "`parallel.schedule` (`interleaved:v`, `zb-v:2`: `parallel.virtual_stages=v`)",
+    "schedule": "`parallel.schedule` (`interleaved:v`, `zb-v:2`, `dualpipev:2`: `parallel.virtual_stages=v`)",
     "sequence_parallel": "`parallel.sequence_parallel`", "recompute": "`memory.recompute`",
     "partition_checkpoints": "`memory.partition_checkpoints`", "offload_activations": "`memory.offload_activations`",
     "compress": "`memory.compress`", "dtype": "`train.dtype`", "optimizer": "`optim.name`",
     "moe": "`model.moe.router` with 4 experts (`dense`: no experts; `importance`: topk with aux_loss=importance and "
            "router_noise 0.5; `hierarchical`: that with groups=2, top_k 1)",
-    "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation; zb-v: "
-                    "twice that)",
+    "accumulation": "`train.global_batch` = micro-batch 2 x dp x max(pp, 1) x this (gradient accumulation; zb-v, "
+                    "dualpipev: twice that)",
     "partition": "`parallel.partition` (`uneven`: the first chunk holds one block or segment more)",
     "tie_embeddings": "`model.tie_embeddings`", "position": "`model.position`", "mlp": "`model.mlp`",
     "dropout": "`model.dropout`",

@@ -83,7 +83,7 @@ def cp_refusals(cfg: Config) -> list[str]:
     if policy in CP_UNSUPPORTED_RECOMPUTE:
         errors.append(f"memory.recompute={cfg.memory.recompute} {why}: the policy's checkpoints around the ring's and "
                       "Ulysses' messages are not modelled nor tested (use none, attn-core, full or every:k)")
-    elif p.pp > 1 and p.schedule in ("zb-h1", "zb-v") and policy in ("full", "every"):
+    elif p.pp > 1 and p.schedule in ("zb-h1", "zb-v", "dualpipev") and policy in ("full", "every"):
         errors.append(f"parallel.schedule={p.schedule} with memory.recompute={cfg.memory.recompute} {why}: zero "
                       "bubble's weight pass recomputes a checkpointed block once per weight group, sending the "
                       "block's cp messages again each time (use attn-core recomputation or another schedule)")

@@ -44,9 +44,12 @@ from scaletrain.parallel.pipeline.schedules import (
     batches,
     build_2bw_step,
     message_key,
+    peak_in_flight,
     rank_chunk_to_stage,
     schedule_constraints,
     stage_to_rank_chunk,
+    stated_peak,
+    unfold,
 )
 
 _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)
@@ -60,12 +63,38 @@ def check_schedule(actions: list[list[Action]], p: int, m: int, v: int, schedule
     if len(actions) != p:
         raise ValueError(f"schedule has {len(actions)} rank lists, expected p={p}")
     for r in range(p):
+        _check_overlaps(actions[r], r, schedule)
+    actions = [unfold(acts) for acts in actions]  # every other check reads the halves, as the executor runs them
+    for r in range(p):
         _check_fields(actions[r], r, p, m, v, schedule)
         _check_compute(actions[r], r, p, m, v, schedule)
     _check_matching(actions, p)
     for r in range(p):
         _check_comm_placement(actions[r], r, p, v, schedule)
     _check_deadlock(actions, p, sends_block=schedule not in V_SCHEDULES)
+    bound = stated_peak(schedule, p) if schedule is not None else None
+    for r in range(p):
+        if bound is not None and peak_in_flight(actions[r]) != bound:
+            raise ValueError(f"rank {r} holds {peak_in_flight(actions[r])} microbatch-chunks at its peak; {schedule}"
+                             f" states {bound}")
+
+
+def _check_overlaps(acts: list[Action], r: int, schedule: str | None) -> None:
+    """OVERLAP_F_B (DualPipeV only): a forward of one chunk and a full backward of the rank's other chunk, the action
+    itself carrying the forward's fields; no other action has halves."""
+    for i, a in enumerate(acts):
+        if a.op is not Op.OVERLAP_F_B:
+            if a.pair is not None:
+                raise ValueError(f"rank {r} action {i} {a}: only OVERLAP_F_B has halves")
+            continue
+        if schedule != "dualpipev":
+            raise ValueError(f"rank {r} action {i} {a}: overlapped slots belong to dualpipev, not {schedule}")
+        f, b = a.pair if a.pair is not None and len(a.pair) == 2 else (None, None)
+        if f is None or f.op is not Op.FORWARD or b.op is not Op.BACKWARD or f.chunk == b.chunk:
+            raise ValueError(f"rank {r} action {i} {a}: an overlapped slot is a forward and a full backward of the"
+                             " other chunk")
+        if (a.microbatch, a.chunk, a.stage, a.batch) != (f.microbatch, f.chunk, f.stage, f.batch) or a.peer is not None:
+            raise ValueError(f"rank {r} action {i} {a}: its fields must be its forward's")
 
 
 def _rank_of(stage: int, p: int, schedule: str | None) -> int:

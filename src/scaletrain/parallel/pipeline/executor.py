@@ -60,6 +60,7 @@ from scaletrain.parallel.pipeline.schedules import (
     build_2bw_step,
     rank_chunk_to_stage,
     stage_to_rank_chunk,
+    unfold,
 )
 from scaletrain.parallel.pipeline.simulate import Event
 from scaletrain.parallel.pipeline.stash import WeightStash
@@ -71,7 +72,7 @@ TAG_TIED_VALUE, TAG_TIED_GRAD = 1, 2  # schedule messages use tag 0
 
 def forward_only(actions: list[Action]) -> list[Action]:
     """The forward part of a rank's list (forwards and activation messages), for evaluation."""
-    return [a for a in actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
+    return [a for a in unfold(actions) if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
 
 
 @dataclass
@@ -125,7 +126,7 @@ class PipelineExecutor:
             self.tied_role, self.tied_tensor, self.tied_peer = "first", stages.wte.weight, peers[-1]
         elif tied and getattr(stages, "tied_copy", None) is not None:
             self.tied_role, self.tied_tensor, self.tied_peer = "last", stages.tied_copy, peers[0]
-        self.actions = actions
+        self.actions = actions = unfold(actions)  # DualPipeV's overlapped slot: its two halves one after the other
         self.steps = batches(actions)
         self.eval_steps = batches(forward_only(actions))
         self.n_stages = p * v

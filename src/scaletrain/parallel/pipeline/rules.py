@@ -1,6 +1,6 @@
 """validate()'s rules for pipeline parallelism: parallel.schedule, parallel.partition and the schedule's
 constraints on the resolved micro-batch count (`check.validate_pipeline`; GPipe arXiv 1811.06965, 1F1B / 2BW arXiv
-2006.09503, interleaved arXiv 2104.04473, zero bubble H1 and V arXiv 2401.10241).
+2006.09503, interleaved arXiv 2104.04473, zero bubble H1 and V arXiv 2401.10241, DualPipeV arXiv 2412.19437).
 
 Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py imports it); torch-free.
 """
@@ -12,6 +12,12 @@ from scaletrain.config.schema import PARTITION_KINDS, SCHEDULES, Config
 
 V_ON_NCCL = ("parallel.schedule=zb-v runs on CPU (gloo) only: its two same-direction streams need sends that never "
              "block, which NCCL does not promise for large messages (use zb-h1 on GPUs)")
+
+
+def v_on_nccl(schedule: str) -> str:
+    """Why a V schedule (zb-v, dualpipev) is refused on CUDA / NCCL: check.py shows both deadlock under blocking
+    sends."""
+    return V_ON_NCCL.replace("zb-v", schedule)
 
 
 @rule("inputs")
@@ -42,8 +48,8 @@ def schedule(cfg: Config, world_size: int | None) -> list[str]:
         from scaletrain.parallel.pipeline.check import validate_pipeline  # the schedules' code, only when pp > 1
 
         errors = validate_pipeline(m.n_layers, p.pp, p.virtual_stages, accum, p.schedule, p.partition)
-        if p.schedule == "zb-v" and cfg.train.device == "cuda":
-            errors.append(V_ON_NCCL)
+        if p.schedule in ("zb-v", "dualpipev") and cfg.train.device == "cuda":
+            errors.append(v_on_nccl(p.schedule))
         if p.zero == 3 and p.schedule == "2bw":
             errors.append("parallel.zero=3 with parallel.schedule=2bw is not available: PipeDream-2BW keeps its "
                           "two weight versions in the module's parameters, which ZeRO-3 holds only as shards")

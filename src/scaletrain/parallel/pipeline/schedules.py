@@ -36,6 +36,18 @@ Schedules (names of `parallel.schedule`):
   (chunk-0 B, chunk-1 B) pairs, then p-r (chunk-0 B, chunk-0 W) pairs, then the remaining weight
   passes fill the tail. Peak 2p microbatch-chunks in flight on every rank, the activation memory of
   1F1B. Needs parallel.virtual_stages = 2 and m >= 2p - 1 (the warm-up of rank 0).
+- `dualpipev`: DualPipeV, the single-direction V form of DeepSeek-V3's DualPipe (arXiv 2412.19437 section
+  3.2.1; torch.distributed.pipelining's ScheduleDualPipeV): the V placement of zb-v, and a steady state of
+  OVERLAP_F_B slots, each the forward of one microbatch on one chunk and the full backward of another on the
+  other chunk, which DualPipe overlaps (on GPUs one's compute hides the other's communication). Rank r:
+  2(p-r-1) chunk-0 forwards; r+1 (chunk-0 F, chunk-1 F) pairs; p-r-1 (chunk-1 I, W, chunk-1 F) triples;
+  m-2p+r+1 rounds of (chunk-0 F + chunk-1 B, chunk-1 F + chunk-0 B) overlapped pairs (the last rank runs its
+  first chunk-0 F and chunk-1 B apart); p-r-1 (chunk-1 B, chunk-1 F + chunk-0 B); r+1 (chunk-1, chunk-0)
+  backward pairs, the second half of them split into I and W (zero bubble's cool-down); p-r-1 (W, chunk-0
+  backward); the remaining W passes. Peak in flight: 2p + 1 microbatch-chunks on every rank (`dualpipev_peak`:
+  the 2p forwards of the warm-up, and one more because an overlapped slot's forward starts before its backward
+  frees a pair), i.e. p + 1/2 microbatches of a full stage, one chunk more than zb-v. Needs
+  parallel.virtual_stages = 2 and m >= 2p (as torch's: rank 0's warm-up runs 2p forwards).
 
 Stages and chunks. The model is cut into S = p * v consecutive stages (chunks). Stage s lives on rank
 `s % p` as local chunk `s // p`; equivalently chunk c on rank r holds model chunk `c * p + r`
@@ -92,6 +104,7 @@ class Op(Enum):
     BACKWARD = "B"  # full backward: input and weight gradients in one pass
     BACKWARD_INPUT = "I"  # gradient w.r.t. the stage input only (zero bubble's B)
     BACKWARD_WEIGHT = "W"  # gradient w.r.t. the weights only (zero bubble's W)
+    OVERLAP_F_B = "FB"  # DualPipe: a forward and another microbatch's backward in one slot (`Action.pair`)
     SEND_ACT = "send_act"
     RECV_ACT = "recv_act"
     SEND_GRAD = "send_grad"
@@ -125,7 +138,8 @@ class Action:
     rank of a send/recv and None for compute actions; `batch` is 0 for this step's batch and 1 for the
     next step's (2BW's early warm-up forwards, which read the newer weight version); `stage` is the
     acting chunk's global stage under a V placement (`V_SCHEDULES`), None for the loop placement
-    (stage chunk * p + rank).
+    (stage chunk * p + rank). `pair` is set on OVERLAP_F_B only: its (FORWARD, BACKWARD) halves, run one after
+    the other on one stream (`unfold`); the action's own microbatch, chunk and stage are the forward's.
     """
 
     op: Op
@@ -134,8 +148,11 @@ class Action:
     peer: int | None = None
     batch: int = 0
     stage: int | None = None
+    pair: tuple[Action, Action] | None = None
 
     def __str__(self) -> str:
+        if self.pair is not None:
+            return f"{self.op.name}({self.pair[0]} + {self.pair[1]})"
         base = f"{self.op.name}(mb={self.microbatch}, chunk={self.chunk}"
         if self.batch:
             base += ", next batch"
@@ -148,7 +165,7 @@ class Action:
 # --------------------------------------------------------------------------- stage layout
 
 
-V_SCHEDULES: tuple[str, ...] = ("zb-v",)  # two chunks per rank placed in a V
+V_SCHEDULES: tuple[str, ...] = ("zb-v", "dualpipev")  # two chunks per rank placed in a V
 
 
 def rank_chunk_to_stage(rank: int, chunk: int, p: int, schedule: str | None = None) -> int:
@@ -214,12 +231,13 @@ def schedule_constraints(name: str, p: int, m: int, v: int) -> list[str]:
         if v != 2:
             errors.append(f"parallel.schedule={name} places two chunks per rank in a V: it needs"
                           f" parallel.virtual_stages=2, got {v}")
-        if m < 2 * p - 1:
-            errors.append(f"parallel.schedule={name} needs parallel.microbatches >= 2 x parallel.pp - 1 ="
-                          f" {2 * p - 1} (rank 0's warm-up), got {m}")
+        least = 2 * p if name == "dualpipev" else 2 * p - 1
+        if m < least:
+            errors.append(f"parallel.schedule={name} needs parallel.microbatches >= 2 x parallel.pp"
+                          f"{'' if name == 'dualpipev' else ' - 1'} = {least} (rank 0's warm-up), got {m}")
     elif v > 1 and name != "interleaved":
         errors.append(
-            f"parallel.virtual_stages ({v}) > 1 needs parallel.schedule=interleaved or zb-v, got {name!r}"
+            f"parallel.virtual_stages ({v}) > 1 needs parallel.schedule=interleaved, zb-v or dualpipev, got {name!r}"
         )
     if name == "interleaved" and m % p:
         errors.append(
@@ -356,6 +374,94 @@ def _zb_v(p: int, m: int, v: int) -> list[Slots]:
     return ranks
 
 
+def _dualpipev(p: int, m: int, v: int) -> list[Slots]:
+    """DualPipeV (arXiv 2412.19437) in the eight phases of the module docstring; chunk 0 is stage r, chunk 1 stage
+    2p-1-r. A two-action slot is one overlapped (forward, full backward) pair (OVERLAP_F_B in `build_schedule`).
+    A split backward's weight pass waits in a queue and fills the places the phases name."""
+    F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    ranks = []
+    for r in range(p):
+        nxt = {(op, c): 0 for op in (F, B) for c in (0, 1)}  # next microbatch of forward / backward (B or I)
+        waiting: list[tuple[int, int]] = []  # (microbatch, chunk) whose input gradient ran split, W pending
+        slots: Slots = []
+
+        def one(op: Op, c: int, nxt=nxt, waiting=waiting) -> Compute:
+            key = (F if op is F else B, c)
+            mb, nxt[key] = nxt[key], nxt[key] + 1
+            if op is I:
+                waiting.append((mb, c))
+            return (op, mb, c)
+
+        def alone(op: Op, c: int, slots=slots) -> None:
+            slots.append([one(op, c)])
+
+        def weight(slots=slots, waiting=waiting) -> None:
+            if waiting:
+                mb, c = waiting.pop(0)
+                slots.append([(W, mb, c)])
+
+        def overlap(f_chunk: int, slots=slots) -> None:  # forward on f_chunk, full backward on the other chunk
+            slots.append([one(F, f_chunk), one(B, 1 - f_chunk)])
+
+        for _ in range(2 * (p - r - 1)):  # 1: chunk-0 forwards fill the V's arm down to the tip
+            alone(F, 0)
+        for _ in range(r + 1):  # 2: both chunks' forwards
+            alone(F, 0)
+            alone(F, 1)
+        for _ in range(p - r - 1):  # 3: zero-bubble chunk-1 backwards between chunk-1 forwards
+            alone(I, 1)
+            weight()
+            alone(F, 1)
+        for i in range(m - 2 * p + r + 1):  # 4: steady state, two overlapped slots per round
+            if i == 0 and r == p - 1:  # the tip's first pair runs apart: less bubble (as DeepSeek's)
+                alone(F, 0)
+                alone(B, 1)
+            else:
+                overlap(0)
+            overlap(1)
+        for _ in range(p - r - 1):  # 5: chunk-0 forwards are done; chunk-1 ones still overlap
+            alone(B, 1)
+            overlap(1)
+        split = False
+        for i in range(r + 1):  # 6: cool-down, its second half split into I and W
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            alone(I if split else B, 1)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            alone(I if split else B, 0)
+        for _ in range(p - r - 1):  # 7
+            weight()
+            alone(I if split else B, 0)
+        for _ in range(r + 1):  # 8: the weight passes left
+            weight()
+        ranks.append(slots)
+    return ranks
+
+
+def stated_peak(name: str, p: int) -> int | None:
+    """The peak of (microbatch, chunk) pairs in flight the V schedules state for every rank (None for the others):
+    zb-v 2p; dualpipev 2p + 1, the 2p forwards of its warm-up and one more because an overlapped slot (or phase
+    3's I, W, F) starts a forward before a backward frees a pair. `check.check_schedule` holds the lists to it."""
+    return {"zb-v": 2 * p, "dualpipev": 2 * p + 1}.get(name)
+
+
+def peak_in_flight(acts: list[Action]) -> int:
+    """Peak count of (microbatch, chunk) pairs held on one rank: from the start of a pair's FORWARD to the end of
+    its last backward pass (BACKWARD, or BACKWARD_WEIGHT when the backward is split: the weight pass still needs
+    the stored inputs); an overlapped slot counts as its forward, then its backward."""
+    acts = unfold(acts)
+    split = {(a.microbatch, a.chunk) for a in acts if a.op is Op.BACKWARD_WEIGHT}
+    held = peak = 0
+    for a in acts:
+        if a.op is Op.FORWARD:
+            held += 1
+            peak = max(peak, held)
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) or (
+            a.op is Op.BACKWARD_INPUT and (a.microbatch, a.chunk) not in split
+        ):
+            held -= 1
+    return peak
+
+
 _BUILDERS: dict[str, Callable[[int, int, int], list[Slots]]] = {
     "gpipe": _gpipe,
     "1f1b": _one_f_one_b,
@@ -364,6 +470,7 @@ _BUILDERS: dict[str, Callable[[int, int, int], list[Slots]]] = {
     "2bw": _one_f_one_b,
     "pipedream": _one_f_one_b,  # one isolated step; the run of steps: pipedream.build_pipedream_step
     "zb-v": _zb_v,
+    "dualpipev": _dualpipev,
 }
 
 
@@ -399,6 +506,9 @@ def _insert_comms(slots_per_rank: list[Slots], p: int, v: int, schedule: str | N
                     if prev_rank != r:
                         sends.append(Action(Op.SEND_GRAD, mb, c, prev_rank, b, st))
                 computes.append(Action(op, mb, c, None, b, st))
+            if schedule == "dualpipev" and len(computes) == 2:  # DualPipe's overlapped slot: one action
+                f = computes[0]
+                computes = [Action(Op.OVERLAP_F_B, f.microbatch, f.chunk, None, 0, f.stage, pair=(f, computes[1]))]
             acts += recvs + computes + sends
         out.append(acts)
     return out
@@ -496,6 +606,12 @@ def build_2bw_step(p: int, m: int, first: bool, last: bool) -> list[list[Action]
         if not last:  # the input of the next step's first forward: sent during this step
             out[r].append(Action(Op.RECV_ACT, w, 0, r - 1, 1))
     return out
+
+
+def unfold(actions: list[Action]) -> list[Action]:
+    """One rank's list with each OVERLAP_F_B replaced by its two halves, forward first (how CPU/gloo runs them:
+    one after the other; the overlap of the two is a matter of GPU streams)."""
+    return [half for a in actions for half in (a.pair if a.pair is not None else (a,))]
 
 
 def batches(actions: list[Action]) -> list[list[Action]]:

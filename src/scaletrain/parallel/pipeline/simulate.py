@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scaletrain.parallel.pipeline.schedules import Action, Op, batches, message_key
+from scaletrain.parallel.pipeline.schedules import Action, Op, batches, message_key, peak_in_flight, unfold
 
 Times = float | Sequence[float] | Sequence[Sequence[float]] | Mapping[tuple[int, int], float]
 
@@ -97,21 +97,6 @@ def _time_table(t: Times, p: int, v: int, name: str) -> list[list[float]]:
     return table
 
 
-def _peak_in_flight(acts: list[Action]) -> int:
-    """Peak count of (microbatch, chunk) pairs held on one rank (see module docstring)."""
-    split = {(a.microbatch, a.chunk) for a in acts if a.op is Op.BACKWARD_WEIGHT}
-    held = peak = 0
-    for a in acts:
-        if a.op is Op.FORWARD:
-            held += 1
-            peak = max(peak, held)
-        elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) or (
-            a.op is Op.BACKWARD_INPUT and (a.microbatch, a.chunk) not in split
-        ):
-            held -= 1
-    return peak
-
-
 def simulate(
     actions: list[list[Action]],
     t_f: Times,
@@ -120,7 +105,9 @@ def simulate(
     t_comm: float = 0.0,
     blocking_sends: bool = False,
 ) -> SimResult:
-    """Simulate per-rank action lists (from `build_schedule`) with the given times; see module doc."""
+    """Simulate per-rank action lists (from `build_schedule`) with the given times; see module doc. An overlapped
+    slot (OVERLAP_F_B, DualPipeV) runs its forward then its backward on the rank's one compute stream."""
+    actions = [unfold(acts) for acts in actions]
     p = len(actions)
     v = 1 + max((a.chunk for acts in actions for a in acts), default=0)
     tf, tb, tw = (_time_table(t, p, v, n) for t, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
@@ -196,7 +183,7 @@ def _result(actions: list[list[Action]], events: list[Event], clock: list[float]
         busy[e.rank] += e.end_s - e.start_s
     per_rank = [(makespan - b) / makespan if makespan > 0 else 0.0 for b in busy]
     overall = sum(makespan - b for b in busy) / (p * makespan) if makespan > 0 else 0.0
-    peaks = [_peak_in_flight(acts) for acts in actions]
+    peaks = [peak_in_flight(acts) for acts in actions]
     return SimResult(
         events=events,
         makespan=makespan,

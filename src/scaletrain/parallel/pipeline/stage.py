@@ -173,10 +173,11 @@ def split_pp(engine, model_cfg: ModelConfig, par: ParallelConfig, train: TrainCo
     engine.pp_partition = plan
 
     m = microbatches
-    if par.schedule == "zb-v" and dist.is_initialized() and "nccl" in str(dist.get_backend(mesh.group("pp"))).lower():
-        from scaletrain.parallel.pipeline.rules import V_ON_NCCL
+    if par.schedule in ("zb-v", "dualpipev") and dist.is_initialized() and "nccl" in str(
+            dist.get_backend(mesh.group("pp"))).lower():
+        from scaletrain.parallel.pipeline.rules import v_on_nccl
 
-        raise ConfigError(V_ON_NCCL)
+        raise ConfigError(v_on_nccl(par.schedule))
     act_shape = (train.micro_batch, model_cfg.seq_len // (shards * par.cp), model_cfg.d_model)  # cp: its tokens
     if par.tp_mode != "1d":  # 2d tensor parallelism: this rank's block
         from scaletrain.parallel.tensor_nd import local_activation_shape

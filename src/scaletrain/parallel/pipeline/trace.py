@@ -28,6 +28,7 @@ from scaletrain.parallel.pipeline.schedules import (
     build_schedule,
     rank_chunk_to_stage,
     stage_to_rank_chunk,
+    unfold,
 )
 from scaletrain.parallel.pipeline.simulate import Event, SimResult, _finish_batch, _result, simulate
 
@@ -69,7 +70,8 @@ class PipelineTrace:
         return sum(per) / len(per) if per else 0.0
 
     def op_times(self) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
-        """Median measured (t_f, t_b, t_w) per [rank][chunk]; an unsplit B counts as t_b with t_w = 0."""
+        """Median measured (t_f, t_b, t_w) per [rank][chunk]; an unsplit B counts as t_b with t_w = 0. Where a chunk
+        runs both (DualPipeV splits only its cool-down's backwards), t_b is the split input passes' median."""
         durations: dict[tuple[str, int, int], list[float]] = defaultdict(list)
         for e in self.events:
             durations[(e.name, e.rank, e.chunk)].append(e.end_s - e.start_s)
@@ -79,12 +81,12 @@ class PipelineTrace:
             for r in range(self.p):
                 row = []
                 for c in range(self.v):
-                    xs = [x for n in names for x in durations.get((n, r, c), [])]
+                    xs = next((durations[(n, r, c)] for n in names if durations.get((n, r, c))), [])
                     row.append(statistics.median(xs) if xs else 0.0)
                 rows.append(row)
             return rows
 
-        return table("F"), table("B", "I"), table("W")
+        return table("F"), table("I", "B"), table("W")
 
     def message_latency(self) -> float:
         """Median time from the end of the compute that produced a message to the start of the compute
@@ -125,7 +127,7 @@ class PipelineTrace:
         What is left between this and the measurement is what the model leaves out: message latency
         beyond `t_comm`, and time a rank is late to start its next action after a message arrived.
         """
-        actions = build_schedule(self.schedule, self.p, self.m, self.v)
+        actions = [unfold(acts) for acts in build_schedule(self.schedule, self.p, self.m, self.v)]
         took = {(e.rank, e.name, e.microbatch, e.chunk): e.end_s - e.start_s for e in self.events}
         steps = [batches(acts) for acts in actions]
         pos, clock = [0] * self.p, [0.0] * self.p

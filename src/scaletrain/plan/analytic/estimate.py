@@ -135,8 +135,8 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
         if not lay.reshard_after_forward and lay.offload == "nvme":
             raise UserError("reshard_after_forward=false with offload=nvme: ZeRO-Infinity streams each unit's"
                             " parameters from files just in time")
-    if lay.virtual_stages > 1 and lay.schedule not in ("interleaved", "zb-v"):
-        raise UserError(f"virtual_stages ({lay.virtual_stages}) > 1 needs schedule=interleaved or zb-v")
+    if lay.virtual_stages > 1 and lay.schedule not in ("interleaved", "zb-v", "dualpipev"):
+        raise UserError(f"virtual_stages ({lay.virtual_stages}) > 1 needs schedule=interleaved, zb-v or dualpipev")
     if lay.ep > 1 and (not m.n_experts or m.n_experts % lay.ep or lay.dp % lay.ep):
         raise UserError(f"ep ({lay.ep}) must divide experts ({m.n_experts}) and dp ({lay.dp})")
     if lay.sequence_parallel and lay.tp == 1:
@@ -151,10 +151,10 @@ def check_layout(m: ModelSpec, train: Training, lay: Layout, n_gpus: int | None 
                         " (global batch = micro_batch x dp)")
     if lay.schedule == "interleaved" and lay.pp > 1 and mbs % lay.pp:
         raise UserError(f"interleaved schedule needs microbatches ({mbs}) divisible by pp ({lay.pp})")
-    if lay.schedule == "zb-v" and lay.pp > 1:
+    if lay.schedule in ("zb-v", "dualpipev") and lay.pp > 1:
         from scaletrain.parallel.pipeline.schedules import schedule_constraints  # torch-free
 
-        errors = schedule_constraints("zb-v", lay.pp, mbs, lay.virtual_stages)
+        errors = schedule_constraints(lay.schedule, lay.pp, mbs, lay.virtual_stages)
         if errors:
             raise UserError(errors[0].replace("parallel.", ""))
     return mbs
@@ -208,4 +208,4 @@ def pipeline_stages(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Ass
     n = lay.pp * lay.virtual_stages
     costs = block_time_costs(m, gpu, train, lay, a) if lay.partition == "time" and n > 1 else None
     return stages_of(m, split(m, lay.partition if n > 1 else "uniform", n, costs), lay.pp, lay.virtual_stages,
-                     lay.pp > 1 and lay.schedule == "zb-v")
+                     lay.pp > 1 and lay.schedule in ("zb-v", "dualpipev"))

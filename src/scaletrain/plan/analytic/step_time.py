@@ -23,7 +23,7 @@ from scaletrain.plan.analytic.flops import attention_kept, forward_flops_per_tok
 from scaletrain.plan.analytic.inputs import DTYPES, Assumptions, Layout, Training, recompute_policy
 from scaletrain.plan.analytic.memory import layer_activation_bytes
 from scaletrain.plan.analytic.params import StageParams, block_kinds, param_counts
-from scaletrain.plan.analytic.stages import Stages, pipeline_makespan, recomputed_blocks
+from scaletrain.plan.analytic.stages import Stages, pipeline_makespan, recomputed_blocks, v_makespan
 from scaletrain.plan.analytic.zero3 import zero3_exposed_time
 from scaletrain.plan.catalog import ModelSpec
 from scaletrain.plan.hardware import GPU
@@ -285,7 +285,12 @@ def pipeline_times(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assu
     b_all = [b + (2 * t_logits if is_last else 0.0) + t_pp for b, is_last in zip(bwd, last)]
     work = [f + b for f, b in zip(f_all, b_all)]
     fill = [max(f + b - 2 * w, f) for f, b, w in zip(f_all, b_all, wgt)] if lay.schedule in ("zb-h1", "zb-v") else work
-    t_pipe = pipeline_makespan(lay.schedule, p, mbs, v, work, fill, [g.count for g in groups])
+    if lay.schedule in ("zb-v", "dualpipev") and p > 1:  # the V schedules' own lists, simulated
+        ranks = [i for i, g in enumerate(groups) for _ in range(g.count)]  # groups are in rank order
+        t_pipe = v_makespan(lay.schedule, p, mbs, *(tuple(xs[i] for i in ranks) for xs in (
+            f_all, [b - w for b, w in zip(b_all, wgt)], wgt)))
+    else:
+        t_pipe = pipeline_makespan(lay.schedule, p, mbs, v, work, fill, [g.count for g in groups])
     h = max(range(len(groups)), key=lambda i: work[i])
     busy = mbs * work[h]
     return PipelineTimes(t_logits, fwd[h], bwd[h], fwd[h] + t_logits, bwd[h] + 2 * t_logits, f_all[h], b_all[h],

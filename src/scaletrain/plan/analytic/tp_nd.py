@@ -231,7 +231,7 @@ def check_layout(m: ModelSpec, lay: Layout) -> None:
         raise UserError(f"zero={lay.zero} / offload={lay.offload} {why} (ZeRO-1 is)")
     if lay.pp > 1 and lay.tp_mode != "2d":
         raise UserError(f"pp ({lay.pp}) > 1 {why} (2d is)")
-    if lay.pp > 1 and lay.schedule in ("zb-h1", "zb-v", "2bw"):
+    if lay.pp > 1 and lay.schedule in ("zb-h1", "zb-v", "dualpipev", "2bw"):
         raise UserError(f"schedule={lay.schedule} {why}")
     if lay.ep > 1 or m.n_experts:
         raise UserError(f"mixture-of-experts {why}")

@@ -619,12 +619,13 @@ def activation_bytes_per_stage(cfg: Config) -> list[int]:
     par = cfg.parallel
     if par.pp == 1:
         return [chunk_saved_bytes(cfg, 0, 0, cfg.model.n_layers) if cfg.model.n_layers else 0]
-    from scaletrain.parallel.pipeline.schedules import Op, build_schedule
+    from scaletrain.parallel.pipeline.schedules import Op, build_schedule, unfold
 
     bounds = pipeline_partition(cfg).bounds
     m = par.microbatches or cfg.grad_accum
     out = []
-    for r, actions in enumerate(build_schedule(par.schedule, par.pp, m, par.virtual_stages)):
+    for r, folded in enumerate(build_schedule(par.schedule, par.pp, m, par.virtual_stages)):
+        actions = unfold(folded)  # DualPipeV's overlapped slot: its forward, then its backward
         ids = stage_ids(cfg, r)
         per_chunk = [chunk_saved_bytes(cfg, s, *bounds[s]) for s in ids]
         split = {(a.microbatch, a.chunk) for a in actions if a.op is Op.BACKWARD_WEIGHT}

@@ -146,7 +146,7 @@ def predict_step_time(cfg: Config, prof: RunProfile) -> StepTime:
             tf.append(row_f)
             tb.append(row_b)
         actions = build_schedule(par.schedule, par.pp, mb, v)
-        if par.schedule == "zb-h1":  # the weight pass is the matmul-weight half of the backward
+        if par.schedule in ("zb-h1", "dualpipev"):  # the weight pass is the matmul-weight half of the backward
             tw = [[x / 2 for x in row] for row in tb]
             tb = [[x / 2 for x in row] for row in tb]
         else:

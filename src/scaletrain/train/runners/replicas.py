@@ -12,6 +12,17 @@ batch actually computed) at the step's usual learning rate; the rows of a dead g
 others, so a failure costs (R - Q) x B/R sequences of that step and no stop. The membership log records which
 groups computed each step; `scaletrain replay` recomputes exactly that.
 
+Groups of two processes (parallel.dp = 2 x replicas, parallel.zero = 2): each group is ZeRO-2 over its own two
+ranks (rank I of group g takes the rows of data-parallel rank g*2+I of dp = 2R, and after each micro-batch's
+backward the group reduce-scatters its gradients, so rank I holds shard I of the group's gradient). The quorum is
+joined once per group (its local rank 0) and handed to the other rank; rank I of every member forms the cross-group
+gloo group of local rank I and adds the members' shard I in member order; the lighthouse commits only when every
+rank of every member reported ok; then each group clips by the norm over its two shards, steps its shards and
+all-gathers the parameters. A restarted group heals rank by rank: rank I receives rank I's ZeRO shard (its slice of
+the parameters, its optimizer state) from rank I of the source group, and the group all-gathers its parameters.
+The replay recomputes a group's gradient as its engine does: per micro-batch, the two ranks' gradients added (a sum
+of two is the same in either order), accumulated over the micro-batches.
+
 Checkpoints (train.checkpoint_every, and the last step): the committed state is the same in every member after a
 round, so the lowest-numbered member of the step's quorum writes it alone, through train/checkpoint.py (the plain
 portable format, COMPLETE marker, in the background with train.checkpoint_async), as the checkpoint of the whole run
@@ -29,10 +40,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from scaletrain.config import Config
+from scaletrain.distributed.comm import all_gather_single
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
-from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient
+from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient, ordered_sum
+from scaletrain.parallel.zero import ZeroOptimizer
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
 from scaletrain.train.schedule import lr_at
@@ -49,36 +63,75 @@ PACE_ENV = "SCALETRAIN_FT_PACE_S"
 a tiny model's group finds the run still going)."""
 
 
-def group_config(cfg: Config) -> Config:
-    """The config one group's trainer runs: its share of the data-parallel dimension, no replicas."""
+def ranks_per_group(cfg: Config) -> int:
+    return cfg.parallel.dp // cfg.parallel.replicas
+
+
+def group_config(cfg: Config, replay: bool = False) -> Config:
+    """The config one group's trainer runs: its share of the data-parallel dimension, no replicas (`replay`: the
+    one process of `scaletrain replay`, which computes every rank's gradient itself)."""
     p = cfg.parallel
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=p.dp // p.replicas, replicas=1))
+    if replay:
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, replicas=1, zero=0))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=ranks_per_group(cfg), replicas=1))
+
+
+def _grads(opt) -> list[torch.Tensor]:
+    """The gradients this rank reduces across groups: the whole gradients, or its ZeRO shard's."""
+    return [g.shard_grad for g in opt.groups] if isinstance(opt, ZeroOptimizer) else opt.grads
 
 
 class GroupModel:
-    """The model, optimizer and data of one replica group (a one-process `Trainer` without an output folder), and
-    this group's gradient of one step. Shared by the runner and the replay."""
+    """The model, optimizer and data of one replica group's rank (a `Trainer` without an output folder), and its
+    gradient of one step. Shared by the runner and the replay (`replay`: one process computing whole groups)."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.trainer = Trainer(group_config(cfg), None, None)
-        self.opt = self.trainer.engine.optimizer  # plain replicated optimizer: a group is one process (rules)
+    def __init__(self, cfg: Config, replay: bool = False):
+        self.cfg, self.ranks = cfg, ranks_per_group(cfg)
+        self.trainer = Trainer(group_config(cfg, replay), None, None)
+        self.opt = self.trainer.engine.optimizer  # replicated (one process per group, the replay) or ZeRO-2
         self.tokens = cfg.tokens_per_step // cfg.parallel.replicas  # one group's tokens of a step
+        self.local_rank = dist.get_rank() if not replay and self.ranks > 1 else 0
 
-    def local_grad(self, step: int, group: int) -> torch.Tensor:
-        """This group's gradient of the mean token loss over its rows, flattened, with that loss appended."""
-        t, r = self.trainer, self.cfg.parallel.replicas
-        micro = t.loader.micro_batches(step, group, r, self.cfg.train.micro_batch, device=t.device)
-        with t.own_rng():
-            loss = t.engine.forward_backward(micro, 1.0 / self.tokens)
-        flat = torch.cat([g.reshape(-1) for g in self.opt.grads] + [loss.reshape(1).to(self.opt.grads[0].dtype)])
+    def _micro(self, step: int, group: int, rank: int):
+        t, n = self.trainer, self.cfg.parallel.replicas * self.ranks
+        return t.loader.micro_batches(step, group * self.ranks + rank, n, self.cfg.train.micro_batch, device=t.device)
+
+    def _flat(self, loss: torch.Tensor) -> torch.Tensor:
+        grads = _grads(self.opt)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
         self.opt.zero_grad()
         return flat
+
+    def local_grad(self, step: int, group: int) -> torch.Tensor:
+        """This rank's part of its group's gradient of the mean token loss over the group's rows, flattened, with
+        this rank's part of that loss appended: the whole gradient (a group of one process) or its ZeRO shard."""
+        t = self.trainer
+        with t.own_rng():
+            loss = t.engine.forward_backward(self._micro(step, group, self.local_rank), 1.0 / self.tokens)
+        return self._flat(loss)
+
+    def group_grad(self, step: int, group: int) -> torch.Tensor:
+        """The replay: group `group`'s whole gradient (and loss) as its engine computes it. One process: its
+        local_grad. Two (ZeRO-2): per micro-batch the ranks' gradients added in rank order (the reduce-scatter),
+        accumulated over the micro-batches into a zero buffer (the shard accumulator)."""
+        if self.ranks == 1:
+            return self.local_grad(step, group)
+        t = self.trainer
+        micro = [self._micro(step, group, i) for i in range(self.ranks)]
+        total = None
+        for m in range(len(micro[0])):
+            parts = []
+            for i in range(self.ranks):
+                with t.own_rng():
+                    parts.append(self._flat(t.engine.forward_backward([micro[i][m]], 1.0 / self.tokens)))
+            reduced = ordered_sum(parts)
+            total = torch.zeros_like(reduced) + reduced if total is None else total + reduced
+        return total
 
     def apply(self, step: int, mean: torch.Tensor) -> torch.Tensor:
         """Set the gradients to `mean` (without its loss entry), clip, update; the step's grad norm."""
         offset = 0
-        for g in self.opt.grads:
+        for g in _grads(self.opt):
             g.copy_(mean[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
         norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
@@ -97,15 +150,19 @@ class ReplicaRunner:
         self.n_params = self.model.trainer.n_params
         self.step = 0
         p = cfg.parallel
-        self.client = QuorumClient(os.environ[LIGHTHOUSE_ENV], self.group, p.heartbeat_s, 2 * p.heartbeat_s)
-        self.fault = _fault(self.group)
+        self.rank = self.model.local_rank  # this process's rank in its group
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.client = QuorumClient(os.environ[LIGHTHOUSE_ENV], self.group, p.heartbeat_s, 2 * p.heartbeat_s,
+                                   local_rank=self.rank, attempt=attempt)
+        self.fault = _fault(self.group, self.rank, self.model.ranks)
         self.pace = float(os.environ.get(PACE_ENV, "0"))
         self.saver: ckpt.Saver | None = None
         if out is not None:  # the launcher stops a group still alive after the run (a frozen one) by this pid
             (out / "replicas").mkdir(parents=True, exist_ok=True)
-            (out / "replicas" / f"group{self.group}.pid").write_text(str(os.getpid()))
-            t = cfg.train
-            self.saver = ckpt.Saver(out / "checkpoints", 0, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
+            pid = f"group{self.group}.pid" if self.rank == 0 else f"group{self.group}.rank{self.rank}.pid"
+            (out / "replicas" / pid).write_text(str(os.getpid()))
+            t = cfg.train  # the group's ranks write the checkpoint together (each its ZeRO shard)
+            self.saver = ckpt.Saver(out / "checkpoints", self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
             if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restarted group heals instead
                 self._resume()
 
@@ -120,7 +177,7 @@ class ReplicaRunner:
         diffs = resume.check_compatible(found, meta, self.cfg, self.cfg.world_size, reshard=False)
         resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
         self.step = int(meta["step"])
-        if self.group == 0:  # resumes.jsonl records whole-job resumes only (heals go to the membership log)
+        if self.group == 0 and self.rank == 0:  # resumes.jsonl: whole-job resumes only (heals: the membership log)
             resume.record_resume(self.out, self.step, diffs, checkpoint=found.name)
             resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
 
@@ -136,25 +193,68 @@ class ReplicaRunner:
     def full_state(self) -> dict[str, torch.Tensor]:
         return self.model.trainer.full_state()
 
-    def _heal(self, q: Quorum, pg) -> dict | None:
+    def _heal(self, q: Quorum) -> tuple[dict, dict] | None:
         """Bring members that are behind to the source's state (the others wait until it is done, so the step's
-        collective does not time out on a long transfer); this member's receive stats (None if not behind)."""
-        link, src = Link(pg), q.members.index(q.source)
-        t = self.model.trainer
-        got = None
+        collective does not time out on a long transfer). A receiver gets (its verified state, its receive stats),
+        loaded only once every rank of its group has its own (`_phase`); None for the others."""
+        link = Link(self.client.process_group(q))  # the cross-group group of this local rank
+        src = q.members.index(q.source)
         if self.group == q.source:
             tamper = _flip_first_chunk if self.fault is not None and self.fault[0] == "corrupt" else None
-            for g in q.behind:
-                send_state(training_state(t.model, t.engine.optimizer, self.step), q.members.index(g), link,
-                           tamper=tamper)
-            self.client.store.set(f"healed/{q.round}", "1")
+            try:
+                for g in q.behind:
+                    send_state(self._heal_state(), q.members.index(g), link, tamper=tamper)
+            finally:  # sent or failed: the others stop waiting (a failed heal fails the round through its receiver)
+                self.client.store.set(f"healed/{q.round}/{self.rank}", "1")
         elif self.group in q.behind:
             state, stats = recv_state(src, link)
-            self.step = load_training_state(t.model, t.engine.optimizer, state)
-            got = {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
+            return state, {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
         else:
-            self.client.wait(f"healed/{q.round}", self.cfg.parallel.timeout_s)
-        return got
+            self.client.wait(f"healed/{q.round}/{self.rank}", self.cfg.parallel.timeout_s)
+        return None
+
+    def _phase(self, q: Quorum) -> dict | None:
+        """The round's heal phase, agreed by the group's ranks: the heal's stats (None if not behind); RuntimeError
+        when any rank of this group failed it. The ranks go on to the step's collectives inside the group (ZeRO-2's
+        reduce-scatter, the healed parameters' all-gather) together or not at all."""
+        try:
+            got = self._heal(q) if q.behind else None
+            ok = True
+        except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
+            got, ok = None, False
+        if not self.client.agree(q, ok, self.model.ranks, self.cfg.parallel.timeout_s):
+            raise RuntimeError(f"replica group {self.group}: the heal of round {q.round} failed on a rank")
+        if got is None:
+            return None
+        self.step = self._load_heal(got[0])
+        return got[1]
+
+    def _heal_state(self) -> dict:
+        """What this rank sends to the same local rank of a group that is behind: the whole training state (a group
+        of one process), or its ZeRO-2 shard: its slice of the parameters (and masters), its optimizer state."""
+        t = self.model.trainer
+        z = t.engine.optimizer
+        if not isinstance(z, ZeroOptimizer):
+            return training_state(t.model, z, self.step)
+        return {"shards": [g.own(g.full).clone() for g in z.groups],
+                "masters": [g.master.clone() for g in z.groups] if z.main_grads else [],
+                "optimizer": z.opt.state_dict(), "step": self.step}
+
+    def _load_heal(self, state: dict) -> int:
+        """Load a verified heal payload; a ZeRO-2 group then all-gathers its parameters (both ranks heal at once)."""
+        t = self.model.trainer
+        z = t.engine.optimizer
+        if not isinstance(z, ZeroOptimizer):
+            return load_training_state(t.model, z, state)
+        with torch.no_grad():
+            for g, shard in zip(z.groups, state["shards"]):
+                g.own(g.full).copy_(shard)
+            for g, master in zip(z.groups, state["masters"]):
+                g.master.copy_(master)
+            z.opt.load_state_dict(state["optimizer"])
+            for g in z.groups:
+                all_gather_single(g.full, g.own(g.full).clone(), group=z.group)
+        return int(state["step"])
 
     def run(self) -> TrainResult:
         result = TrainResult(params=self.n_params, resumed_from=self.step)
@@ -169,7 +269,7 @@ class ReplicaRunner:
                     self._drill()
                 t0 = time.perf_counter()
                 try:
-                    heal = self._heal(q, self.client.process_group(q)) if q.behind else None
+                    heal = self._phase(q)
                 except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
                     self.client.commit(q, False)
                     continue
@@ -180,18 +280,21 @@ class ReplicaRunner:
                     continue
                 mean = total / len(q.members)
                 norm = self.model.apply(q.step, mean)
+                loss = mean[-1].clone()
+                if self.model.ranks > 1:  # the group's loss: its ranks' parts
+                    dist.all_reduce(loss)
                 if len(q.members) < self.cfg.parallel.replicas:
                     time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
                 self.step = q.step
-                row = {"step": q.step, "loss": float(mean[-1]), "grad_norm": float(norm), "members": q.members,
+                row = {"step": q.step, "loss": float(loss), "grad_norm": float(norm), "members": q.members,
                        "round": q.round, "step_time_s": time.perf_counter() - t0}
                 if heal is not None:
                     row["heal"] = heal
                 result.losses[q.step] = row["loss"]
-                if log is not None:
+                if log is not None and self.rank == 0:
                     log.write(json.dumps(row) + "\n")
                     log.flush()
-                if self.out is not None and self.group == q.members[0]:  # the lowest member speaks for the step
+                if self.out is not None and self.group == q.members[0] and self.rank == 0:  # the lowest member
                     self._metrics(row, lr_at(q.step, self.cfg.train) * self.model.trainer.lr_scale)
                 every, last = self.cfg.train.checkpoint_every, self.cfg.train.steps
                 if self.saver is not None and self.group == q.members[0] and (
@@ -204,7 +307,7 @@ class ReplicaRunner:
         if self.saver is not None:
             self.saver.wait()
         result.final_step = self.step
-        if self.out is not None and self.step >= self.cfg.train.steps:
+        if self.out is not None and self.step >= self.cfg.train.steps and self.rank == 0:
             path = self.out / "replicas" / f"final-group{self.group}.pt"
             torch.save({"step": self.step, "params": self.full_state(), "threads": torch.get_num_threads()},
                        path.with_suffix(".part"))
@@ -235,15 +338,17 @@ class ReplicaRunner:
         os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
 
 
-def _fault(group: int) -> tuple[str, int] | None:
-    """This group's drill from FAULT_ENV (a comma list of `kill:G:S`, `stop:G:S`, or `corrupt:G:0`: as the heal
-    source, group G corrupts the first chunk it sends once), on the first attempt only."""
+def _fault(group: int, rank: int = 0, ranks: int = 1) -> tuple[str, int] | None:
+    """This process's drill from FAULT_ENV (a comma list of `kill:G:S`, `stop:G:S`, or `corrupt:G:0`: as the heal
+    source, group G corrupts the first chunk it sends once), on the first attempt only. In a group of several
+    processes `kill` and `stop` hit its last rank only (its agent then stops the others, or the group's heartbeat
+    names it dead); `hold` and `corrupt` every rank."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
     for item in spec.split(","):
         kind, g, step = item.split(":")
-        if int(g) == group:
+        if int(g) == group and (kind not in ("kill", "stop") or rank == ranks - 1):
             return kind, int(step)
     return None
 
