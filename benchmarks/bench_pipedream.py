@@ -10,6 +10,15 @@ the activation bytes the first step saved for backward on stage 0 (`SavedTensorC
 measurement); the validation loss after the last step.
 
     nice -n 10 .venv/bin/python benchmarks/bench_pipedream.py [--steps 30] [--repeats 3] [--pp 2 4]
+
+`--steady` measures instead the steady step time (rank 0's median interval between the starts of consecutive steps,
+steps 3 to steps - 1, nothing logged or evaluated before the end) of 1f1b, of pipedream, and of
+`pipedream+barrier`: pipedream with the per-step synchronisation it had before it became barrier-free re-added in this
+script only (the last stage's loss broadcast over the pipeline and a world all-reduce of a gradient norm, the two
+collectives every step used to end with), alternated, `--repeats` times; median and spread per schedule and the ratio
+to 1f1b.
+
+    nice -n 10 .venv/bin/python benchmarks/bench_pipedream.py --steady [--steps 20] [--repeats 5] [--pp 2 4]
 """
 
 from __future__ import annotations
@@ -61,6 +70,72 @@ def _rank(rank, world, steps, batch, m, repeats):
     return out
 
 
+STEADY = ["1f1b", "pipedream+barrier", "pipedream"]
+
+
+def _with_barrier(trainer) -> None:
+    """Re-add, to this trainer only, the per-step collectives PipeDream's steps ended with before they became
+    barrier-free: the last stage's loss broadcast to every pipeline rank and a world all-reduce of the squared norm."""
+    import torch.distributed as dist
+
+    ex, run = trainer.engine.pipeline, trainer.engine.runner
+
+    def run_and_wait(engine, micro, scale):
+        loss = run(engine, micro, scale)
+        ex._share_loss(loss.clone())
+        dist.all_reduce(torch.zeros((), dtype=torch.float64))
+        return loss
+
+    trainer.engine.runner = run_and_wait
+
+
+def _steady_rank(rank, world, steps, batch, m, repeats):
+    from harness import make_config
+
+    from scaletrain.distributed.process_group import DistEnv
+    from scaletrain.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    out: dict[str, list[float]] = {s: [] for s in STEADY}
+    for rep in range(repeats + 1):  # the first round is a warm-up, not recorded
+        for name in STEADY:  # alternated
+            cfg = {**_config(name.split("+")[0], world, steps, batch, m), "train.eval_every": 0,
+                   "train.log_every": steps}
+            t = Trainer(make_config(cfg), None, DistEnv(rank, world, 0, "bench"))
+            if name == "pipedream+barrier":
+                _with_barrier(t)
+            starts: list[float] = []
+            lazy = t._lazy_step
+
+            def timed(step, drain=True, lazy=lazy, starts=starts):
+                starts.append(time.perf_counter())
+                return lazy(step, drain)
+
+            t._lazy_step = timed
+            t.run()
+            gaps = [b - a for a, b in zip(starts[2:-2], starts[3:-1])]  # steps 3 .. steps - 1
+            if rep:
+                out[name].append(statistics.median(gaps))
+    return out
+
+
+def steady(args) -> None:
+    from harness import run_ranks
+
+    print(f"steady step time: steps {args.steps}, {args.batch} x 64 tokens per step (1f1b m = {args.microbatches}, "
+          f"pipedream one minibatch), {args.repeats} repeats alternated; d_model 128, 4 layers, fp32, gloo")
+    for pp in args.pp:
+        outs = run_ranks(_steady_rank, pp, args.steps, args.batch, args.microbatches, args.repeats, timeout=3000)
+        times = outs[0]
+        base = statistics.median(times["1f1b"])
+        print(f"\npp = {pp}")
+        print(f"{'schedule':<19} {'step ms median':>14} {'spread (ms)':>15} {'vs 1f1b':>8}")
+        for name in STEADY:
+            ms = [1e3 * x for x in times[name]]
+            print(f"{name:<19} {statistics.median(ms):>14.1f} {min(ms):>7.1f}-{max(ms):<7.1f} "
+                  f"{statistics.median(ms) / (1e3 * base):>8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -68,7 +143,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--microbatches", type=int, default=4, help="1f1b and 2bw micro-batches per step (>= pp)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steady", action="store_true", help="steady step time of 1f1b, pipedream with and without the "
+                    "per-step barrier")
     args = ap.parse_args()
+    if args.steady:
+        steady(args)
+        return
     from harness import run_ranks
 
     print(f"steps {args.steps}, {args.batch} x 64 tokens per step, 1f1b/2bw m = {args.microbatches}, "

@@ -2,8 +2,9 @@
 
 Written independently of the pipeline executor: a plain fp64 loop over the minibatches that keeps every stage's
 weight versions (version k: the weights after optimizer step k) and, for minibatch t, evaluates the whole model
-with each stage's parameters at the version the log says that stage's forward read, takes the gradient, clips it
-by its global norm and lets AdamW apply it to the newest weights. Which parameter belongs to which stage follows
+with each stage's parameters at the version the log says that stage's forward read, takes the gradient, clips each
+stage's part by that stage's own norm (PipeDream's stages do not wait for each other, docs/pipeline.md) and lets
+AdamW apply it to the newest weights. Which parameter belongs to which stage follows
 from the names and the uniform partition (blocks [s L/p, (s+1) L/p) on stage s, the embeddings on the first and
 the head on the last).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import replace
 
 import torch
 from harness import clip_and_step, plain_setup
@@ -28,6 +30,18 @@ def stage_of(name: str, n_layers: int, p: int) -> int:
     if name.startswith("blocks."):
         return int(name.split(".")[1]) // (n_layers // p)
     return 0 if name.startswith(("wte", "wpe")) else p - 1
+
+
+def clip_per_stage(named: dict, grad_clip: float, n_layers: int, p: int) -> None:
+    """Scale each stage's gradients by min(1, grad_clip / (its own norm + 1e-6)) (no-op for grad_clip 0)."""
+    stages: dict[int, list] = {}
+    for n, q in named.items():
+        stages.setdefault(stage_of(n, n_layers, p), []).append(q)
+    for qs in stages.values():
+        norm = torch.sqrt(sum(q.grad.square().sum() for q in qs)).item()
+        if grad_clip > 0 and grad_clip / (norm + 1e-6) < 1:
+            for q in qs:
+                q.grad.mul_(grad_clip / (norm + 1e-6))
 
 
 def forward_versions(rows: list[dict]) -> dict[tuple[int, int], int]:
@@ -56,8 +70,9 @@ def _compressed(model, cfg):
     return comp
 
 
-def replay(overrides: dict, rows: list[dict], p: int) -> tuple[dict, dict]:
-    """(losses by step, final parameters) recomputed from the version log rows of all stages."""
+def replay(overrides: dict, rows: list[dict], p: int, norms: dict | None = None) -> tuple[dict, dict]:
+    """(losses by step, final parameters) recomputed from the version log rows of all stages; `norms` (when given)
+    gets each step's whole-gradient norm before clipping."""
     from scaletrain.model import loss_sum
 
     cfg, model, opt, loader = plain_setup(overrides)
@@ -79,6 +94,9 @@ def replay(overrides: dict, rows: list[dict], p: int) -> tuple[dict, dict]:
         losses[step] = loss.item()
         for q, g in zip(named.values(), at.parameters()):
             q.grad = g.grad.clone()
-        clip_and_step(params, opt, step, cfg.train)
+        if norms is not None:
+            norms[step] = torch.sqrt(sum(q.grad.square().sum() for q in params)).item()
+        clip_per_stage(named, cfg.train.grad_clip, cfg.model.n_layers, p)
+        clip_and_step(params, opt, step, replace(cfg.train, grad_clip=0.0))  # lr of the step, AdamW
         versions[step] = {n: q.detach().clone() for n, q in named.items()}
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -18,6 +18,7 @@ independent of the executor) recomputes exactly what the stages computed from th
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from scaletrain.parallel.pipeline.pipedream import (
     versions_kept,
 )
 from scaletrain.parallel.pipeline.schedules import Op, build_schedule
-from scaletrain.parallel.pipeline.simulate import simulate_steps
+from scaletrain.parallel.pipeline.simulate import simulate_free_steps, simulate_steps
 from scaletrain.plan.analytic.estimate import estimate, pipeline_stages
 from scaletrain.plan.analytic.inputs import DEFAULT_ASSUMPTIONS, DTYPES, Layout, Training
 from scaletrain.plan.analytic.stages import inflight_count, pipeline_makespan, rank_params
@@ -93,12 +94,15 @@ def test_checker_rejects_a_step_whose_forward_runs_ahead_of_the_paper_order():
         pd.build_pipedream_step = real
 
 
-def test_simulated_steady_state_has_no_bubble_beyond_the_step_barrier():
+def test_simulated_steady_step_is_one_forward_and_one_backward_without_a_barrier():
     p, n = 4, 12
-    res = simulate_steps([build_pipedream_step(p, f, la) for f, la in phases(n)], 1.0, 2.0)
-    steady = res.step_makespans[p:-1]
-    # one forward and one backward per rank per step, plus the backward chain to stage 0 the barrier waits for
-    assert steady == [1.0 + 2.0 + (p - 1) * 2.0] * len(steady)
+    lists = [build_pipedream_step(p, f, la) for f, la in phases(n)]
+    # barrier-free (as the executor runs): every rank does one forward and one backward per step, nothing waits
+    assert simulate_free_steps(lists, 1.0, 2.0)[p:-1] == [1.0 + 2.0] * (n - p - 2)
+    # with a barrier after every step (how the steps ran before, the benchmark's pipedream+barrier) the backward
+    # chain to stage 0 is exposed: t_f + p t_b
+    res = simulate_steps(lists, 1.0, 2.0)
+    assert res.step_makespans[p:-1] == [1.0 + 2.0 + (p - 1) * 2.0] * (n - p - 1)
     assert max(res.window.peak_in_flight) == p
 
 
@@ -111,10 +115,15 @@ def test_versions_follow_the_paper():
     assert versions_kept(p, 3, True) == 4
 
 
-def test_planner_bubble_is_the_simulated_steady_step():
+def test_planner_step_is_the_simulated_barrier_free_steady_step():
     for p in range(2, 9):
-        res = simulate_steps([build_pipedream_step(p, f, la) for f, la in phases(p + 4)], 1.0, 2.0)
-        assert pipeline_makespan("pipedream", p, 1, 1, [3.0] * p, [3.0] * p) == pytest.approx(res.step_makespans[p])
+        free = simulate_free_steps([build_pipedream_step(p, f, la) for f, la in phases(p + 4)], 1.0, 2.0)
+        assert pipeline_makespan("pipedream", p, 1, 1, [3.0] * p, [3.0] * p) == pytest.approx(free[p])
+    uneven = [1.0, 1.0, 1.5]  # the slowest stage sets the pace
+    free = simulate_free_steps([build_pipedream_step(3, f, la) for f, la in phases(10)], uneven,
+                               [2 * t for t in uneven])
+    assert free[4:-1] == pytest.approx([4.5] * len(free[4:-1]))
+    assert pipeline_makespan("pipedream", 3, 1, 1, [3 * t for t in uneven], [0.0] * 3) == pytest.approx(4.5)
 
 
 def test_planner_counts_the_stashed_versions_and_the_minibatches_in_flight():
@@ -147,6 +156,9 @@ def test_planner_counts_the_stashed_versions_and_the_minibatches_in_flight():
     ({"parallel.pp": 2, "train.global_batch": 2, "model.dropout": 0.1}, "model.dropout"),
     ({"parallel.pp": 1, "train.global_batch": 2}, "needs parallel.pp > 1"),
     ({"parallel.pp": 2, "train.global_batch": 2, "train.compile": "true"}, "train.compile=true"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "train.on_nan": "skip"}, "train.on_nan=skip"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "train.log_noise_scale": "true"}, "log_noise_scale=true"),
+    ({"parallel.pp": 2, "train.global_batch": 2, "memory.budget_gb": 4}, "memory.budget_gb"),
     ({"parallel.pp": 2, "train.global_batch": 2, "parallel.schedule": "1f1b", "parallel.vertical_sync": "true"},
      "vertical_sync"),
 ])
@@ -168,20 +180,52 @@ def _run(rank, world, runs):
     for overrides in runs:
         cfg = make_config({k: v for k, v in {**BASE, **overrides}.items() if not k.startswith("_")})
         t = Trainer(cfg, overrides.get("_out"), DistEnv(rank, world, 0, "test"))
-        result = t.run()
+        with _counting_collectives(t, overrides.get("_count", False)) as calls:
+            result = t.run()
         state = t.full_state()
         mem = t.memory()  # a collective: every rank asks
         stash = t.engine.pipeline.stash
         out.append({"losses": result.losses, "state": state if rank == 0 else None, "mem": mem,
                     "log": stash.log if stash is not None else None,
                     "peak": stash.peak_versions if stash is not None else None,
-                    "copies": stash.peak_copies if stash is not None else None})
+                    "copies": stash.peak_copies if stash is not None else None, "collectives": calls})
     return out
+
+
+COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "reduce_scatter_tensor", "gather", "broadcast_object_list", "all_to_all_single")
+
+
+@contextlib.contextmanager
+def _counting_collectives(trainer, on: bool):
+    """Record (step, name) of every torch.distributed collective this rank calls during the run (when `on`)."""
+    import torch.distributed as dist
+
+    calls: list[tuple[int, str]] = []
+    real = {name: getattr(dist, name) for name in COLLECTIVES} if on else {}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls.append((trainer.step, name))
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in real:
+        setattr(dist, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
 
 
 PP2 = {"pp2": {"parallel.pp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.schedule": "1f1b"},
        "pp2-drain": {"parallel.pp": 2, "train.checkpoint_every": 3, "_out": ""},
-       "pp2-vsync": {"parallel.pp": 2, "parallel.vertical_sync": "true"}}
+       # without clipping: PipeDream clips each stage by its own norm, the 2BW-rule reference by the global norm
+       "pp2-vsync": {"parallel.pp": 2, "parallel.vertical_sync": "true", "train.grad_clip": 0},
+       # clipping that binds on every stage (each stage's norm is above 1e-3), logged every 3 steps, collectives counted
+       "pp2-clip": {"parallel.pp": 2, "train.grad_clip": 1e-3, "train.steps": 6, "train.log_every": 3, "_out": "",
+                    "_count": True}}
 FOUR = {"pp4": {"parallel.pp": 4}, "pp4-vsync": {"parallel.pp": 4, "parallel.vertical_sync": "true"},
         # the memory savers' pp4 case (the pp2 ones: tests/test_pipedream_savers.py)
         "pp4-vsync-recompute-offload-contiguous": {"parallel.pp": 4, "parallel.vertical_sync": "true",
@@ -193,6 +237,7 @@ FOUR = {"pp4": {"parallel.pp": 4}, "pp4-vsync": {"parallel.pp": 4, "parallel.ver
 @pytest.fixture(scope="module")
 def runs2(tmp_path_factory):
     PP2["pp2-drain"]["_out"] = str(tmp_path_factory.mktemp("pipedream"))
+    PP2["pp2-clip"]["_out"] = str(tmp_path_factory.mktemp("pipedream-clip"))
     outs = run_ranks(_run, 2, list(PP2.values()), timeout=240)
     return {name: [o[i] for o in outs] for i, name in enumerate(PP2)}
 
@@ -211,15 +256,16 @@ def _one_replica(ranks: list[dict]) -> list[dict]:
     return [first[s] for s in sorted(first)]
 
 
-def _assert_replayed(name: str, ranks: list[dict], overrides: dict) -> None:
+def _assert_replayed(name: str, ranks: list[dict], overrides: dict, norms: dict | None = None) -> dict:
     p = overrides["parallel.pp"]
     rows = [row for r in _one_replica(ranks) for row in r["log"]]
-    losses, state = replay({**BASE, **overrides}, rows, p)
+    losses, state = replay({**BASE, **overrides}, rows, p, norms)
     got = ranks[0]
     for step, want in losses.items():
         assert abs(got["losses"][step] - want) <= ATOL + RTOL * abs(want), f"{name} step {step}"
     for n, want in state.items():
         assert got["state"][n].sub(want).abs().max() <= ATOL + RTOL * want.abs().max(), f"{name}: {n}"
+    return losses
 
 
 def _assert_stashing(ranks: list[dict], p: int, vertical: bool, steps: int) -> None:
@@ -238,6 +284,45 @@ def _assert_stashing(ranks: list[dict], p: int, vertical: bool, steps: int) -> N
 @pytest.mark.parametrize("name", ["pp2", "pp2-drain", "pp2-vsync"])
 def test_pp2_replays_exactly_from_the_version_log(runs2, name):
     _assert_replayed(name, runs2[name], PP2[name])
+
+
+def test_pp2_stages_take_their_steps_without_a_collective_across_the_pipeline(runs2):
+    """No barrier between PipeDream's stages: between logged steps a rank calls no collective at all (dp = 1, so
+    every collective would cross the pipeline). Step 1 measures memory (max over ranks), step 2 is the traced step
+    (a barrier for a common time origin, then the gathered timeline), steps 3 and 6 are logged (one all-reduce of the
+    pending rows' losses and stage norms, and memory's max)."""
+    for rank, r in enumerate(runs2["pp2-clip"]):
+        steps = {step for step, _ in r["collectives"]}
+        assert {4, 5}.isdisjoint(steps), (rank, r["collectives"])
+        assert {3, 6} <= steps  # the counter sees the logged steps' gather
+
+
+def test_pp2_clips_each_stage_by_its_own_norm_and_logs_the_whole_gradient_norm(runs2):
+    """Clipping at 1e-3 binds on both stages: the run (losses of every step, final parameters) equals the per-stage
+    replay, rtol 1e-10, and not one clipping by the global norm (the replay's clip replaced: the loss of step 3 moves
+    by far more than the 1e-10 bound). Rank 0
+    (stage 0, not the last stage) wrote metrics.jsonl: its logged loss and its grad_norm (sqrt of the sum of the
+    stages' squared norms before clipping) equal the replay's, rtol 1e-10."""
+    import pipedream_replay
+
+    over = PP2["pp2-clip"]
+    rows = [row for r in _one_replica(runs2["pp2-clip"]) for row in r["log"]]
+    norms: dict[int, float] = {}
+    losses = _assert_replayed("pp2-clip", runs2["pp2-clip"], over, norms)
+    logged = [json.loads(line) for line in (Path(over["_out"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == [3, 6]
+    for row in logged:
+        assert row["loss"] == pytest.approx(losses[row["step"]], rel=RTOL, abs=ATOL)
+        assert row["grad_norm"] == pytest.approx(norms[row["step"]], rel=RTOL)
+        assert row["grad_norm"] > 10 * over["train.grad_clip"]  # so clipping bound
+
+    real = pipedream_replay.clip_per_stage
+    pipedream_replay.clip_per_stage = lambda named, clip, n_layers, p: real(named, clip, n_layers, 1)  # one "stage"
+    try:
+        global_losses, _ = replay({**BASE, **over, "train.steps": 3}, rows, 2)
+    finally:
+        pipedream_replay.clip_per_stage = real
+    assert abs(global_losses[3] - losses[3]) > 1e3 * RTOL * abs(losses[3])
 
 
 def test_pp2_backward_reads_the_version_its_forward_read(runs2):
@@ -260,7 +345,7 @@ def test_pp2_vertical_sync_is_the_2bw_rule_of_an_independent_single_process_run(
     """At p = 2 vertical sync reads W(t - 2) for minibatch t on both stages and updates W(t - 1): PipeDream-2BW's
     rule W(t+1) = W(t) - lr grad f(W(t-1)) (arXiv 2006.09503) in its numbering, which harness.train_reference_rules
     computes in one process without any pipeline code."""
-    losses, state = train_reference_rules({**BASE, "parallel.pp": 2}, ("2bw",) * BASE["train.steps"])
+    losses, state = train_reference_rules({**BASE, **PP2["pp2-vsync"]}, ("2bw",) * BASE["train.steps"])
     got = runs2["pp2-vsync"][0]
     for step, want in losses.items():
         assert abs(got["losses"][step] - want) <= ATOL + RTOL * abs(want), f"step {step}"

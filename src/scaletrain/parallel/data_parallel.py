@@ -190,7 +190,8 @@ class ReplicatedOptimizer(EngineOptimizer):
         hyper = config_hyper(optim, lr)
         opt = None if sliced else build_optimizer(optim.name, decay_groups(targets, optim.weight_decay), **hyper)
         # The norm needs a world all-reduce only when its owners are spread over tp / pp / ep ranks.
-        spread = par.tp * par.pp * par.ep > 1 or dim != "dp"
+        # PipeDream (arXiv 1806.03377) clips each stage by its own gradient's norm: no collective across stages.
+        spread = (par.tp * par.pp * par.ep > 1 or dim != "dp") and par.schedule != "pipedream"
         out = cls(params, opt, mesh.group(dim), par.bucket_mb, comm, masters=masters, world_norm=spread)
         if sliced:
             from scaletrain.parallel.zero_factored import DEFAULTS, ShardedFactored, tp_pieces

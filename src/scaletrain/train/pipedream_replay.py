@@ -6,11 +6,12 @@ Written from the paper and independent of the pipeline executor: one plain model
 weight version it still needs (version k: the weights after optimizer step k); for minibatch t it evaluates the whole
 model with each stage's parameters at the version that stage's forward read (from the log: the last forward of the
 minibatch before its backward, so a minibatch dropped at a drain and forwarded again counts once), takes the gradient
-of the mean token loss, clips it by its global norm and lets the run's optimizer apply it to the newest weights at
-the step's learning rate. Which stage holds a parameter is what each rank wrote beside its log
-(`rank<N>.params.json`), so any partition replays. Activation compression (bf16 / int8) rounds what the backward
-reads, so the replay encodes its saved activations the same way (the engine pass's layout-independent settings); the
-other memory savers change where an activation lives, not its value. The tests' own loop (tests/pipedream_replay.py)
+of the mean token loss, clips each stage's part by that stage's own norm (as the run's stages do: they never wait for
+each other) and lets the run's optimizer apply it to the newest weights at the step's learning rate. Which stage
+holds a parameter is what each rank wrote beside its log (`rank<N>.params.json`), so any partition replays.
+Activation compression (bf16 / int8) rounds what the backward reads, so the replay encodes its saved activations the
+same way (the engine pass's layout-independent settings); the other memory savers change where an activation lives,
+not its value. The tests' own loop (tests/pipedream_replay.py)
 is a second, separate implementation that checks runs and this module alike.
 """
 
@@ -137,11 +138,13 @@ def replay(cfg: Config, log: PipeDreamLog, steps: int) -> tuple[dict[int, float]
         loss = loss_sum(logits, y) / cfg.tokens_per_step
         loss.backward()
         losses[step] = loss.item()
-        grads = [g.grad for g in at.parameters()]
-        norm = torch.sqrt(sum(g.square().sum() for g in grads))
-        coef = clip_coefficient(norm, t.grad_clip) if t.grad_clip > 0 else 1.0
-        for q, g in zip(params, grads):
-            q.grad = g * coef
+        grads = {n: g.grad for n, g in at.named_parameters()}
+        for stage in set(log.stage_of.values()):  # each stage clipped by its own norm, as the run's stages do
+            mine = [n for n in grads if log.stage_of[n] == stage]
+            norm = torch.sqrt(sum(grads[n].square().sum() for n in mine))
+            coef = clip_coefficient(norm, t.grad_clip) if t.grad_clip > 0 else 1.0
+            for n in mine:
+                named[n].grad = grads[n] * coef
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t) * lr_multiplier(cfg.optim)
         opt.step()

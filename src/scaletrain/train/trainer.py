@@ -160,7 +160,10 @@ class Trainer:
 
     def _resolve(self, rows: list[dict[str, Any]]) -> None:
         """Turn the rows' device values into numbers with one host read (train/pending.py); a NaN/inf loss
-        stops the run here under train.on_nan=stop, naming its first step."""
+        stops the run here under train.on_nan=stop, naming its first step. PipeDream: the rows' losses and gradient
+        norms are first gathered over the pipeline, once for all of them (`PipelineExecutor.share_rows`)."""
+        if getattr(getattr(self.engine, "pipeline", None), "stash", None) is not None:
+            self.engine.pipeline.share_rows(rows)
         resolve_rows(rows, self.cfg.tokens_per_step)
         bad = first_bad_loss(rows) if self.scaler is None and self.cfg.train.on_nan == "stop" else None
         if bad is not None:

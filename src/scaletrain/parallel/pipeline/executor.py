@@ -155,7 +155,8 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ runners
 
     def run(self, engine, micro: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-        """One training step's forward and backward; returns the loss (same value on every pipeline rank)."""
+        """One training step's forward and backward; returns the loss (same value on every pipeline rank; PipeDream:
+        the last stage's value, 0 on the others, until the trainer's `share_rows` at a logged step)."""
         if len(micro) != self.m:
             raise ValueError(f"pipeline schedule expects {self.m} microbatches, got {len(micro)}")
         self.calls += 1
@@ -202,7 +203,8 @@ class PipelineExecutor:
         if self.stash is not None:
             self.stash.end({v for v, _ in st.pd.values()} if overlap else set())
             self.carry = st if overlap else None
-        loss = self._share_loss(st.loss)
+        # PipeDream: no collective across stages in a step; the loss stays on the last stage (`share_rows`)
+        loss = self._share_loss(st.loss) if self.stash is None else st.loss
         self.last_events, self.last_peak_in_flight, self.last_wall0 = st.events, st.peak, st.wall0
         if measure:
             self.activation_bytes = engine.activation_bytes = st.saved_peak
@@ -491,6 +493,22 @@ class PipelineExecutor:
         for w, _ in st.pending:
             w.wait()
         st.pending.clear()
+
+    def share_rows(self, rows: list[dict]) -> None:
+        """PipeDream, at a logged step only: the loss of every step since the last one (the last stage's) and the
+        gradient norm of the whole model (each stage's norm squared, summed over stages) on every pipeline rank, in
+        one all-reduce over the pipeline group: rows[i]["loss"], rows[i]["grad_norm"] in place."""
+        if not rows:
+            return
+        last = self.rank == stage_to_rank_chunk(self.n_stages - 1, self.p, self.schedule)[0]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        losses = [torch.as_tensor(r["loss"], dtype=torch.float64, device=self.device) if last else zero for r in rows]
+        norms = [torch.as_tensor(r["grad_norm"], dtype=torch.float64, device=self.device).square() for r in rows]
+        both = torch.stack([torch.stack(losses), torch.stack(norms)])
+        if self.group is not None:
+            dist.all_reduce(both, group=self.group)
+        for r, loss, sq in zip(rows, both[0], both[1]):
+            r["loss"], r["grad_norm"] = loss, sq.sqrt()
 
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss sum on every pipeline rank."""

@@ -85,6 +85,13 @@ def pipedream(cfg: Config, world_size: int | None) -> list[str]:
         (t.precision == "fp8", f"train.precision=fp8 {why}: the FP8 scales are not kept per stashed version"),
         (m.reversible or m.share_blocks, f"model.{'reversible' if m.reversible else 'share_blocks'}=true {why}: "
                                          "not wired to the stashed versions"),
+        # PipeDream's stages do not step together: nothing may need all stages' values every step
+        (t.on_nan == "skip", f"train.on_nan=skip {why}: whether to skip a step would be decided by all stages "
+                             "together every step (a barrier across the pipeline); use train.on_nan=stop"),
+        (t.log_noise_scale, f"train.log_noise_scale=true {why}: it needs the whole model's gradient norm every step "
+                            "(a barrier across the pipeline)"),
+        (cfg.memory.budget_gb > 0, f"memory.budget_gb ({cfg.memory.budget_gb}) > 0 {why}: the in-run budget check "
+                                   "takes the maximum over all ranks every step (a barrier across the pipeline)"),
     ]
     mem = cfg.memory
     lossy = [c for c in mem.compress.split(",") if c.strip() in ("bf16", "int8")]

@@ -275,3 +275,21 @@ def simulate_2bw(p: int, m: int, n_steps: int, t_f: Times, t_b: Times, t_comm: f
 def steady_2bw_makespan(p: int, m: int, t_f: float, t_b: float) -> float:
     """Closed form of one steady-state 2BW step with a barrier between steps (see module doc)."""
     return m * (t_f + t_b) + (p - 1) * t_b
+
+
+def simulate_free_steps(steps: list[list[list[Action]]], t_f: Times, t_b: Times, t_comm: float = 0.0) -> list[float]:
+    """Consecutive steps with no barrier between them (PipeDream, arXiv 1806.03377: each rank starts its next step
+    as soon as its own is done): the steps' lists run back to back on every rank as one list (each action's `batch`
+    made absolute, so the messages of different steps never match). Returns rank 0's step periods: the time from
+    the end of one of its steps to the end of the next."""
+    from dataclasses import replace
+
+    p = len(steps[0])
+    joined = [[replace(a, batch=t + a.batch + 1) for t, lists in enumerate(steps) for a in lists[r]] for r in range(p)]
+    ends = [sum(1 for a in lists[0] if a.op.is_compute) for lists in steps]  # rank 0's compute actions per step
+    done = [e.end_s for e in simulate(joined, t_f, t_b, 0.0, t_comm).events if e.rank == 0]
+    marks, k = [], 0
+    for n in ends:
+        k += n
+        marks.append(done[k - 1])
+    return [b - a for a, b in zip(marks, marks[1:])]

@@ -265,21 +265,18 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, work: list[float], 
     ZB-V:         m·max W + (p - 1)/(2p)·sum fill (half of ZB-H1's fill and drain: each chunk is half a rank's
                   blocks, arXiv 2401.10241 sec. 6; equal to the simulator on equal stages, tests/test_pipeline_zbv.py);
         2BW:          m·max W (steady state, no flush, arXiv 2006.09503);
-    PipeDream:    max W + 2/3·(p - 1)/p·sum W (m = 1; no flush, but the step's barrier - the global gradient norm and
-                  the loss - exposes the backward chain from the last stage to the first, taken as 2/3 of the work:
-                  `simulate_steps` on `pipedream.build_pipedream_step`, t_b = 2 t_f).
+    PipeDream:    max W (m = 1; no flush and no barrier between the stages' steps, arXiv 1806.03377: the slowest
+                  stage sets the pace, `simulate_free_steps` on `pipedream.build_pipedream_step`).
 
     Equal to `scaletrain.parallel.pipeline.simulate` on equal stages, and on equal blocks with a heavier head on the
     last stage for GPipe, 1F1B and (within 1%) interleaved and ZB-H1; on uneven partitions within the bounds that
     tests/test_plan_stages.py measures against the simulator."""
     counts = counts or [1] * len(work)
     heavy, total = max(work), sum(n * w for n, w in zip(counts, work))
-    if p == 1 or schedule == "2bw":
+    if p == 1 or schedule in ("2bw", "pipedream"):
         return m * heavy
     if schedule == "interleaved":
         return m * heavy + (p - 1) / (p * v) * total
-    if schedule == "pipedream":
-        return heavy + 2 / 3 * (p - 1) / p * total
     if schedule == "zb-h1":
         return m * heavy + (p - 1) / p * sum(n * f for n, f in zip(counts, fill))
     if schedule == "zb-v":
