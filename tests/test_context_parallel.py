@@ -366,7 +366,7 @@ def test_cp_moe_layout_matches_one_process_under_teacher_forced_routing(runs, la
     ({"parallel.cp": 2, "train.log_noise_scale": True}, "train.log_noise_scale with"),
     ({"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "pipedream", "train.global_batch": 2,
       "train.micro_batch": 2, "model.tie_embeddings": False}, "parallel.schedule=pipedream with parallel.cp (2) > 1"),
-    ({"parallel.cp": 2, "parallel.dp": 2, "parallel.replicas": 2}, "no tp, pp, ep, cp or ZeRO inside a group"),
+    ({"parallel.cp": 2, "parallel.dp": 2, "parallel.replicas": 2}, "a replica group is data-parallel only"),
     ({"parallel.cp": 2, "memory.recompute": "nth:2"}, "memory.recompute=nth:2 with parallel.cp (2) > 1 is not"),
     ({"parallel.cp": 2, "parallel.cp_mode": "ulysses", "memory.recompute": "ops:matmul"},
      "memory.recompute=ops:matmul with parallel.cp (2) > 1 is not"),
