@@ -159,8 +159,8 @@ class _InitFailed(RuntimeError):
 
 INIT_ATTEMPTS = 3
 # A gloo group starts in well under a second; a start that fails part-way ("Connection closed by peer" under load)
-# can leave the other ranks waiting for the whole timeout: 308 s of one suite run went to that once. Starting is
-# given a minute (spawned ranks import torch before they arrive), then the run is started again.
+# can leave the other ranks waiting for the whole run timeout. Starting is given a minute (spawned ranks import torch
+# before they arrive), then the run is started again.
 INIT_TIMEOUT_S = 60.0
 
 
