@@ -182,5 +182,9 @@ def test_ends_gives_the_end_chunks_only_the_embedding_and_the_head():
                  partition="ends")
     est = estimate(L405, H100, Training(2048), lay, n_gpus=8192)
     assert est.label().endswith(" [0,1x126,0]") and est.bubble_fraction < 0.1
+    assert any("only the embedding and only the head" in n for n in est.notes)
+    found = search(L405, H100, 8192, Training(2048), {"tp": 8, "pp": 16, "recompute": "none", "schedule": "interleaved",
+                                                      "virtual_stages": 8, "zero": 1, "micro_batch": 1, "dp": 64})
+    assert found.candidates[0].stage_blocks == blocks
     with pytest.raises(UserError, match=r"cannot split layers \(126\) into 129"):
         split(L405, "ends", 129)
