@@ -189,15 +189,6 @@ def breakdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    print("Development rows\n")
-    print(markdown(DEV_ROWS))
-    print("\nHeld-out rows\n")
-    print(markdown(HELD_OUT))
-    print("\nDeep pipelines at scale: the planned step in its parts\n")
-    print(breakdown([r for r in DEV_ROWS if r.source in (MTNLG_SRC, LLAMA3_SRC)]))
-
-
 def test_held_out_errors_as_measured():
     """Measured once the rows and bound above were committed (docs/planner-validation.md section 1b): 23 of the 24
     rows within the stated 35% (MPT-1B at FP8 with 8192-token sequences and 2 of them per GPU +38.7%), mean |error|
@@ -241,6 +232,12 @@ def test_exposed_p2p_and_dp_cannot_explain_the_mt_nlg_gap():
         assert extra < 0.06 and predict(r) / r.published / (1 + extra) - 1 > 0.18
 
 
+def llama3_rows_as_assumed_before() -> list[Row]:
+    """The Llama 3 rows as they were before the paper's pipeline was read: V = 2, ZeRO-0, 2-byte gradients."""
+    return [dataclasses.replace(r, grad_bytes=None, layout=dataclasses.replace(r.layout, zero=0, virtual_stages=2))
+            for r in DEV_ROWS if r.source == LLAMA3_SRC]
+
+
 def test_llama3_405b_rows_follow_the_papers_own_pipeline():
     """docs/planner-validation.md "Deep pipelines at scale": the Llama 3 rows were 6% and 16% pessimistic with V = 2,
     an assumption; Sec. 3.3.2's one-layer end chunks give V = 8 (`test_plan_stages.py`), its bubble formula
@@ -261,8 +258,7 @@ def test_llama3_405b_rows_follow_the_papers_own_pipeline():
     # the rows before (V = 2, ZeRO-0, 2-byte gradients) did not fit in 80 GB; the planner's ZeRO-3, which
     # reduce-scatters every micro-batch against the paper's FP32 accumulation, would be 17-18% pessimistic; the
     # paper's layout is over 80 GB in the planner too (Megatron's interleaved warm-up, not Meta's schedule)
-    before = [dataclasses.replace(r, grad_bytes=None, layout=dataclasses.replace(r.layout, zero=0, virtual_stages=2))
-              for r in rows]
+    before = llama3_rows_as_assumed_before()
     z3 = [dataclasses.replace(r, layout=dataclasses.replace(r.layout, zero=3)) for r in rows]
     assert [memory_gb(r) for r in before] == [176, 141] and [memory_gb(r) for r in rows] == [117, 108]
     assert [round(predict(r) / r.published - 1, 3) for r in before + z3] == [-0.062, -0.161, -0.178, -0.169]
@@ -377,3 +373,14 @@ def test_mt_nlg_runs_each_microbatch_slower_than_megatron_lm_on_the_same_layout(
     fp32 = estimate(r.model, get_gpu(r.gpu), Training(r.global_batch, r.dtype, r.attention, r.dp_overlap,
                                                      grad_bytes=4), r.layout, Assumptions(), n_gpus=r.gpus)
     assert round(fp32.step_time_s - est.step_time_s, 2) == 0.36 and round(60.1 - est.step_time_s, 1) == 12.4
+
+
+if __name__ == "__main__":
+    print("Development rows\n")
+    print(markdown(DEV_ROWS))
+    print("\nHeld-out rows\n")
+    print(markdown(HELD_OUT))
+    print("\nDeep pipelines at scale: the planned step in its parts\n")
+    print(breakdown([r for r in DEV_ROWS if r.source in (MTNLG_SRC, LLAMA3_SRC)]))
+    print("\nThe Llama 3 rows as assumed before (V = 2, ZeRO-0, 2-byte gradients)\n")
+    print(breakdown(llama3_rows_as_assumed_before()))
