@@ -262,6 +262,15 @@ def test_llama3_405b_rows_follow_the_papers_own_pipeline():
     z3 = [dataclasses.replace(r, layout=dataclasses.replace(r.layout, zero=3)) for r in rows]
     assert [memory_gb(r) for r in before] == [176, 141] and [memory_gb(r) for r in rows] == [117, 108]
     assert [round(predict(r) / r.published - 1, 3) for r in before + z3] == [-0.062, -0.161, -0.178, -0.169]
+    # the pipeline's p2p (V = 8: eight sends per pass) is charged exposed; the paper's asynchronous p2p hiding all of
+    # it would make the rows about 7% and 5% optimistic
+    hidden = []
+    for r in rows:
+        est = estimate(r.model, get_gpu(r.gpu), Training(r.global_batch, grad_bytes=r.grad_bytes), r.layout,
+                       Assumptions(), n_gpus=r.gpus)
+        hidden.append(round(predict(r) * est.step_time_s / (est.step_time_s - est.time_breakdown["pp_comm"])
+                            / r.published - 1, 3))
+    assert hidden == [0.069, 0.05], hidden
 
 
 def _deepspeed_train_schedule(p: int, m: int) -> list[list[tuple]]:
