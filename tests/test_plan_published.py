@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from scaletrain.plan.analytic.estimate import estimate
 from scaletrain.plan.analytic.inputs import Assumptions, Layout, Training
 from scaletrain.plan.catalog import ModelSpec, get_model
@@ -273,11 +275,12 @@ def test_llama3_405b_rows_follow_the_papers_own_pipeline():
     assert hidden == [0.069, 0.05], hidden
 
 
-def _deepspeed_train_schedule(p: int, m: int) -> list[list[tuple]]:
+def _deepspeed_train_schedule(p: int, m: int, swap: bool = False) -> list[list[tuple]]:
     """Per stage, DeepSpeed's `TrainSchedule` (deepspeed/runtime/pipe/schedule.py, the engine of MT-NLG) as ordered
     instructions: 2(m + p - 1) steps, forward on even stages at even steps and on odd stages at odd steps; a forward
     step receives its activation and then sends the previous step's gradient, a backward step sends the previous
-    step's activation and then receives its gradient; every send and receive is blocking and paired."""
+    step's activation and then receives its gradient (`swap`: the other order, as in other DeepSpeed versions); every
+    send and receive is blocking and paired."""
     out = []
     for s in range(p):
         cmds, prev = [], -1
@@ -287,11 +290,12 @@ def _deepspeed_train_schedule(p: int, m: int) -> list[list[tuple]]:
                 ((step - 1) // 2 - s // 2 if fwd else (step - 1) // 2 - p + 1 + s // 2)
             ok, had = 0 <= mb < m, 0 <= prev < m
             if fwd:
-                cmds += [("recv", s - 1, ("act", mb))] * (ok and s > 0) + [("send", s - 1, ("grad", prev))] * (
-                    had and s > 0) + [("F",)] * ok
+                pair = [("recv", s - 1, ("act", mb))] * (ok and s > 0) + [("send", s - 1, ("grad", prev))] * (
+                    had and s > 0)
             else:
-                cmds += [("send", s + 1, ("act", prev))] * (had and s < p - 1) + [("recv", s + 1, ("grad", mb))] * (
-                    ok and s < p - 1) + [("B",)] * ok
+                pair = [("send", s + 1, ("act", prev))] * (had and s < p - 1) + [("recv", s + 1, ("grad", mb))] * (
+                    ok and s < p - 1)
+            cmds += pair[::-1 if swap else 1] + [("F",) if fwd else ("B",)] * ok
             prev = mb
         out.append(cmds)
     return out
@@ -347,6 +351,7 @@ def test_deepspeeds_lockstep_pipeline_schedule_costs_what_1f1b_costs():
     free = _rendezvous_makespan(lists, tf, tb, 0.0)
     closed = pipeline_makespan("1f1b", lay.pp, m, 1, [f + b for f, b in zip(tf, tb)], [])
     sent = _rendezvous_makespan(lists, tf, tb, pt.pp)
+    assert _rendezvous_makespan(_deepspeed_train_schedule(lay.pp, m, swap=True), tf, tb, pt.pp) == pytest.approx(sent)
     assert round(pt.pp * 1e3, 1) == 0.5
     # the head makes the last stage 4.3% heavier; the planner's steady state runs at its pace already (+3.7% of the
     # pipeline over equal stages)
@@ -379,6 +384,11 @@ def test_mt_nlg_runs_each_microbatch_slower_than_megatron_lm_on_the_same_layout(
     cycle = (b["bubble"] / (r.layout.pp - 1)) * (1 + b["stragglers"] / (est.step_time_s - b["stragglers"]
                                                                      - b["dp_comm"]))
     assert round(cycle, 3) == 0.166 and round(mt_nlg[0] / megatron[2] - 1, 2) == 0.24
+    # the cycle grows 4.3% from 2,240 to 3,360 GPUs; the slowest-of-N term grows 0.2% there
+    from scaletrain.plan.analytic.step_time import straggler_factor
+
+    assert round(mt_nlg[2] / mt_nlg[0] - 1, 3) == 0.043
+    assert round(straggler_factor(3360, 0.05) / straggler_factor(2240, 0.05) - 1, 3) == 0.002
     # the published times as T = (m + p - 1) x + c through the 2,240- and 3,360-GPU rows, checked on the third
     x = (60.1 - 44.4) / (240 - 160)
     c = 60.1 - (240 + 34) * x
