@@ -22,7 +22,20 @@ from scaletrain.multinode.replicas import summarize as summarize_log
 from scaletrain.train.runners.replicas import GroupModel
 
 TOLERANCE = 1e-12
-"""Largest absolute parameter difference the replay accepts (fp64); measured: 0 (bit-identical) on this CPU."""
+"""Largest absolute parameter difference the replay accepts (fp64) for groups of data-parallel ranks, whose
+intra-group sums the replay recomputes in their order; measured: 0 (bit-identical) to 5.8e-15 on this CPU."""
+TP_RTOL, TP_ATOL = 1e-9, 1e-11
+"""Groups with tensor parallelism inside: the replay runs the model at whole width, the run adds half-width partial
+products, so they differ by rounding (~1e-15 per step) as any tp layout differs from one process. The bound is
+docs/verify.md's for fp64 layouts against one process, element-wise |run - replay| <= TP_ATOL + TP_RTOL |replay|
+(set before measuring)."""
+
+
+def within(cfg: Config, mine: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether a replayed parameter equals the run's within the bound of its layout (above)."""
+    if cfg.parallel.tp > 1:
+        return bool(((mine - saved).abs() <= TP_ATOL + TP_RTOL * mine.abs()).all())
+    return float((mine - saved).abs().max()) <= TOLERANCE
 
 
 def load_log(out: Path) -> list[dict]:
@@ -74,13 +87,14 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
     finally:
         torch.set_num_threads(before)
     seconds = time.perf_counter() - t0
-    diffs = {}
+    diffs, ok = {}, True
     for stem, run in saved_runs.items():
         saved = run["params"]
         diffs[stem] = max(float((mine[k] - saved[k]).abs().max()) for k in saved)
+        ok = ok and all(within(cfg, mine[k], saved[k]) for k in saved)
     worst = max(diffs.values())
-    summary = {"run": str(out), **summarize(cfg, rows), "max_abs_diff": diffs, "replay_s": seconds,
-               "pass": worst <= TOLERANCE}
+    bound = f"rtol {TP_RTOL:g}, atol {TP_ATOL:g}" if cfg.parallel.tp > 1 else f"tolerance {TOLERANCE:g}"
+    summary = {"run": str(out), **summarize(cfg, rows), "max_abs_diff": diffs, "replay_s": seconds, "pass": ok}
     if as_json:
         json.dump(summary, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -88,6 +102,6 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
         print(f"replayed {summary['steps']} steps ({summary['rounds']} rounds, {summary['failed_rounds']} failed) of "
               f"{out} in {seconds:.1f} s; groups dropped: {summary['drops'] or 'none'}; heals: "
               f"{summary['heals'] or 'none'}; tokens lost {summary['tokens_lost']}")
-        print(f"largest parameter difference {worst:.3g} (tolerance {TOLERANCE:g}): "
+        print(f"largest parameter difference {worst:.3g} ({bound}): "
               + ("PASS" if summary["pass"] else "FAIL"))
     return 0 if summary["pass"] else 1
