@@ -50,7 +50,7 @@ def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
 @rule("combinations")
 def replicas(cfg: Config, world_size: int | None) -> list[str]:
     """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, of two
-    data-parallel ranks (plain, ZeRO-1 or ZeRO-2 inside the group) or of two tensor-parallel ranks."""
+    data-parallel ranks with ZeRO-2 inside the group, or of two tensor-parallel ranks."""
     p, t = cfg.parallel, cfg.train
     if p.replicas == 1:
         return []
@@ -61,10 +61,10 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     errors = []
     dps = p.dp // p.replicas  # data-parallel ranks per group; a group's processes: dps x tp
     if p.pp > 1 or p.ep > 1 or p.cp > 1 or p.tp > 2 or (p.tp > 1 and dps > 1):
-        errors.append(f"parallel.replicas ({p.replicas}): a replica group is one process, 2 data-parallel ranks or "
-                      f"2 tensor-parallel ranks (got dp/replicas={dps}, tp={p.tp}, pp={p.pp}, ep={p.ep}, cp={p.cp}): "
-                      "pipeline, expert and context parallelism and groups of more than 2 processes are not built "
-                      "inside a group")
+        errors.append(f"parallel.replicas ({p.replicas}): a replica group is data-parallel only (one process or 2 "
+                      f"ranks with ZeRO-2) or 2 tensor-parallel ranks (got dp/replicas={dps}, tp={p.tp}, pp={p.pp}, "
+                      f"ep={p.ep}, cp={p.cp}): pipeline, expert and context parallelism and groups of more than 2 "
+                      "processes are not built inside a group")
     elif p.tp > 1 and (p.zero or p.sequence_parallel or p.tp_mode != "1d"):
         errors.append(f"parallel.replicas ({p.replicas}) with tp={p.tp} groups needs parallel.zero=0, "
                       f"parallel.sequence_parallel=false and parallel.tp_mode=1d (got zero={p.zero}, "
@@ -74,12 +74,14 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
         errors.append(f"parallel.replicas ({p.replicas}) = parallel.dp: one process per group has nothing to shard "
                       f"(got zero={p.zero}); for ZeRO groups set parallel.dp = 2 x replicas")
     elif dps > 2:
-        errors.append(f"parallel.replicas ({p.replicas}) with {dps} processes per group (dp={p.dp}): groups of more "
-                      "than 2 ranks are not built (the replay would need the ring order of gloo's reduce-scatter)")
-    elif dps == 2 and p.zero == 3:
-        errors.append(f"parallel.replicas ({p.replicas}) with 2 ranks per group: parallel.zero=3 inside a group is "
-                      "not built (its parameters live as shards re-gathered per unit; the heal sends full buffers); "
-                      "use zero 0, 1 or 2")
+        errors.append(f"parallel.replicas ({p.replicas}) with {dps} processes per group (dp={p.dp}) needs groups of "
+                      "2 ranks: larger groups are not built (the replay would need the ring order of gloo's "
+                      "reduce-scatter)")
+    elif dps == 2 and p.zero != 2:
+        errors.append(f"parallel.replicas ({p.replicas}) with 2 data-parallel ranks per group needs parallel.zero=2 "
+                      f"(got zero={p.zero}): ZeRO-3 inside a group is not built (its parameters live as shards "
+                      "re-gathered per unit), plain dp and ZeRO-1 groups run and replay but have no test in the suite "
+                      "yet (docs/fault_tolerance.md)")
     if dps * p.tp > 1 and (t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
         errors.append(f"parallel.replicas ({p.replicas}) with {dps * p.tp} processes per group needs train.dtype "
                       f"fp32/fp64 and optim.name=adamw (got dtype={t.dtype}, optim={cfg.optim.name}): the heal of a "

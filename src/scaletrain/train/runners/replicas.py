@@ -151,6 +151,9 @@ class GroupModel:
         for g in _grads(self.opt):
             g.copy_(mean[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
+        if not isinstance(self.opt, ZeroOptimizer):  # plain dp over several ranks drops .grad in zero_grad
+            for p, g in zip(self.opt.params, self.opt.grads):
+                p.grad = g
         norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
         self.opt.step(lr_at(step, self.cfg.train) * self.trainer.lr_scale)
         self.opt.zero_grad()
