@@ -19,6 +19,7 @@ from scaletrain.distributed.quorum import ordered_sum
 from scaletrain.errors import CheckpointError
 from scaletrain.multinode.replicas import effective_rows
 from scaletrain.multinode.replicas import summarize as summarize_log
+from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.runners.replicas import GroupModel
 
 TOLERANCE = 1e-12
@@ -51,18 +52,38 @@ def load_log(out: Path) -> list[dict]:
     return rows
 
 
-def replay_rounds(cfg: Config, rows: list[dict]) -> dict[str, torch.Tensor]:
+def replay_rounds(cfg: Config, rows: list[dict], out: Path | None = None) -> dict[str, torch.Tensor]:
     """The parameters after the committed rounds of `rows` (after a whole-job resume: those the resumed run went
-    through, `effective_rows`), computed in this process."""
+    through, `effective_rows`), computed in this process. A run that started from a checkpoint of step N (`--reshard`
+    from another layout's run: the log's first row has `resumed_from` N and no rounds of steps 1..N) is replayed from
+    that checkpoint, `out/checkpoints/step_N`, read into the replay's one process by the reshard path."""
     model = GroupModel(cfg, replay=True)
     step = 0
-    for row in effective_rows(rows):
+    committed = effective_rows(rows)
+    start = rows[0].get("resumed_from") if rows else None
+    if start and not any(r["step"] <= start for r in committed):
+        step = _load_start(model, out, int(start))
+    for row in committed:
         if row["step"] != step + 1:
             raise CheckpointError(f"membership log: committed step {row['step']} follows step {step}")
         parts = [model.group_grad(row["step"], g) for g in row["members"]]
         model.apply(row["step"], ordered_sum(parts) / len(row["members"]))
         step = row["step"]
     return model.trainer.full_state()
+
+
+def _load_start(model: GroupModel, out: Path | None, step: int) -> int:
+    """Read the checkpoint the run started from (step `step`) into the replay's engine; the step."""
+    from scaletrain.train import resume
+    from scaletrain.train.checkpoint_dirs import step_dir
+
+    found = step_dir(out / "checkpoints", step) if out is not None else None
+    if found is None or not (found / ckpt.COMPLETE).exists():
+        raise CheckpointError(f"membership log: the run started from the checkpoint of step {step}, which is not "
+                              f"in {out}/checkpoints (keep it, train.keep_checkpoints, to replay the run)")
+    t = model.trainer
+    resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
+    return int(ckpt.read_meta(found)["step"])
 
 
 def summarize(cfg: Config, rows: list[dict]) -> dict:
@@ -83,7 +104,7 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
         torch.set_num_threads(threads.pop())
     t0 = time.perf_counter()
     try:
-        mine = replay_rounds(cfg, rows)
+        mine = replay_rounds(cfg, rows, out)
     finally:
         torch.set_num_threads(before)
     seconds = time.perf_counter() - t0

@@ -163,7 +163,7 @@ class GroupModel:
 class ReplicaRunner:
     """One replica group's process: the `make_trainer` interface (`step`, `n_params`, `run()`, `full_state()`)."""
 
-    def __init__(self, cfg: Config, out: Path | None):
+    def __init__(self, cfg: Config, out: Path | None, reshard: bool = False):
         self.cfg, self.out = cfg, out
         self.group = int(os.environ[REPLICA_ENV])
         self.model = GroupModel(cfg)
@@ -184,21 +184,26 @@ class ReplicaRunner:
             t = cfg.train  # the group's ranks write the checkpoint together (each its ZeRO shard)
             self.saver = ckpt.Saver(out / "checkpoints", self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
             if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restarted group heals instead
-                self._resume()
+                self._resume(reshard)
 
-    def _resume(self) -> None:
-        """A whole-job launch: load the newest complete checkpoint (any group's; they are one state)."""
+    def _resume(self, reshard: bool) -> None:
+        """A whole-job launch: load the newest complete checkpoint (any group's; they are one state), or with
+        `reshard` a checkpoint of another layout's run (train/resume.py reads it into this group's layout)."""
         assert self.out is not None
         found, _ = ckpt.usable_latest(self.out / "checkpoints")
         if found is None:
             return
         t = self.model.trainer
         meta = ckpt.read_meta(found)
-        diffs = resume.check_compatible(found, meta, self.cfg, self.cfg.world_size, reshard=False)
+        diffs = resume.check_compatible(found, meta, self.cfg, self.cfg.world_size, reshard=reshard)
         resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
         self.step = int(meta["step"])
         if self.group == 0 and self.rank == 0:  # resumes.jsonl: whole-job resumes only (heals: the membership log)
-            resume.record_resume(self.out, self.step, diffs, checkpoint=found.name)
+            extra = {}
+            if any(resume.kind(k) == "layout" for k in diffs) or meta["world_size"] != self.cfg.world_size:
+                extra["layout"] = {"from": meta["layout"], "to": resume.describe_layout(self.cfg.to_dict(),
+                                                                                        self.cfg.world_size)}
+            resume.record_resume(self.out, self.step, diffs, checkpoint=found.name, **extra)
             resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
 
     def _save(self, q: Quorum) -> None:
