@@ -70,3 +70,20 @@ def test_tp_groups_start_from_a_dp1_checkpoint_a_killed_group_heals_and_the_run_
     summary = json.loads(capsys.readouterr().out)
     print(f"replay vs run: largest parameter difference {max(summary['max_abs_diff'].values()):.3g}")
     assert summary["pass"] and summary["heals"][0]["group"] == 0
+
+
+def test_replay_of_a_run_started_from_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    """A run that started from the checkpoint of step 2 (`--reshard`) cannot be replayed once that checkpoint is
+    gone: one line naming it, exit 2."""
+    from scaletrain.config import load_config
+
+    out = tmp_path / "run"
+    (out / "replicas").mkdir(parents=True)
+    (out / "config.yaml").write_text(load_config(None, [f"{k}={v}" for k, v in RUN.items()]).to_yaml())
+    row = {"round": 0, "step": 3, "members": [0, 1], "behind": [], "heal": {}, "dropped": [], "committed": True,
+           "time": 0.0, "resumed_from": 2}
+    (out / "membership.jsonl").write_text(json.dumps(row) + "\n")
+    torch.save({"step": 3, "params": {}}, out / "replicas" / "final-group0.pt")
+    assert main(["replay", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "started from the checkpoint of step 2" in err and len(err.strip().splitlines()) == 1

@@ -57,12 +57,13 @@ def replay_rounds(cfg: Config, rows: list[dict], out: Path | None = None) -> dic
     through, `effective_rows`), computed in this process. A run that started from a checkpoint of step N (`--reshard`
     from another layout's run: the log's first row has `resumed_from` N and no rounds of steps 1..N) is replayed from
     that checkpoint, `out/checkpoints/step_N`, read into the replay's one process by the reshard path."""
-    model = GroupModel(cfg, replay=True)
-    step = 0
     committed = effective_rows(rows)
     start = rows[0].get("resumed_from") if rows else None
+    found = None
     if start and not any(r["step"] <= start for r in committed):
-        step = _load_start(model, out, int(start))
+        found = _start_checkpoint(out, int(start))
+    model = GroupModel(cfg, replay=True)
+    step = _load_start(model, found) if found is not None else 0
     for row in committed:
         if row["step"] != step + 1:
             raise CheckpointError(f"membership log: committed step {row['step']} follows step {step}")
@@ -72,15 +73,21 @@ def replay_rounds(cfg: Config, rows: list[dict], out: Path | None = None) -> dic
     return model.trainer.full_state()
 
 
-def _load_start(model: GroupModel, out: Path | None, step: int) -> int:
-    """Read the checkpoint the run started from (step `step`) into the replay's engine; the step."""
-    from scaletrain.train import resume
+def _start_checkpoint(out: Path | None, step: int) -> Path:
+    """The checkpoint of step `step` the run started from, in `out/checkpoints` (CheckpointError if it is gone)."""
     from scaletrain.train.checkpoint_dirs import step_dir
 
     found = step_dir(out / "checkpoints", step) if out is not None else None
     if found is None or not (found / ckpt.COMPLETE).exists():
         raise CheckpointError(f"membership log: the run started from the checkpoint of step {step}, which is not "
                               f"in {out}/checkpoints (keep it, train.keep_checkpoints, to replay the run)")
+    return found
+
+
+def _load_start(model: GroupModel, found: Path) -> int:
+    """Read the checkpoint the run started from into the replay's engine (any layout's); its step."""
+    from scaletrain.train import resume
+
     t = model.trainer
     resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
     return int(ckpt.read_meta(found)["step"])

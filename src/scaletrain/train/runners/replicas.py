@@ -23,6 +23,14 @@ the parameters, its optimizer state) from rank I of the source group, and the gr
 The replay recomputes a group's gradient as its engine does: per micro-batch, the two ranks' gradients added (a sum
 of two is the same in either order), accumulated over the micro-batches.
 
+Groups of two tensor-parallel ranks (parallel.tp = 2, parallel.dp = replicas): both ranks read the group's rows;
+rank I of every member adds its own tp slice's gradients (and its copy of the replicated parameters') in member
+order over local rank I's cross-group group, each group clips by the whole model's norm (the engine's clip, reduced
+over its tp ranks), and a restarted group heals rank by rank (rank I receives rank I's training state: its slice).
+The replay computes each group's gradient at whole width: equal to the run within docs/verify.md's fp64 bound.
+A run may start from a checkpoint of another layout (`--reshard`): every rank reads it through train/resume.py, and
+the replay starts from the same checkpoint (train/replica_replay.py).
+
 Checkpoints (train.checkpoint_every, and the last step): the committed state is the same in every member after a
 round, so the lowest-numbered member of the step's quorum writes it alone, through train/checkpoint.py (the plain
 portable format, COMPLETE marker, in the background with train.checkpoint_async), as the checkpoint of the whole run
