@@ -58,13 +58,11 @@ def test_tp_groups_start_from_a_dp1_checkpoint_a_killed_group_heals_and_the_run_
     assert _max_diff(finals["final-group0"], finals["final-group1"]) == 0.0  # the healed group is bit-equal
     # the clip was active (grad_clip 0.5): a norm left unreduced over tp would change the run
     norms = [json.loads(x)["grad_norm"] for x in (out / "replicas" / "group1.jsonl").read_text().splitlines()]
-    print(f"gradient norms {min(norms):.3g} .. {max(norms):.3g}")
     assert max(norms) > run["train.grad_clip"]
     # steps 3-4 had both groups: the step-4 checkpoint (written by the lowest member's 2 tp ranks, a plain one) is
     # the single-process run continued from step 2 (fp64 bound of docs/verify.md)
     four = ckpt.read_tensors(ckpt.checkpoint_dirs.step_dir(out / "checkpoints", 4))
     _, ref = train_reference({**MODEL, "train.steps": 4})
-    print(f"step 4 vs one process: largest parameter difference {_max_diff({k: ref[k] for k in four}, four):.3g}")
     assert _within(ref, four)
     last = ckpt.read_tensors(ckpt.latest(out / "checkpoints"))
     assert all(torch.equal(last[k], finals["final-group0"][k]) for k in last)
@@ -72,7 +70,9 @@ def test_tp_groups_start_from_a_dp1_checkpoint_a_killed_group_heals_and_the_run_
     capsys.readouterr()
     assert main(["replay", "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    print(f"replay vs run: largest parameter difference {max(summary['max_abs_diff'].values()):.3g}")
+    print(f"gradient norms {min(norms):.3g} .. {max(norms):.3g}; step 4 vs one process: largest parameter "
+          f"difference {_max_diff({k: ref[k] for k in four}, four):.3g}; replay vs run: "
+          f"{max(summary['max_abs_diff'].values()):.3g}")
     assert summary["pass"] and summary["heals"][0]["group"] == 0
 
 
