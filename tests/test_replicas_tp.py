@@ -37,7 +37,8 @@ def test_tp_groups_start_from_a_dp1_checkpoint_a_killed_group_heals_and_the_run_
     p = _train(out, run, "kill:0:5,corrupt:1:0", "--restarts", "1", "--reshard", pace=3.0)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = load_log(out)
-    assert rows[0]["resumed_from"] == 2  # the log records the start: the checkpoint of step 2
+    assert rows[0]["resumed_from"] == 2  # the log records the start: the checkpoint of step 2, of one process
+    assert rows[0]["checkpoint"] == "step_00000002" and rows[0]["from_layout"].endswith("(1 process)")
     start = [json.loads(x) for x in (out / "resumes.jsonl").read_text().splitlines()][-1]
     assert start["from_step"] == 2 and start["layout"]["to"] != start["layout"]["from"]
     committed = [r for r in rows if r["committed"]]

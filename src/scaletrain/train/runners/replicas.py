@@ -212,6 +212,8 @@ class ReplicaRunner:
                 extra["layout"] = {"from": meta["layout"], "to": resume.describe_layout(self.cfg.to_dict(),
                                                                                         self.cfg.world_size)}
             resume.record_resume(self.out, self.step, diffs, checkpoint=found.name, **extra)
+            start = {"checkpoint": found.name, **({"from_layout": extra["layout"]["from"]} if extra else {})}
+            self.client.store.set("start", json.dumps(start))  # the lighthouse's first row records it
             resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
 
     def _save(self, q: Quorum) -> None:
