@@ -259,3 +259,26 @@ def test_every_engine_optimizer_implements_the_protocol():
         assert EngineOptimizer in cls.__mro__, cls  # subclasses the protocol: its defaults apply
         missing = [m for m in required if getattr(cls, m) is getattr(EngineOptimizer, m)]
         assert not missing, (cls.__name__, missing)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_gradients_of_interleaved_weight_passes_are_summed_in_fp32_not_in_fp16(stage):
+    """ZB-V's order: a weight-gradient pass of micro-batch 1 can come before its bucket was reduced for micro-batch 0
+    (the bucket's other parameters belong to the other chunk). Each gradient (40000, finite in fp16) must reach the
+    fp32 accumulator on its own: added in the fp16 .grad first, 40000 + 40000 overflows to inf."""
+    from scaletrain.parallel.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).half()
+    opt = ZeroOptimizer(model, stage, None, lr=1e-3)
+    opt.begin_step()
+    x = torch.ones(1, 4, dtype=torch.float16)
+    losses = [(model(x) * 40000.0).sum() for _ in range(2)]
+    passes = [(0, model.weight), (1, model.weight), (0, model.bias), (1, model.bias)]
+    for i, (mb, p) in enumerate(passes):  # the executor: begin_micro before every weight pass
+        opt.begin_micro(i, len(passes))
+        torch.autograd.backward(losses[mb], inputs=[p], retain_graph=True)
+    opt.finish_backward()
+    got = torch.cat([g.shard_grad for g in opt.groups])
+    assert got.dtype == torch.float32
+    assert got.tolist() == [80000.0] * 5, got  # weight (4) and bias (1)

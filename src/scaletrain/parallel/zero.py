@@ -96,6 +96,7 @@ class FlatGroup:
     piece_params: list[nn.Parameter] = field(default_factory=list)  # optimizer views of the pieces
     ready: int = 0
     pending: Any = None  # stage 3 all-gather in flight: (work, source)
+    waiting: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)  # stages 2-3: .grad taken, unreduced
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.rank * self.shard: (self.rank + 1) * self.shard]
@@ -403,6 +404,12 @@ class ZeroOptimizer(EngineOptimizer):
             off = self._offset_of[id(p)]
             g.grad_full[off: off + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None
+        if self.stage >= 2:
+            # taken now, not at the bucket's reduce: a pipeline whose weight passes interleave (ZB-V) can hand over the
+            # next micro-batch's gradient first, and autograd would add the two in the parameters' precision (fp16
+            # overflowing where the fp32 sum does not); _reduce adds them in grad_dtype
+            g.waiting.append((p, p.grad))
+            p.grad = None
         if not self.sync:
             return
         g.ready += 1
@@ -429,9 +436,14 @@ class ZeroOptimizer(EngineOptimizer):
             flat = g.grad_full
         else:
             flat = self._buffer(g.full.numel(), zero=True)
+            if g.waiting:
+                offset = {id(p): off for p, off in zip(g.params, g.offsets)}
+                for p, grad in g.waiting:
+                    flat[offset[id(p)]: offset[id(p)] + p.numel()].add_(grad.reshape(-1))
+                g.waiting.clear()
             for p, off in zip(g.params, g.offsets):
-                if p.grad is not None:
-                    flat[off: off + p.numel()].copy_(p.grad.reshape(-1))
+                if p.grad is not None:  # set by other code than autograd since the hook took the last one
+                    flat[off: off + p.numel()].add_(p.grad.reshape(-1))
                 p.grad = None  # a rank never keeps the full gradient after its bucket is reduced
             if self.stage == 3 and not self.gather_per_step:
                 self._release(g)
@@ -461,7 +473,7 @@ class ZeroOptimizer(EngineOptimizer):
     def finish_backward(self) -> None:
         if self.sync:
             for g in self.groups:  # parameters that got no gradient this step
-                if g.ready < len(g.params):
+                if g.ready < len(g.params) or g.waiting:
                     self._reduce(g)
         while self.in_flight:
             self._complete_oldest()
