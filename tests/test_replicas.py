@@ -135,11 +135,18 @@ def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
 @pytest.mark.parametrize("sets, message", [
     ({"parallel.dp": 4, "parallel.replicas": 3}, "parallel.replicas (3) must divide parallel.dp (4)"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.sync": "ps"}, "is for parallel.sync=bsp"),
-    ({"parallel.dp": 4, "parallel.replicas": 2}, "needs groups of 2 ranks with parallel.zero=2"),
+    ({"parallel.dp": 4, "parallel.replicas": 2}, "with 2 data-parallel ranks per group needs parallel.zero=2"),
+    ({"parallel.dp": 4, "parallel.replicas": 2, "parallel.zero": 3}, "ZeRO-3 inside a group is not built"),
     ({"parallel.dp": 6, "parallel.replicas": 2, "parallel.zero": 2, "train.global_batch": 12},
      "with 3 processes per group (dp=6) needs groups of 2 ranks"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.zero": 2}, "one process per group has nothing to shard"),
-    ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.tp": 2}, "a replica group is data-parallel only"),
+    ({"parallel.dp": 4, "parallel.replicas": 2, "parallel.tp": 2, "parallel.zero": 2},
+     "a replica group is data-parallel only"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.pp": 2}, "a replica group is data-parallel only"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.tp": 2, "parallel.sequence_parallel": True},
+     "with tp=2 groups needs parallel.zero=0, parallel.sequence_parallel=false"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.tp": 2, "train.dtype": "bf16"},
+     "with 2 processes per group needs train.dtype fp32/fp64 and optim.name=adamw"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "model.dropout": 0.1}, "does not support train.dtype=fp16, MoE or "
                                                                        "dropout"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "train.profile_steps": "2:3"}, "writes no TensorBoard events or "

@@ -121,9 +121,9 @@ def test_whole_job_kill_resumes_from_the_newest_checkpoint_and_equals_the_uninte
     assert _max_diff(replay_rounds(load_config(out / "config.yaml"), rows), finals["final-group0"]) <= TOLERANCE
     assert _ckpt_diff(ckpt.latest(out / "checkpoints"), ref) <= EQUAL  # the final checkpoint
 
-    # another number of groups is another layout: refused in one line, and --reshard into replica groups too
+    # another number of groups is another layout: refused in one line, and --reshard of a replica run's own folder too
     four = {**RUN, "parallel.dp": 4, "parallel.replicas": 4}
-    for extra, message in (([], "add --reshard"), (["--reshard"], "resumes only its own layout")):
+    for extra, message in (([], "add --reshard"), (["--reshard"], "a replica run's own folder is resumed without it")):
         assert main(["train", "--out", str(out), *_sets(four), *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1

@@ -267,7 +267,7 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
         p = cfg.parallel
         code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s,
-                               ranks=p.dp // p.replicas)
+                               ranks=cfg.world_size // p.replicas)
         if cfg.train.report:  # the groups train without an output folder: the launcher writes the report
             from scaletrain.report.observers import safely
             from scaletrain.report.run_page import write_report
@@ -299,12 +299,16 @@ def complete_step(out: Path, cfg: Config) -> int | None:
 
 def check_replica_run(args, out: Path) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
-    if args.rdzv_endpoint or args.nnodes != 1 or args.reshard or args.init_from is not None:
-        raise UserError("parallel.replicas > 1 runs on one machine and resumes only its own layout: --nnodes/"
-                        "--rdzv-endpoint, --reshard and --init-from are not supported with it (`scaletrain replay` "
-                        "recomputes a replica run from step 0 out of its membership log: a start from another run's "
-                        "state has no log to replay)")
+    if args.rdzv_endpoint or args.nnodes != 1 or args.init_from is not None:
+        raise UserError("parallel.replicas > 1 runs on one machine and starts from its own or a --reshard checkpoint: "
+                        "--nnodes/--rdzv-endpoint and --init-from are not supported with it (`scaletrain replay` "
+                        "starts from step 0 or a checkpoint in --out: Hugging Face weights are neither)")
     from scaletrain.train.checkpoint_dirs import latest
+
+    if args.reshard and (out / "membership.jsonl").exists():
+        raise UserError(f"{out} holds a replica run (membership.jsonl): --reshard starts replica groups from a "
+                        "checkpoint of another layout's run, and a replica run's own folder is resumed without it "
+                        "(its replay would span two layouts)")
 
     if (out / "membership.jsonl").exists() and latest(out / "checkpoints") is None:
         raise UserError(f"{out} holds a replica run (membership.jsonl) without a complete checkpoint to resume from "

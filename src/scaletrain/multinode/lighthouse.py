@@ -11,8 +11,10 @@ when every rank of every member reported ok; a heal's row sums the bytes and res
 takes the slowest rank's seconds. The membership log `OUT/membership.jsonl` has one line per round:
 round, step, members, behind (healed), each heal's seconds, bytes and resent chunks, dropped groups,
 committed, and on the first row of a launch that resumed from a checkpoint `resumed_from` (its step; the rows of
-later steps before it were recomputed, multinode/replicas.py `effective_rows`). `scaletrain replay --out OUT`
-recomputes the committed rounds in one process (train/replica_replay.py).
+later steps before it were recomputed, multinode/replicas.py `effective_rows`), `checkpoint` (its folder, as group
+0 put it in the store under `start`) and, for a `--reshard` start from another layout, `from_layout`. `scaletrain
+replay --out OUT` recomputes the committed rounds in one process (train/replica_replay.py), from that checkpoint
+when the log has no rounds before it.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class Lighthouse:
                        "dropped": dropped, "committed": ok, "time": t0}
                 if r == 0 and step > 1:  # every group loaded the checkpoint of step - 1: a whole-job resume
                     row["resumed_from"] = step - 1
+                    if self.store.check(["start"]):  # its folder name, and the layout it was written with
+                        row.update(json.loads(self.store.get("start")))
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if ok:

@@ -219,11 +219,14 @@ def _tp_cp_choices(m: ModelSpec, gpu: GPU, n_gpus: int, fixed: dict) -> list[tup
 
 def _partitions(m: ModelSpec, fixed: dict, n_stages: int, grid_mode: bool, balance: bool = True) -> list[str]:
     """The partitions to try for `n_stages` stages: `uniform` when the layers divide; `ends` when layers + 2 divide
-    (Megatron's stages that count the embedding and the loss as a layer; also tried beside `uniform`); otherwise
+    (Megatron's stages that count the embedding and the loss as a layer; also tried beside `uniform`; with layers + 2
+    stages, Llama 3's one-block chunks whose end ones hold only the embedding and the head); otherwise
     `params` (PipeDream's balance over parameter counts, the engine's) when `balance`."""
     if "partition" in fixed:
         return [fixed["partition"]]
     L = m.n_layers
+    if L + 2 == n_stages and not grid_mode:  # one-block chunks, the end ones only the embedding and the head (Llama 3)
+        return ["ends"]
     if L < n_stages or (grid_mode and L % n_stages):
         return []
     if grid_mode or n_stages == 1:

@@ -49,8 +49,8 @@ def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
 
 @rule("combinations")
 def replicas(cfg: Config, world_size: int | None) -> list[str]:
-    """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, or of two ranks
-    with ZeRO-2 inside the group."""
+    """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, of two
+    data-parallel ranks with ZeRO-2 inside the group, or of two tensor-parallel ranks."""
     p, t = cfg.parallel, cfg.train
     if p.replicas == 1:
         return []
@@ -59,20 +59,33 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     if p.dp % p.replicas:
         return [f"parallel.replicas ({p.replicas}) must divide parallel.dp ({p.dp})"]
     errors = []
-    ranks = p.dp // p.replicas
-    if p.tp > 1 or p.pp > 1 or p.ep > 1 or p.cp > 1:
-        errors.append(f"parallel.replicas ({p.replicas}): a replica group is data-parallel only (got tp={p.tp}, "
-                      f"pp={p.pp}, ep={p.ep}, cp={p.cp}): the replay recomputes a group's intra-group sums, which for "
-                      "tp/pp/ep/cp are partial sums of split matmuls; use groups of 2 ranks with parallel.zero=2")
-    elif ranks == 1 and p.zero:
+    dps = p.dp // p.replicas  # data-parallel ranks per group; a group's processes: dps x tp
+    if p.pp > 1 or p.ep > 1 or p.cp > 1 or p.tp > 2 or (p.tp > 1 and dps > 1):
+        errors.append(f"parallel.replicas ({p.replicas}): a replica group is data-parallel only (one process or 2 "
+                      f"ranks with ZeRO-2) or 2 tensor-parallel ranks (got dp/replicas={dps}, tp={p.tp}, pp={p.pp}, "
+                      f"ep={p.ep}, cp={p.cp}): pipeline, expert and context parallelism and groups of more than 2 "
+                      "processes are not built inside a group")
+    elif p.tp > 1 and (p.zero or p.sequence_parallel or p.tp_mode != "1d"):
+        errors.append(f"parallel.replicas ({p.replicas}) with tp={p.tp} groups needs parallel.zero=0, "
+                      f"parallel.sequence_parallel=false and parallel.tp_mode=1d (got zero={p.zero}, "
+                      f"sequence_parallel={str(p.sequence_parallel).lower()}, tp_mode={p.tp_mode}): only plain "
+                      "Megatron tensor parallelism is built inside a group")
+    elif dps * p.tp == 1 and p.zero:
         errors.append(f"parallel.replicas ({p.replicas}) = parallel.dp: one process per group has nothing to shard "
-                      f"(got zero={p.zero}); for ZeRO-2 groups set parallel.dp = 2 x replicas")
-    elif ranks > 1 and (ranks != 2 or p.zero != 2 or t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
-        errors.append(f"parallel.replicas ({p.replicas}) with {ranks} processes per group (dp={p.dp}) needs "
-                      f"groups of 2 ranks with parallel.zero=2, train.dtype fp32/fp64 and optim.name=adamw (got "
-                      f"zero={p.zero}, dtype={t.dtype}, optim={cfg.optim.name}): a sum of 2 shards is the same in "
-                      "either order, so the replay recomputes ZeRO-2's per-micro-batch reduce-scatter exactly; "
-                      "plain dp, ZeRO-1/3 and larger groups are not built")
+                      f"(got zero={p.zero}); for ZeRO groups set parallel.dp = 2 x replicas")
+    elif dps > 2:
+        errors.append(f"parallel.replicas ({p.replicas}) with {dps} processes per group (dp={p.dp}) needs groups of "
+                      "2 ranks: larger groups are not built (the replay would need the ring order of gloo's "
+                      "reduce-scatter)")
+    elif dps == 2 and p.zero != 2:
+        errors.append(f"parallel.replicas ({p.replicas}) with 2 data-parallel ranks per group needs parallel.zero=2 "
+                      f"(got zero={p.zero}): ZeRO-3 inside a group is not built (its parameters live as shards "
+                      "re-gathered per unit), plain dp and ZeRO-1 groups run and replay but have no test in the suite "
+                      "yet (docs/fault_tolerance.md)")
+    if dps * p.tp > 1 and (t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
+        errors.append(f"parallel.replicas ({p.replicas}) with {dps * p.tp} processes per group needs train.dtype "
+                      f"fp32/fp64 and optim.name=adamw (got dtype={t.dtype}, optim={cfg.optim.name}): the heal of a "
+                      "group's rank sends AdamW state and no loss scaler")
     if p.sync != "bsp":
         errors.append(f"parallel.replicas > 1 is for parallel.sync=bsp (got {p.sync!r}): the asynchronous modes "
                       "supervise their own workers")

@@ -27,7 +27,7 @@ def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: b
     if cfg.parallel.replicas > 1:  # one fault-tolerant replica group (train/runners/replicas.py)
         from scaletrain.train.runners.replicas import ReplicaRunner
 
-        return ReplicaRunner(cfg, out)
+        return ReplicaRunner(cfg, out, reshard=reshard)
     if sync != "bsp":
         refuse_reshard(cfg, reshard, init_from)
     if sync == "ps":

@@ -176,8 +176,11 @@ def estimate(m: ModelSpec, gpu: GPU, train: Training, lay: Layout, a: Assumption
         ranks = rank_params(m, lay, st)
     memory = rank_memory(m, train, lay, a, ranks, rank_activation_bytes(m, train, lay, mbs, st), mbs,
                          [g.rank for g in st.groups] if lay.tp_mode == "1d" else None)
-    est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks,
-                   notes=layout_notes(train, lay, gpu))
+    notes = layout_notes(train, lay, gpu)
+    if min(st.blocks) == 0:
+        notes += ("the first and the last pipeline chunk hold only the embedding and only the head (Llama 3's split);"
+                  " scaletrain's engine (parallel.partition=ends) needs a block on every stage",)
+    est = Estimate(lay, mbs, memory, gpu.memory_bytes, stage_blocks=st.blocks, notes=notes)
     if memory_only:
         return est
     k, _ = optimizer_bytes(m, train)

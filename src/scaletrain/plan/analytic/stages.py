@@ -48,14 +48,30 @@ def check_partition(spec: str, n_layers: int, n_stages: int) -> None:
     if spec == "uniform" and n_layers % n_stages:
         raise UserError(f"layers ({n_layers}) is not divisible by pp x virtual_stages = {n_stages} (partition=uniform;"
                         " ends, params, time or block counts split them unevenly)")
+    if spec == "ends":
+        ends_blocks(n_layers, n_stages)
+        return
     if n_layers < n_stages:
         raise UserError(f"layers ({n_layers}) is fewer than pp x virtual_stages = {n_stages} stages")
-    if spec == "ends":
-        try:
-            balance.ends(n_layers, n_stages)
-        except ConfigError as e:
+
+
+def ends_blocks(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """Blocks per stage under `ends`: the engine's split (`balance.ends`: the embedding and the head count as one block
+    each) and, where that leaves the first or the last stage without a block, the same split with those stages
+    holding only the embedding or only the head - the Llama 3 405B layout (arXiv 2407.21783 Sec. 3.3.2: "the first
+    model chunk on the first stage has only the embedding, and the last model chunk on the last stage has only output
+    projection and loss calculation", 126 blocks on 16 x 8 chunks). The engine's parallel.partition=ends refuses
+    such stages; the planner prices them (a layout of Megatron-core or of Meta's own pipeline)."""
+    try:
+        return balance.ends(n_layers, n_stages).blocks
+    except ConfigError as e:
+        units = list(balance.uniform(n_layers + 2, n_stages).blocks) if n_layers + 2 >= n_stages else [0]
+        units[0] -= 1
+        units[-1] -= 1
+        if n_stages < 3 or min(units) < 0 or min(units[1:-1]) < 1:
             raise UserError(str(e).replace("parallel.partition=", "partition=").replace("model.n_layers", "layers")) \
                 from None
+        return tuple(units)
 
 
 def is_moe_block(m: ModelSpec, i: int) -> bool:
@@ -71,7 +87,7 @@ def split(m: ModelSpec, spec: str, n_stages: int, time_costs: balance.LayerCosts
     if spec == "uniform":
         return (L // n_stages,) * n_stages
     if spec == "ends":
-        return balance.ends(L, n_stages).blocks
+        return ends_blocks(L, n_stages)
     if spec == "params":
         return balance.balance(param_costs(m), n_stages).blocks
     if spec == "time":

@@ -23,6 +23,14 @@ the parameters, its optimizer state) from rank I of the source group, and the gr
 The replay recomputes a group's gradient as its engine does: per micro-batch, the two ranks' gradients added (a sum
 of two is the same in either order), accumulated over the micro-batches.
 
+Groups of two tensor-parallel ranks (parallel.tp = 2, parallel.dp = replicas): both ranks read the group's rows;
+rank I of every member adds its own tp slice's gradients (and its copy of the replicated parameters') in member
+order over local rank I's cross-group group, each group clips by the whole model's norm (the engine's clip, reduced
+over its tp ranks), and a restarted group heals rank by rank (rank I receives rank I's training state: its slice).
+The replay computes each group's gradient at whole width: equal to the run within docs/verify.md's fp64 bound.
+A run may start from a checkpoint of another layout (`--reshard`): every rank reads it through train/resume.py, and
+the replay starts from the same checkpoint (train/replica_replay.py).
+
 Checkpoints (train.checkpoint_every, and the last step): the committed state is the same in every member after a
 round, so the lowest-numbered member of the step's quorum writes it alone, through train/checkpoint.py (the plain
 portable format, COMPLETE marker, in the background with train.checkpoint_async), as the checkpoint of the whole run
@@ -64,16 +72,23 @@ a tiny model's group finds the run still going)."""
 
 
 def ranks_per_group(cfg: Config) -> int:
+    """Processes per replica group: its data-parallel ranks times its tensor-parallel ranks."""
+    return cfg.world_size // cfg.parallel.replicas
+
+
+def dp_per_group(cfg: Config) -> int:
+    """Data-parallel ranks per replica group (each reads its own rows of the group's share of the batch)."""
     return cfg.parallel.dp // cfg.parallel.replicas
 
 
 def group_config(cfg: Config, replay: bool = False) -> Config:
-    """The config one group's trainer runs: its share of the data-parallel dimension, no replicas (`replay`: the
-    one process of `scaletrain replay`, which computes every rank's gradient itself)."""
+    """The config one group's trainer runs: its share of the data-parallel dimension, its tensor parallelism, no
+    replicas (`replay`: the one process of `scaletrain replay`, which computes every rank's gradient itself, at
+    whole width)."""
     p = cfg.parallel
     if replay:
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, replicas=1, zero=0))
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=ranks_per_group(cfg), replicas=1))
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, replicas=1, zero=0))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp_per_group(cfg), replicas=1))
 
 
 def _grads(opt) -> list[torch.Tensor]:
@@ -86,15 +101,18 @@ class GroupModel:
     gradient of one step. Shared by the runner and the replay (`replay`: one process computing whole groups)."""
 
     def __init__(self, cfg: Config, replay: bool = False):
-        self.cfg, self.ranks = cfg, ranks_per_group(cfg)
+        self.cfg, self.ranks, self.dps = cfg, ranks_per_group(cfg), dp_per_group(cfg)
         self.trainer = Trainer(group_config(cfg, replay), None, None)
-        self.opt = self.trainer.engine.optimizer  # replicated (one process per group, the replay) or ZeRO-2
+        self.opt = self.trainer.engine.optimizer  # replicated (dp, tp, the replay) or ZeRO-1/2 over the group's dp
         self.tokens = cfg.tokens_per_step // cfg.parallel.replicas  # one group's tokens of a step
         self.local_rank = dist.get_rank() if not replay and self.ranks > 1 else 0
+        self.dp_rank = self.trainer.dp_rank  # the rows it reads: tp ranks of one dp rank read the same ones
 
     def _micro(self, step: int, group: int, rank: int):
-        t, n = self.trainer, self.cfg.parallel.replicas * self.ranks
-        return t.loader.micro_batches(step, group * self.ranks + rank, n, self.cfg.train.micro_batch, device=t.device)
+        """Data-parallel rank `rank` of group `group`'s micro-batches: those of rank group x dps + rank of dp."""
+        t = self.trainer
+        return t.loader.micro_batches(step, group * self.dps + rank, self.cfg.parallel.dp, self.cfg.train.micro_batch,
+                                      device=t.device)
 
     def _flat(self, loss: torch.Tensor) -> torch.Tensor:
         grads = _grads(self.opt)
@@ -105,23 +123,30 @@ class GroupModel:
     def local_grad(self, step: int, group: int) -> torch.Tensor:
         """This rank's part of its group's gradient of the mean token loss over the group's rows, flattened, with
         this rank's part of that loss appended: the whole gradient (a group of one process) or its ZeRO shard."""
+        return self._rank_grad(step, group, self.dp_rank)
+
+    def _rank_grad(self, step: int, group: int, rank: int) -> torch.Tensor:
         t = self.trainer
         with t.own_rng():
-            loss = t.engine.forward_backward(self._micro(step, group, self.local_rank), 1.0 / self.tokens)
+            loss = t.engine.forward_backward(self._micro(step, group, rank), 1.0 / self.tokens)
         return self._flat(loss)
 
     def group_grad(self, step: int, group: int) -> torch.Tensor:
-        """The replay: group `group`'s whole gradient (and loss) as its engine computes it. One process: its
-        local_grad. Two (ZeRO-2): per micro-batch the ranks' gradients added in rank order (the reduce-scatter),
-        accumulated over the micro-batches into a zero buffer (the shard accumulator)."""
-        if self.ranks == 1:
+        """The replay: group `group`'s whole gradient (and loss) as its engine computes it. One data-parallel rank
+        (one process, or tp ranks: their slices at whole width): its local_grad. Two with ZeRO-2: per micro-batch
+        the ranks' gradients added in rank order (the reduce-scatter), accumulated over the micro-batches into a
+        zero buffer (the shard accumulator). Two with plain dp or ZeRO-1: each rank's gradient accumulated over
+        its micro-batches, then the ranks' added in rank order (the one reduction after the last micro-batch)."""
+        if self.dps == 1:
             return self.local_grad(step, group)
+        if self.cfg.parallel.zero != 2:
+            return ordered_sum([self._rank_grad(step, group, i) for i in range(self.dps)])
         t = self.trainer
-        micro = [self._micro(step, group, i) for i in range(self.ranks)]
+        micro = [self._micro(step, group, i) for i in range(self.dps)]
         total = None
         for m in range(len(micro[0])):
             parts = []
-            for i in range(self.ranks):
+            for i in range(self.dps):
                 with t.own_rng():
                     parts.append(self._flat(t.engine.forward_backward([micro[i][m]], 1.0 / self.tokens)))
             reduced = ordered_sum(parts)
@@ -134,6 +159,9 @@ class GroupModel:
         for g in _grads(self.opt):
             g.copy_(mean[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
+        if not isinstance(self.opt, ZeroOptimizer):  # plain dp over several ranks drops .grad in zero_grad
+            for p, g in zip(self.opt.params, self.opt.grads):
+                p.grad = g
         norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
         self.opt.step(lr_at(step, self.cfg.train) * self.trainer.lr_scale)
         self.opt.zero_grad()
@@ -143,7 +171,7 @@ class GroupModel:
 class ReplicaRunner:
     """One replica group's process: the `make_trainer` interface (`step`, `n_params`, `run()`, `full_state()`)."""
 
-    def __init__(self, cfg: Config, out: Path | None):
+    def __init__(self, cfg: Config, out: Path | None, reshard: bool = False):
         self.cfg, self.out = cfg, out
         self.group = int(os.environ[REPLICA_ENV])
         self.model = GroupModel(cfg)
@@ -164,21 +192,28 @@ class ReplicaRunner:
             t = cfg.train  # the group's ranks write the checkpoint together (each its ZeRO shard)
             self.saver = ckpt.Saver(out / "checkpoints", self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
             if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restarted group heals instead
-                self._resume()
+                self._resume(reshard)
 
-    def _resume(self) -> None:
-        """A whole-job launch: load the newest complete checkpoint (any group's; they are one state)."""
+    def _resume(self, reshard: bool) -> None:
+        """A whole-job launch: load the newest complete checkpoint (any group's; they are one state), or with
+        `reshard` a checkpoint of another layout's run (train/resume.py reads it into this group's layout)."""
         assert self.out is not None
         found, _ = ckpt.usable_latest(self.out / "checkpoints")
         if found is None:
             return
         t = self.model.trainer
         meta = ckpt.read_meta(found)
-        diffs = resume.check_compatible(found, meta, self.cfg, self.cfg.world_size, reshard=False)
+        diffs = resume.check_compatible(found, meta, self.cfg, self.cfg.world_size, reshard=reshard)
         resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
         self.step = int(meta["step"])
         if self.group == 0 and self.rank == 0:  # resumes.jsonl: whole-job resumes only (heals: the membership log)
-            resume.record_resume(self.out, self.step, diffs, checkpoint=found.name)
+            extra = {}
+            if any(resume.kind(k) == "layout" for k in diffs) or meta["world_size"] != self.cfg.world_size:
+                extra["layout"] = {"from": meta["layout"], "to": resume.describe_layout(self.cfg.to_dict(),
+                                                                                        self.cfg.world_size)}
+            resume.record_resume(self.out, self.step, diffs, checkpoint=found.name, **extra)
+            start = {"checkpoint": found.name, **({"from_layout": extra["layout"]["from"]} if extra else {})}
+            self.client.store.set("start", json.dumps(start))  # the lighthouse's first row records it
             resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
 
     def _save(self, q: Quorum) -> None:
@@ -281,8 +316,8 @@ class ReplicaRunner:
                 mean = total / len(q.members)
                 norm = self.model.apply(q.step, mean)
                 loss = mean[-1].clone()
-                if self.model.ranks > 1:  # the group's loss: its ranks' parts
-                    dist.all_reduce(loss)
+                if self.model.dps > 1:  # the group's loss: its data-parallel ranks' parts (tp ranks: the whole)
+                    dist.all_reduce(loss, group=self.model.trainer.dp_group)
                 if len(q.members) < self.cfg.parallel.replicas:
                     time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
                 self.step = q.step
@@ -307,9 +342,12 @@ class ReplicaRunner:
         if self.saver is not None:
             self.saver.wait()
         result.final_step = self.step
-        if self.out is not None and self.step >= self.cfg.train.steps and self.rank == 0:
+        if self.out is not None and self.step >= self.cfg.train.steps:
+            params = self.full_state()  # every rank: tp slices are gathered
+            if self.rank != 0:
+                return result
             path = self.out / "replicas" / f"final-group{self.group}.pt"
-            torch.save({"step": self.step, "params": self.full_state(), "threads": torch.get_num_threads()},
+            torch.save({"step": self.step, "params": params, "threads": torch.get_num_threads()},
                        path.with_suffix(".part"))
             os.replace(path.with_suffix(".part"), path)  # whole or absent: the launcher stops groups once it sees it
         return result
