@@ -51,7 +51,7 @@ def _set_scale(scale: float, f: float = 1.0):
 @pytest.fixture(scope="module")
 def threshold() -> float:
     """One process's overflow threshold at step 1: the smallest loss scale whose first step overflows, to a relative
-    δ/16 (bisection on log scale; probes are forced skips, so the state never changes)."""
+    δ/8 (bisection on log scale; probes are forced skips, so the state never changes)."""
     from scaletrain.config import validate
     from scaletrain.train.trainer import Trainer
     from scaletrain.verify.layouts import reference_config
@@ -70,7 +70,7 @@ def threshold() -> float:
         lo, hi = lo / 16, lo
     while not overflows(hi):
         lo, hi = hi, hi * 16
-    while hi / lo > 1 + DELTA / 16:
+    while hi / lo > 1 + DELTA / 8:
         mid = (lo * hi) ** 0.5
         lo, hi = (lo, mid) if overflows(mid) else (mid, hi)
     t.mesh.close()

@@ -189,7 +189,7 @@ def reference(layout: Layout, root: str | Path, got: Run, dtype: str | None = No
                 theirs[name][part] = mine[name][part].to(torch.float64)
         diff = _diff(lay, row, theirs, {n: mine[n].to(torch.float64) for n in theirs}, before, dtype)
         steps[k] = StepDiff(diff.loss, diff.grad_norm, diff.params, (diff.skipped[0], own), forced, gross)
-        if gross and not diff.skipped[0]:  # the layout stepped where one process cannot: its next state is not ours
+        if gross:  # not the same run from here on (and where the layout stepped, its next state is not ours)
             break
     routing = (tape.differ, tape.total) if tape is not None else None
     return Stepwise(steps, routing)
