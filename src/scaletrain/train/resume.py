@@ -101,8 +101,14 @@ def load_engine(engine, directory: Path, streams: dict[str, dict[str, Any]] | No
     checkpoint has); returns the streams it did not have. No collectives: each rank reads what it holds."""
     index = ckpt_index.read_index(directory)
     available = set(index["tensors"])
-    st.prepare_load(engine)
+    # No optimizer state at all: the run never stepped (fp16 skipped every step so far for overflow), so the
+    # optimizer's lazily made state does not exist yet either; it is made by the first step that is taken.
+    stepped = any(k.startswith("optim/") for k in available)
+    if stepped:
+        st.prepare_load(engine)
     entries = {**st.engine_entries(engine, stale=False, load=True), **st.stale_entries_for_load(engine, available)}
+    if not stepped:
+        entries = {k: e for k, e in entries.items() if not k.startswith("optim/")}
     missing = []
     for name, state in (streams or {}).items():
         got = {k: e for k, e in st.rng_entries({name: state}).items() if k in available}

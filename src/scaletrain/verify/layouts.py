@@ -56,7 +56,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {  # the first value of each is the def
     "ep": (1, 2),
     "zero": (0, 1, 2, 3),
     "offload": ("none", "optimizer", "params", "nvme"),
-    "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw", "zb-v:2"),
+    "schedule": ("1f1b", "gpipe", "interleaved:2", "interleaved:3", "zb-h1", "2bw", "zb-v:2", "dualpipev:2"),
     "sequence_parallel": (False, True),
     "recompute": ("none", "full", "attn-core", "every:2", "nth:2", "ops:matmul"),
     "partition_checkpoints": (False, True),

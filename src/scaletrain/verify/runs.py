@@ -45,10 +45,15 @@ class Outcome:
     routing: float = math.nan
     """Low-precision MoE layouts: the fraction of the layout's routing decisions that one process's own router
     would have taken otherwise (`verify/stepwise.py`)."""
+    forced: str = ""
+    """Low precision: the fp16 skip decisions one process took from the layout because its own differed within the
+    margin (`verify/stepwise.py`), with the step and the loss scale ("": none)."""
 
     @property
     def result(self) -> str:
-        return "PASS" if self.ok else ("ERROR " + self.error if self.error else "FAIL")
+        if self.ok:
+            return "PASS" + (f" (teacher-forced: {self.forced})" if self.forced else "")
+        return "ERROR " + self.error if self.error else "FAIL"
 
 
 def train(cfg, env=None, stale: bool = False, prepare: Callable | None = None) -> Run:

@@ -83,6 +83,15 @@ def stepwise_bound(dtype: str, compress: str = "none", precision: str = "dtype")
     return Tolerance(loss=LOSS_UNITS * u, grad_norm=GRAD_NORM_UNITS * u, params=2 * math.sqrt(FLIP_UNITS * u))
 
 
+def skip_margin(dtype: str, compress: str = "none", precision: str = "dtype") -> float:
+    """δ: how far (relative) the loss scale may move before a run's fp16 skip decision must agree with the other's.
+    The scaled gradients are linear in the loss scale, and one step of two runs differs in the gradient by the
+    step's gradient bound (`GRAD_NORM_UNITS` u); so a run whose largest fp16 value is within that bound of the
+    overflow threshold overflows when its scale is multiplied by 1 + δ, δ = `GRAD_NORM_UNITS` u. Set before
+    measuring."""
+    return stepwise_bound(dtype, compress, precision).grad_norm
+
+
 TOLERANCE = {dtype: stepwise_bound(dtype) for dtype in UNIT_ROUNDOFF}
 TOLERANCE["fp8"] = stepwise_bound("fp32", precision="fp8")  # train.precision=fp8 (fp32 or bf16 parameters: the same)
 
