@@ -87,7 +87,8 @@ def group_config(cfg: Config, replay: bool = False) -> Config:
     process of `scaletrain replay`, which computes every rank's gradient itself, at whole width, all stages)."""
     p = cfg.parallel
     if replay:
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, pp=1, replicas=1, zero=0))
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, pp=1, replicas=1, zero=0,
+                                                                     microbatches=0))
     # a pipeline's schedule runs the micro-batches of the group's rows (those of one dp rank of the whole run)
     micro = (p.microbatches or cfg.grad_accum) if p.pp > 1 else p.microbatches
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp_per_group(cfg), replicas=1,
