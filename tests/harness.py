@@ -17,6 +17,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -57,10 +58,51 @@ def _child(fn, rank, world, store_path, timeout, threads, args, q):
     q.put((rank, status, payload))
 
 
+# Modules whose functions a run must not leave replaced in a pooled rank (with every loaded scaletrain module): a
+# fake left behind (torch.cuda.is_available answering True, a recording dist.init_process_group bound to an old
+# run's store) would be what the next run in that process calls.
+_WATCHED = ("torch", "torch.cuda", "torch.distributed", "torch.distributed.distributed_c10d", "torch.nn.functional",
+            "torch.autograd")
+
+
+def _module_functions() -> dict[tuple[str, str], object]:
+    """{(module, name): object} of every function (not class: torch binds some classes lazily) of the watched and
+    the loaded scaletrain modules."""
+    names = [*_WATCHED, *(m for m in list(sys.modules) if m == "scaletrain" or m.startswith("scaletrain."))]
+    out = {}
+    for name in names:
+        mod = sys.modules.get(name)
+        for key, value in list(vars(mod).items()) if mod is not None else ():
+            if callable(value) and not isinstance(value, type):
+                out[(name, key)] = value
+    return out
+
+
+def _wraps(new: object, old: object) -> bool:
+    """Whether `new` is `old` or a functools.wraps wrapper of it (importing torch._dynamo wraps torch.manual_seed
+    once per process: the same function, not a fake)."""
+    for _ in range(8):
+        if new is old:
+            return True
+        new = getattr(new, "__wrapped__", None)
+        if new is None:
+            return False
+    return False
+
+
+def replaced_since(before: dict[tuple[str, str], object]) -> list[str]:
+    """The `module.name`s of `before` (`_module_functions`) now bound to another object."""
+    missing = object()
+    return sorted(f"{m}.{k}" for (m, k), v in before.items()
+                  if not _wraps(getattr(sys.modules.get(m), k, missing), v))
+
+
 def _pool_worker(rank, world, tasks, q):
     """A rank that stays alive between runs: each task brings the parent's environment and working directory
     (a test may have changed them since the pool started), runs like `_child` and restores torch's defaults
-    that a run may change, so the next run starts as a fresh process would (docstring of `run_ranks`)."""
+    that a run may change, so the next run starts as a fresh process would (docstring of `run_ranks`). A run that
+    leaves a function of torch or scaletrain replaced (a fake it installed) fails, naming it: the parent then
+    closes the pool, so no later run calls the fake."""
     while True:
         task = tasks.get()
         if task is None:
@@ -69,7 +111,13 @@ def _pool_worker(rank, world, tasks, q):
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        before = _module_functions()
         status, payload = _run_one(fn, rank, world, store_path, timeout, threads, args)
+        leaked = replaced_since(before)
+        if leaked and status == "ok":
+            status, payload = "error", (f"the run left {', '.join(leaked)} replaced in this reused rank: the next "
+                                        "run in this process would call the replacement; restore what the run "
+                                        "patches (or run it with fresh=True)")
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
         q.put((job, rank, status, payload))

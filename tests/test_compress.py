@@ -277,3 +277,93 @@ def test_int8_block_divides_every_width_tensor_parallelism_splits():
         assert 1 <= b <= 64 and (d // h) % b == 0
         assert all((d // tp) % b == 0 and (ff // tp) % b == 0 for tp in legal), (d, h, b)
     assert int8_block(ModelConfig(d_model=720, n_heads=12)) == 60  # not only powers of two
+
+
+def test_int8_router_losses_of_some_dispatch_groups_give_the_gradients_they_give_among_all():
+    """The two-level router's balancing losses (model/moe_gating.py) hold one number per dispatch group in
+    one-dimensional tensors (each group's CV² and mean²). A context- or sequence-parallel rank holds some of the
+    groups, one process all of them. Under the engine's int8 settings (block 8, every size, leaves) the gradients
+    of the first and of the last four of eight groups equal, bit for bit, those of the eight together: such a
+    tensor is kept, not scaled by the absmax of other groups' entries (issue 29: cp2 x int8 x hierarchical)."""
+    from scaletrain.model.moe_gating import hierarchical_importance_load_sum
+
+    g = torch.Generator().manual_seed(5)
+    G, S, a, b = 8, 8, 2, 2
+    gates = torch.rand(G, S, a, b, dtype=torch.float64, generator=g)
+    primary = torch.rand(G, S, a, dtype=torch.float64, generator=g)
+    secondary = torch.rand(G, S, a, b, dtype=torch.float64, generator=g)
+    chosen = torch.rand(G, S, a, generator=g) > 0.5
+
+    def grads(part: slice) -> list[torch.Tensor]:
+        leaves = [t[part].clone().requires_grad_() for t in (gates, primary, secondary)]
+        comp = ActivationCompressor("int8", min_numel=0, block=8, leaves=True)
+        with comp:
+            inputs = [t * 1.0 for t in leaves]  # activations (a grad_fn), as in the model
+            loss = hierarchical_importance_load_sum(*inputs[:3], chosen[part], 1.0, 0.5)
+        loss.backward()
+        assert comp.stats.by_kind["int8"].tensors > 0  # the router's other saved tensors are encoded
+        return [t.grad for t in leaves]
+
+    whole, first, last = grads(slice(None)), grads(slice(0, G // 2)), grads(slice(G // 2, G))
+    for w, f, la in zip(whole, first, last):
+        assert torch.equal(torch.cat([f, la]), w)
+
+
+
+def test_rope_returns_a_tensor_of_its_own_equal_bit_for_bit_to_the_stacked_rotation():
+    """Attention saves RoPE's q and k; int8 scales blocks along the last dimension of the stored tensor. As a view
+    of a (..., hs/2, 2) stack their blocks were pairs in one process and heads under Ulysses (the all-to-all's own
+    (..., hs) tensor). Now RoPE's output is its own (..., hs) tensor, with the stacked form's values and
+    gradients."""
+    from scaletrain.model.rope import apply_rope, rope_tables
+
+    cos, sin = (t.double() for t in rope_tables(16, 8))
+    qkv = torch.randn(2, 16, 3, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    outs, grads = [], []
+    for stacked in (True, False):
+        x = qkv.clone().requires_grad_()
+        q = x.permute(2, 0, 3, 1, 4)[0]  # (B, nh, T, hs), a strided view as in the model
+        if stacked:
+            x1, x2 = q[..., 0::2], q[..., 1::2]
+            y = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        else:
+            y = apply_rope(q, cos, sin)
+            assert y._base is None and y.is_contiguous() and y.shape == q.shape
+        (y * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
+        outs.append(y.detach())
+        grads.append(x.grad)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+
+
+# Issue 29's int8 layouts at two processes, fp64, against one process: every step's loss and every final parameter
+# within rtol 1e-9, atol 1e-12 (test_context_parallel.py's bounds, set before measuring). Measured: losses 1.7e-16
+# relative, parameters 6.1e-16 absolute apart at most.
+TWO_LEVEL = {"model.moe.experts": 4, "model.moe.group_tokens": 8, "model.moe.aux_loss": "importance",
+             "model.moe.router_noise": 0.5, "model.moe.groups": 2, "model.moe.top_k": 1}
+INT8_LAYOUTS = {
+    # the 8-process FAIL of docs/verify.md at cp 2 x pp 1: the router's per-group losses (one-dimensional) were
+    # scaled per shard (before: loss 2.5e-5, parameters 6e-3 apart)
+    "two-level router, attn-core": {**TWO_LEVEL, "memory.recompute": "attn-core", "model.dropout": 0.1},
+    # RoPE's q and k saved by attention, as pairs in one process and as heads after Ulysses' all-to-all
+    "rope, no recomputation": {"model.dropout": 0.0},
+}
+INT8_COMMON = {"memory.compress": "int8", "model.position": "rope", "train.steps": 3, "train.global_batch": 4}
+ULYSSES = {"parallel.cp": 2, "parallel.cp_mode": "ulysses"}
+
+
+@pytest.fixture(scope="module")
+def int8_layout_runs():
+    from harness import train_parallel_many, train_reference
+
+    cases = [{**INT8_COMMON, **o} for o in INT8_LAYOUTS.values()]
+    refs = [train_reference(c) for c in cases]
+    pars = train_parallel_many([{**c, **ULYSSES} for c in cases], 2)
+    return dict(zip(INT8_LAYOUTS, zip(refs, pars)))
+
+
+@pytest.mark.parametrize("name", list(INT8_LAYOUTS))
+def test_int8_compressed_cp2_ulysses_matches_one_process(int8_layout_runs, name):
+    from harness import assert_same_run
+
+    ref, par = int8_layout_runs[name]
+    assert_same_run(ref, par, 1e-9, 1e-12)

@@ -75,24 +75,33 @@ def _launcher_argv(out, extra=()):
     return argv + list(extra)
 
 
-def test_launcher_runs_two_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One `scaletrain train --nproc 2` run (its output folder and process), shared by the launcher tests."""
+    out = tmp_path_factory.mktemp("launcher") / "o"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(_launcher_argv(tmp_path / "o"), capture_output=True, text=True, env=env, timeout=180)
-    assert p.returncode == 0, p.stderr + (tmp_path / "o/logs/launcher.log").read_text()
-    assert "parameters" in p.stdout and (tmp_path / "o/metrics.jsonl").read_text().count("\n") == 3
-    assert (tmp_path / "o/logs/rank1.log").exists()
-    ck = sorted((tmp_path / "o/checkpoints").glob("step_*"))[-1]
+    return out, subprocess.run(_launcher_argv(out), capture_output=True, text=True, env=env, timeout=180)
+
+
+def test_launcher_runs_two_ranks(launched):
+    out, p = launched
+    assert p.returncode == 0, p.stderr + (out / "logs/launcher.log").read_text()
+    assert "parameters" in p.stdout and (out / "metrics.jsonl").read_text().count("\n") == 3
+    assert (out / "logs/rank1.log").exists()
+    ck = sorted((out / "checkpoints").glob("step_*"))[-1]
     assert (ck / "__0_0.distcp").exists() and (ck / "__1_0.distcp").exists()  # each rank wrote its share
 
 
-def test_launcher_stops_all_and_names_the_failing_rank(tmp_path):
+def test_launcher_stops_all_and_names_the_failing_rank(launched, tmp_path):
     """Corrupt what only rank 1 reads (its random stream): rank 1 fails at resume, rank 0 is stopped, exit 2 with
-    rank 1 named."""
+    rank 1 named (on a copy of the shared run's output)."""
     import json
+    import shutil
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    assert launched[1].returncode == 0, launched[1].stderr
     out = tmp_path / "o"
-    subprocess.run(_launcher_argv(out), capture_output=True, env=env, timeout=180, check=True)
+    shutil.copytree(launched[0], out)
     ck = sorted((out / "checkpoints").glob("step_*"))[-1]
     chunk = json.loads((ck / "index.json").read_text())["tensors"]["rng/dropout/dp1/pp0/torch"]["chunks"][0]
     data = bytearray((ck / chunk["file"]).read_bytes())

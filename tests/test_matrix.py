@@ -227,6 +227,12 @@ def test_coverage_check_fails_when_a_layout_goes_or_validate_accepts_a_new_pair(
             return cfg
         return real(cfg, world)
 
+    # lenient() is validate() itself on every layout but ZeRO-3 with 2BW: those verdicts, memoised for validate()
+    # (layouts.broken_constraints) by the searches above, are lenient()'s too; only the 2BW + ZeRO-3 layouts are asked
+    monkeypatch.setattr(layouts, "_BROKEN", dict(layouts._BROKEN))
+    for (fn, lay), broken in list(layouts._BROKEN.items()):
+        if fn is real and not (lay["schedule"] == "2bw" and lay["zero"] == 3):
+            layouts._BROKEN[(lenient, lay)] = broken
     monkeypatch.setattr(layouts, "validate", lenient)
     assert (("zero", 3), ("schedule", "2bw")) in uncovered_accepted(COVERING, 4)
 

@@ -69,13 +69,23 @@ def _fake_environment(monkeypatch_like, events: list, store_path: str | None, lo
 
 
 class _Patch:
-    """monkeypatch for a spawned process (no pytest fixture there)."""
+    """monkeypatch for a spawned process (no pytest fixture there); `undo()` puts everything back (the harness's
+    ranks are reused: a fake left behind would be what the next test's run calls)."""
+
+    def __init__(self):
+        self.saved: list[tuple] = []
 
     def setattr(self, obj, name, value) -> None:
+        self.saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
     def setenv(self, key, value) -> None:
         os.environ[key] = value
+
+    def undo(self) -> None:
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+        self.saved.clear()
 
 
 def _worker(rank: int, world: int, store_dir: str):
@@ -85,16 +95,20 @@ def _worker(rank: int, world: int, store_dir: str):
 
     dist.destroy_process_group()  # the harness's group: this rank starts its own the way a torchrun worker does
     events: list = []
-    _fake_environment(_Patch(), events, os.path.join(store_dir, "store"), rank, world)
-    env = distributed.detect_env()
-    device = distributed.pick_device("auto", env.local_rank)
-    distributed.init(env, 123.0, device)
-    mesh = Mesh.build(ParallelDims(dp=world), 123.0)
-    # both ranks through the new group before either tears its connections down (gloo underneath; a rank that
-    # returned at once could close the pair while the other still completed its connection)
-    dist.all_reduce(torch.zeros(1), group=mesh.group("dp"))
-    return {"env": env, "device": device, "events": events, "dp": mesh.members["dp"],
-            "collective_device": collective_device(mesh.group("dp")), "world_device": collective_device()}
+    patch = _Patch()
+    try:
+        _fake_environment(patch, events, os.path.join(store_dir, "store"), rank, world)
+        env = distributed.detect_env()
+        device = distributed.pick_device("auto", env.local_rank)
+        distributed.init(env, 123.0, device)
+        mesh = Mesh.build(ParallelDims(dp=world), 123.0)
+        # both ranks through the new group before either tears its connections down (gloo underneath; a rank that
+        # returned at once could close the pair while the other still completed its connection)
+        dist.all_reduce(torch.zeros(1), group=mesh.group("dp"))
+        return {"env": env, "device": device, "events": events, "dp": mesh.members["dp"],
+                "collective_device": collective_device(mesh.group("dp")), "world_device": collective_device()}
+    finally:
+        patch.undo()
 
 
 def test_two_fake_gpus_each_rank_binds_its_own_before_the_group_starts():

@@ -15,8 +15,10 @@ Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from scaletrain.config.rules import rule
 from scaletrain.config.schema import Config
@@ -103,13 +105,20 @@ def _value(cfg: Config, key: str):
     return obj
 
 
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """Each `IGNORED` key's default (validate() runs unused_settings on every layout the covering search tries)."""
+    default = Config()
+    return {u.key: _value(default, u.key) for u in IGNORED}
+
+
 def unused_settings(cfg: Config) -> list[str]:
     """One line per key of `IGNORED` set off its default where the run would not read it."""
-    default = Config()
+    defaults = _defaults()
     errors, seen = [], set()
     for u in IGNORED:
         value = _value(cfg, u.key)
-        if u.key in seen or value == _value(default, u.key) or u.used(cfg):
+        if u.key in seen or value == defaults[u.key] or u.used(cfg):
             continue
         seen.add(u.key)  # one line per key (the first reason: an MoE key in a dense model is that)
         errors.append(f"{u.key} ({value}) is used only with {u.where}, got {u.got(cfg)}: the run would ignore it")

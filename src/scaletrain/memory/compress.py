@@ -18,7 +18,8 @@ encoded, and it is decoded when backward needs it. Two Gist encodings:
 Skipped by the hooks (kept as they are): parameters and views of them (held anyway), leaf tensors (inputs,
 constant tables; with `leaves=True` only those that do not require grad, and the attached model's buffers),
 non-float tensors, tensors whose last dimension is 1 (per-row statistics such as a norm's mean and 1/std),
-tensors with fewer than `min_numel` entries, and tensors already no wider than the target format. A tensor
+tensors of one dimension (one number per row: the per-group losses of an MoE router), tensors with fewer than
+`min_numel` entries, and tensors already no wider than the target format. A tensor
 saved by several ops (or through several views of one base) is encoded once.
 
 Layout independence (the engine pass, `apply_compress_pass`): what is encoded, and how, must not depend on
@@ -28,7 +29,11 @@ entries than the whole), also a pipeline stage's input (`leaves=True`: a leaf th
 process has the previous block's output), and int8 takes one scale per block of `int8_block(model)` entries
 along the last dimension, a size that divides every width tensor parallelism splits (the head size,
 d_model/tp, d_ff/tp): a block never straddles two tp ranks, and rows are tokens, whichever rank, micro-batch
-or expert holds them.
+or expert holds them. A tensor of one dimension has no rows: its entries are one per row of something (the
+balancing losses of each MoE dispatch group, `model/moe_gating.py`), so a block along it would hold the groups of
+a sequence shard under context or sequence parallelism and those of the whole sequence in one process, and its
+scale (the absmax of the other entries) would change with the layout. Such tensors are kept as they are (a few
+numbers per micro-batch).
 
 The compression ratio is measured as the ops run (`CompressionStats`): `bytes_before` is the bytes
 of distinct storages autograd would have kept (parameters excluded, as in `device.accounting`),
@@ -417,8 +422,8 @@ class ActivationCompressor:
             return False  # inputs and constants (a custom Function's output: its base has no grad_fn, the view has)
         if base.grad_fn is None and base.requires_grad and (not self.leaves or id(base) in self._held):
             return False  # leaves that require grad, held by the caller anyway (with `leaves`: not the model's buffers)
-        if base.numel() < self.min_numel or base.dim() == 0 or base.shape[-1] == 1 or base.device.type == "meta":
-            return False  # small tensors, per-row statistics (norm mean and rstd)
+        if base.numel() < self.min_numel or base.dim() <= 1 or base.shape[-1] == 1 or base.device.type == "meta":
+            return False  # small tensors, one number per row (per-group losses; norm mean and rstd): see above
         return base.element_size() > (1 if self.fmt == "int8" else 2)
 
     def _forget(self, key: int):

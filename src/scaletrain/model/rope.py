@@ -54,8 +54,16 @@ def model_rope_tables(cfg: ModelConfig, seq_len: int, head_dim: int,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x (B, nh, T, hs) by the angles of their position."""
+    """Rotate pairs (x[2i], x[2i+1]) of x (B, nh, T, hs) by the angles of their position.
+
+    The result is a (B, nh, T, hs) tensor of its own, written pair by pair, not a view of a (..., hs/2, 2) stack:
+    attention saves it for backward, and int8 activation compression scales blocks along the last dimension of
+    the stored tensor (memory/compress.py). As a view of a stack its blocks would be pairs; under Ulysses context
+    parallelism attention receives the all-to-all's (..., hs) tensor instead, whose blocks are heads, and the two
+    layouts would round q and k differently. Same values and gradients, bit for bit, as the stacked form."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2)
+    out = x.new_empty(x.shape)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out

@@ -102,8 +102,11 @@ class Layout:
         full = {d: values.get(d, v[0]) for d, v in DIMENSIONS.items()}
         return cls(tuple(full.items()))
 
+    def __post_init__(self) -> None:  # the values by dimension, for __getitem__ (not a field: eq and hash unchanged)
+        object.__setattr__(self, "_by_dim", dict(self.values))
+
     def __getitem__(self, dim: str) -> Any:
-        return dict(self.values)[dim]
+        return self._by_dim[dim]
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.values)
@@ -363,6 +366,10 @@ class _Search:
         self.cache: dict[Layout, int] = {}  # layout -> violations (0: accepted)
 
     def ok(self, layout: Layout) -> bool:
+        """violations(layout) == 0, without asking validate() about a layout over the world limit or with a value
+        that means nothing (the same verdict: each of those is a violation by itself)."""
+        if layout.world > self.max_world or meaningless(layout):
+            return False
         return self.violations(layout) == 0
 
     def violations(self, layout: Layout) -> int:
