@@ -29,7 +29,8 @@ TP_RTOL, TP_ATOL = 1e-9, 1e-11
 """Groups with tensor parallelism inside: the replay runs the model at whole width, the run adds half-width partial
 products, so they differ by rounding (~1e-15 per step) as any tp layout differs from one process. The bound is
 docs/verify.md's for fp64 layouts against one process, element-wise |run - replay| <= TP_ATOL + TP_RTOL |replay|
-(set before measuring)."""
+(set before measuring). Groups of pipeline stages use the same bound: the run adds the tied embedding's two
+gradients once per step, one process once per micro-batch."""
 
 
 def within(cfg: Config, mine: torch.Tensor, saved: torch.Tensor) -> bool:

@@ -28,6 +28,11 @@ rank I of every member adds its own tp slice's gradients (and its copy of the re
 order over local rank I's cross-group group, each group clips by the whole model's norm (the engine's clip, reduced
 over its tp ranks), and a restarted group heals rank by rank (rank I receives rank I's training state: its slice).
 The replay computes each group's gradient at whole width: equal to the run within docs/verify.md's fp64 bound.
+Groups of two 1F1B pipeline stages (parallel.pp = 2, parallel.dp = replicas) work the same way stage by stage:
+the engine's schedule runs the micro-batches of the group's rows, adds the last stage's tied-embedding gradient on
+stage 0 (across the pipeline first) and broadcasts the loss to stage 0; then stage I of every member sums over local
+rank I's cross-group group, the clip's norm is reduced over the two stages, and a heal sends stage I's state to
+stage I. The replay runs all stages in one process, within the same bound as tp groups.
 A run may start from a checkpoint of another layout (`--reshard`): every rank reads it through train/resume.py, and
 the replay starts from the same checkpoint (train/replica_replay.py).
 
