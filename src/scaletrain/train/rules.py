@@ -50,7 +50,7 @@ def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
 @rule("combinations")
 def replicas(cfg: Config, world_size: int | None) -> list[str]:
     """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, of two
-    data-parallel ranks with ZeRO-2 inside the group, or of two tensor-parallel ranks."""
+    data-parallel ranks with ZeRO-2 inside the group, of two tensor-parallel ranks or of two 1F1B pipeline stages."""
     p, t = cfg.parallel, cfg.train
     if p.replicas == 1:
         return []
@@ -60,11 +60,17 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
         return [f"parallel.replicas ({p.replicas}) must divide parallel.dp ({p.dp})"]
     errors = []
     dps = p.dp // p.replicas  # data-parallel ranks per group; a group's processes: dps x tp
-    if p.pp > 1 or p.ep > 1 or p.cp > 1 or p.tp > 2 or (p.tp > 1 and dps > 1):
+    if p.pp > 2 or p.ep > 1 or p.cp > 1 or p.tp > 2 or (p.tp > 1 and dps > 1) or (p.pp > 1 and dps * p.tp > 1):
         errors.append(f"parallel.replicas ({p.replicas}): a replica group is data-parallel only (one process or 2 "
-                      f"ranks with ZeRO-2) or 2 tensor-parallel ranks (got dp/replicas={dps}, tp={p.tp}, pp={p.pp}, "
-                      f"ep={p.ep}, cp={p.cp}): pipeline, expert and context parallelism and groups of more than 2 "
-                      "processes are not built inside a group")
+                      f"ranks with ZeRO-2), 2 tensor-parallel ranks or 2 pipeline stages (got dp/replicas={dps}, "
+                      f"tp={p.tp}, pp={p.pp}, ep={p.ep}, cp={p.cp}): expert and context parallelism and groups of "
+                      "more than 2 processes are not built inside a group")
+    elif p.pp > 1 and (p.schedule != "1f1b" or p.virtual_stages != 1 or p.zero or p.partition == "time"):
+        errors.append(f"parallel.replicas ({p.replicas}) with pp={p.pp} groups needs parallel.schedule=1f1b, "
+                      f"parallel.virtual_stages=1, parallel.zero=0 and a parallel.partition other than time (got "
+                      f"schedule={p.schedule}, virtual_stages={p.virtual_stages}, zero={p.zero}, "
+                      f"partition={p.partition}): only plain 1F1B stages are built and tested inside a group, and a "
+                      "restarted group must cut the model where the live one did")
     elif p.tp > 1 and (p.zero or p.sequence_parallel or p.tp_mode != "1d"):
         errors.append(f"parallel.replicas ({p.replicas}) with tp={p.tp} groups needs parallel.zero=0, "
                       f"parallel.sequence_parallel=false and parallel.tp_mode=1d (got zero={p.zero}, "

@@ -28,6 +28,11 @@ rank I of every member adds its own tp slice's gradients (and its copy of the re
 order over local rank I's cross-group group, each group clips by the whole model's norm (the engine's clip, reduced
 over its tp ranks), and a restarted group heals rank by rank (rank I receives rank I's training state: its slice).
 The replay computes each group's gradient at whole width: equal to the run within docs/verify.md's fp64 bound.
+Groups of two 1F1B pipeline stages (parallel.pp = 2, parallel.dp = replicas) work the same way stage by stage:
+the engine's schedule runs the micro-batches of the group's rows, adds the last stage's tied-embedding gradient on
+stage 0 (across the pipeline first) and broadcasts the loss to stage 0; then stage I of every member sums over local
+rank I's cross-group group, the clip's norm is reduced over the two stages, and a heal sends stage I's state to
+stage I. The replay runs all stages in one process, within the same bound as tp groups.
 A run may start from a checkpoint of another layout (`--reshard`): every rank reads it through train/resume.py, and
 the replay starts from the same checkpoint (train/replica_replay.py).
 
@@ -82,13 +87,17 @@ def dp_per_group(cfg: Config) -> int:
 
 
 def group_config(cfg: Config, replay: bool = False) -> Config:
-    """The config one group's trainer runs: its share of the data-parallel dimension, its tensor parallelism, no
-    replicas (`replay`: the one process of `scaletrain replay`, which computes every rank's gradient itself, at
-    whole width)."""
+    """The config one group's trainer runs: its share of the data-parallel dimension, its tensor or pipeline
+    parallelism (a pipeline scheduling the micro-batches of the group's rows), no replicas (`replay`: the one
+    process of `scaletrain replay`, which computes every rank's gradient itself, at whole width, all stages)."""
     p = cfg.parallel
     if replay:
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, replicas=1, zero=0))
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp_per_group(cfg), replicas=1))
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, pp=1, replicas=1, zero=0,
+                                                                     microbatches=0))
+    # a pipeline's schedule runs the micro-batches of the group's rows (those of one dp rank of the whole run)
+    micro = (p.microbatches or cfg.grad_accum) if p.pp > 1 else p.microbatches
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp_per_group(cfg), replicas=1,
+                                                                 microbatches=micro))
 
 
 def _grads(opt) -> list[torch.Tensor]:
