@@ -76,14 +76,35 @@ def hosts(tmp_path_factory):
         h.close()
 
 
+@pytest.fixture(scope="module")
+def long_ref(tmp_path_factory):
+    """`scaletrain train --nproc 2` of LONG, never interrupted, started once in the background for the two resume
+    tests (each compares its run with it); calling it waits for the run and returns its metrics rows."""
+    out = tmp_path_factory.mktemp("long-ref") / "ref"
+    ref = subprocess.Popen([PY, "-m", "scaletrain", "train", "--nproc", "2", "--out", str(out), *sets(LONG)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def done() -> list[dict]:
+        assert ref.wait(timeout=300) == 0, ref.stderr.read()
+        return rows(out)
+
+    try:
+        yield done
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait()
+
+
 def train_nodes(hosts: TwoHosts, port: int, overrides: dict, cwd: list[Path], out: str, tag: str,
-                extra: tuple = (), nodes: tuple = (0, 1)) -> list[subprocess.Popen]:
+                extra: tuple = (), nodes: tuple = (0, 1), env: dict | None = None) -> list[subprocess.Popen]:
     """`scaletrain train --nnodes 2 ...` on the hosts (our launcher, which fills in torchrun's flags)."""
     procs = []
     for i in nodes:
         argv = [PY, "-m", "scaletrain", "train", "--nnodes", "2", "--rdzv-endpoint", f"{hosts.host(0)}:{port}",
                 "--out", out, *extra, *sets(overrides)]
-        procs.append(hosts.start(i, argv, cwd[i], f"{tag}-{i}"))
+        procs.append(hosts.start(i, argv, cwd[i], f"{tag}-{i}", env))
     return procs
 
 
@@ -144,19 +165,20 @@ def wait_for_record(path: Path, seconds: float) -> dict:
     return json.loads(path.read_text())
 
 
-def test_stopped_or_killed_node_is_named_and_the_job_resumes_exactly(hosts, tmp_path):
+def test_stopped_or_killed_node_is_named_and_the_job_resumes_exactly(hosts, long_ref, tmp_path):
     """One job with --restarts 2 on two hosts. SIGSTOP of every process of host b is noticed within
     parallel.heartbeat_s: host a's ranks stop naming rank 1 and its agent waits; host b is replaced. SIGKILL of the
     new host b's launcher process group stops host a's ranks within 10 s naming rank 1; host b is replaced again.
     The final metrics.jsonl equals `scaletrain train --nproc 2` of the same layout, never interrupted, in every
     field but the measured times: the two-node losses are the one-machine losses, and both resumes were exact."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ref = subprocess.Popen([PY, "-m", "scaletrain", "train", "--nproc", "2", "--out", str(tmp_path / "ref"),
-                            *sets(LONG)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     out, cwd, port = tmp_path / "run", [tmp_path, tmp_path], free_port()
     record = out / "logs/rank0.error.json"
     name_b = f" (host {hosts.hostname(1)})" if hosts.isolated else ""
-    a, b = train_nodes(hosts, port, LONG, cwd, str(out), "job", ("--restarts", "2"))
+    # torch's rendezvous starts a new round only once the dead node's agent has missed its keep-alives (by default
+    # 3 x 5 s after it stopped: most of each restart's wait); 4 x 1 s here, through torchrun's own PET_RDZV_CONF,
+    # which the launcher keeps beside is_host=1 on node a (an agent starved 4 s on a loaded CI is still far off)
+    ft = {"PET_RDZV_CONF": "keep_alive_interval=1,keep_alive_max_attempt=4"}
+    a, b = train_nodes(hosts, port, LONG, cwd, str(out), "job", ("--restarts", "2"), env=ft)
 
     # SIGSTOP: node b frozen (no connection is reset); rank 0 names rank 1 within the heartbeat bound
     wait_for_step(out, 3, [a, b])
@@ -172,7 +194,7 @@ def test_stopped_or_killed_node_is_named_and_the_job_resumes_exactly(hosts, tmp_
 
     # SIGKILL of node b's launcher group: torchrun starts its workers in sessions of their own, so they survive
     # it - they notice their agent died and stop, and rank 0 names rank 1 within 10 s
-    b = train_nodes(hosts, port, LONG, cwd, str(out), "job-b2", ("--restarts", "2"), nodes=(1,))[0]
+    b = train_nodes(hosts, port, LONG, cwd, str(out), "job-b2", ("--restarts", "2"), nodes=(1,), env=ft)[0]
     wait_for_step(out, first + 3, [a, b])
     os.killpg(b.pid, signal.SIGKILL)
     killed = time.time()
@@ -183,11 +205,10 @@ def test_stopped_or_killed_node_is_named_and_the_job_resumes_exactly(hosts, tmp_
     assert rows(out)[-1]["step"] < LONG["train.steps"], "the run ended before the kill: the test proves nothing"
 
     # a third node b joins; both resume from the newest complete checkpoint and finish
-    b = train_nodes(hosts, port, LONG, cwd, str(out), "job-b3", ("--restarts", "2"), nodes=(1,))[0]
+    b = train_nodes(hosts, port, LONG, cwd, str(out), "job-b3", ("--restarts", "2"), nodes=(1,), env=ft)[0]
     assert hosts.wait(a, 300) == 0, hosts.output("job-0")
     assert hosts.wait(b, 60) == 0, hosts.output("job-b3-1")
-    assert ref.wait(timeout=300) == 0, ref.stderr.read()
-    assert [computed(r) for r in rows(out)] == [computed(r) for r in rows(tmp_path / "ref")]
+    assert [computed(r) for r in rows(out)] == [computed(r) for r in long_ref()]
 
 
 def test_private_out_on_each_node_fails_at_start_with_exit_2(hosts, tmp_path):
@@ -440,6 +461,22 @@ def test_preflight_verdict_names_ranks_hosts_and_values(tmp_path):
     assert "the config differs from rank 0's (host a) on host b (rank 1): train.lr = 0.002 vs 0.001" in msg
 
 
+def test_rdzv_conf_from_torchruns_variable_is_kept_beside_is_host(monkeypatch):
+    """On the rendezvous host the launcher's `--rdzv-conf is_host=1` would replace torchrun's PET_RDZV_CONF (a
+    command-line flag beats its variable): the user's keys follow is_host=1 there; other nodes leave it to torchrun."""
+    from scaletrain.multinode import launcher, network
+
+    monkeypatch.setattr(launcher, "local_address", lambda host: network.NetChoice("eth0", "10.0.0.1", "test"))
+    monkeypatch.setattr(network, "is_this_host", lambda host: host == "node-a")
+    monkeypatch.setenv("PET_RDZV_CONF", "keep_alive_interval=1,join_timeout=900")
+    cmd = launcher.torchrun_nodes_command(2, 1, "node-a:29400", ["train"])[0]
+    assert cmd[cmd.index("--rdzv-conf") + 1] == "is_host=1,keep_alive_interval=1,join_timeout=900"
+    assert "--rdzv-conf" not in launcher.torchrun_nodes_command(2, 1, "node-b:29400", ["train"])[0]
+    monkeypatch.delenv("PET_RDZV_CONF")
+    cmd = launcher.torchrun_nodes_command(2, 1, "node-a:29400", ["train"])[0]
+    assert cmd[cmd.index("--rdzv-conf") + 1] == "is_host=1"
+
+
 def test_network_choice_and_endpoint_errors(monkeypatch):
     from scaletrain.multinode import network
 
@@ -510,16 +547,16 @@ def kill_rank_1(launcher: subprocess.Popen) -> None:
     victim.kill()
 
 
-def test_restart_resumes_from_the_newest_checkpoint_and_a_sigkill_without_restarts_left_names_rank_1(tmp_path):
+def test_restart_resumes_from_the_newest_checkpoint_and_a_sigkill_without_restarts_left_names_rank_1(
+        long_ref, tmp_path):
     """`scaletrain train --nproc 2 --restarts 1`, rank 1's worker SIGKILLed after step 4: torchrun restarts both
     ranks and they resume from the newest complete checkpoint - the metrics lines up to it are the first attempt's
     own (measured times and all: not redone), the later ones are redone. Three steps on, rank 1 is SIGKILLed again:
     no restart is left, so the job ends with exit 1 and one line naming rank 1 and SIGKILL (issue 21), pointing
-    only at logs that exist. Every computed field of every step equals the uninterrupted run's."""
+    only at logs that exist. Every computed field of every step equals the uninterrupted run's (LONG's, shared with
+    the two-node resume test)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cfg = {**BASE, "parallel.dp": 2, "train.steps": 40, "train.checkpoint_every": 2}
-    ref = subprocess.Popen([PY, "-m", "scaletrain", "train", "--nproc", "2", "--out", str(tmp_path / "ref"),
-                            *sets(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    cfg = LONG
     out = tmp_path / "run"
     p = subprocess.Popen([PY, "-m", "scaletrain", "train", "--nproc", "2", "--restarts", "1", "--out", str(out),
                           *sets(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -531,9 +568,6 @@ def test_restart_resumes_from_the_newest_checkpoint_and_a_sigkill_without_restar
         wait_for_step(out, before[-1]["step"] + 3, [p])
         kill_rank_1(p)
         err = p.communicate(timeout=120)[1]
-    except BaseException:
-        ref.kill()
-        raise
     finally:  # the reference may still be running here (checkpoints every 2 steps): it is waited for below
         if p.poll() is None:
             p.kill()
@@ -547,8 +581,7 @@ def test_restart_resumes_from_the_newest_checkpoint_and_a_sigkill_without_restar
     assert "Traceback" not in err
     for path in (w.split(")")[0] for w in line.split("(its output: ")[1:]):
         assert Path(path).exists(), line
-    assert ref.wait(timeout=300) == 0, ref.stderr.read()
-    assert [computed(r) for r in after] == [computed(r) for r in rows(tmp_path / "ref")[:len(after)]]
+    assert [computed(r) for r in after] == [computed(r) for r in long_ref()[:len(after)]]
 
 
 def test_new_config_keys_are_validated():

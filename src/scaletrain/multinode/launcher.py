@@ -79,6 +79,11 @@ def local_address(host: str) -> network.NetChoice:
                     "(NCCL_SOCKET_IFNAME on GPUs) to the interface the other nodes reach")
 
 
+RDZV_CONF_ENV = "PET_RDZV_CONF"
+"""torchrun's variable for `--rdzv-conf` (e.g. `join_timeout=900,keep_alive_interval=2`): every node's agent reads
+it; on the rendezvous host the launcher adds its settings after `is_host=1` (theirs win where both set a key)."""
+
+
 def torchrun_nodes_command(nnodes: int, nproc: int, endpoint: str, argv: list[str],
                            restarts: int = 0) -> tuple[list[str], network.NetChoice, bool]:
     """(torchrun command line for this node, the address it publishes, whether it hosts the rendezvous)."""
@@ -89,7 +94,10 @@ def torchrun_nodes_command(nnodes: int, nproc: int, endpoint: str, argv: list[st
            "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--local-addr={choice.address}",
            f"--max-restarts={restarts}", "--monitor-interval=0.2"]
     if here and host != "localhost" and not network.is_loopback(host):
-        cmd += ["--rdzv-conf", "is_host=1"]  # (a loopback endpoint: every agent is on this machine; torch decides)
+        # (a loopback endpoint: every agent is on this machine; torch decides). A --rdzv-conf on the command line
+        # replaces torchrun's PET_RDZV_CONF, so the user's settings there (timeouts, keep-alive) follow is_host=1
+        user = os.environ.get(RDZV_CONF_ENV, "").strip().strip(",")
+        cmd += ["--rdzv-conf", ",".join(x for x in ("is_host=1", user) if x)]
     return [*cmd, "-m", "scaletrain", *argv], choice, here
 
 
