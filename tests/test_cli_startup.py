@@ -37,3 +37,21 @@ def test_command_runs_without_importing_torch(argv):
     p = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split("\n")[-2] == "0 []", p.stdout[-300:]
+
+
+def test_sizing_a_run_on_the_meta_device_does_not_import_dynamo():
+    """The launcher sizes a run before it starts ranks (`refuse_if_too_big`, the meta module of `plan --config`):
+    torch's meta kernel of nn.Embedding's `normal_` would import torch._dynamo (about 0.85 s of CPU per launch here);
+    `model.init.no_normal_init` keeps it out, and puts `nn.init.normal_` back."""
+    probe = """
+import sys, torch.nn as nn
+from scaletrain.config import load_config, validate
+from scaletrain.commands.train import refuse_if_too_big
+before = nn.init.normal_
+cfg = validate(load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "parallel.dp=2"]), 2)
+refuse_if_too_big(cfg, 2)
+print("torch._dynamo" in sys.modules, nn.init.normal_ is before)
+"""
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[-2] == "False True", p.stdout[-300:]

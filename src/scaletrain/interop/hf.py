@@ -264,7 +264,6 @@ def read_hf_weights(directory: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def _meta_gpt(m: ModelConfig):
-    from scaletrain.model.gpt import GPT
+    from scaletrain.model.gpt import gpt_on_meta
 
-    with torch.device("meta"):
-        return GPT(m)
+    return gpt_on_meta(m)

@@ -22,7 +22,7 @@ from scaletrain.config import ModelConfig
 from scaletrain.config.sizes import ffn_size
 from scaletrain.model.block import Block, make_dropout
 from scaletrain.model.dropout import DropoutContext, name_sites
-from scaletrain.model.init import gpt_rules, init_parameters
+from scaletrain.model.init import gpt_rules, init_parameters, no_normal_init
 from scaletrain.model.norm import make_norm
 from scaletrain.model.reversible import ReversibleBlock
 from scaletrain.model.rope import model_rope_tables
@@ -127,11 +127,16 @@ def model_flops_per_token(cfg: ModelConfig) -> int:
     return 6 * n + 6 * cfg.n_layers * cfg.seq_len * w
 
 
+def gpt_on_meta(cfg: ModelConfig) -> GPT:
+    """The plain GPT on the meta device: shapes only, no values (not even initial ones: `no_normal_init`)."""
+    with torch.device("meta"), no_normal_init():
+        return GPT(cfg)
+
+
 def build_gpt(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32) -> GPT:
     """Build the plain GPT on the meta device, materialise it on `device` and initialise it (model/init.py)."""
-    with torch.device("meta"):
-        model = GPT(cfg)
+    model = gpt_on_meta(cfg)
     model.to_empty(device=device)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight

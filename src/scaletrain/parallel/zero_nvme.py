@@ -71,10 +71,9 @@ from scaletrain.parallel.zero import (
 
 def meta_gpt(model_cfg, dtype: torch.dtype) -> nn.Module:
     """The plain GPT on the meta device, tied and cast like `model.init.build_gpt`, not materialised."""
-    from scaletrain.model.gpt import GPT
+    from scaletrain.model.gpt import gpt_on_meta
 
-    with torch.device("meta"):
-        model = GPT(model_cfg)
+    model = gpt_on_meta(model_cfg)
     if model_cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     return model.to(dtype)

@@ -143,12 +143,9 @@ def read_csv(path: Path) -> Points:
 
 def model_params(model_cfg) -> int:
     """Parameters of scaletrain's GPT for a model config, counted on the meta device (no memory used)."""
-    import torch
+    from scaletrain.model.gpt import count_params, gpt_on_meta
 
-    from scaletrain.model.gpt import GPT, count_params
-
-    with torch.device("meta"):
-        return count_params(GPT(model_cfg))
+    return count_params(gpt_on_meta(model_cfg))
 
 
 def _smooth(loss: np.ndarray, window: int) -> np.ndarray:

@@ -138,10 +138,9 @@ def stage_ids(cfg: Config, pp_rank: int) -> list[int]:
 def engine_module_on_meta(cfg: Config, pp_rank: int = 0) -> nn.Module:
     """The module a rank of pipeline rank `pp_rank` trains, on the meta device, through the passes of
     `build_engine` (GPT, tensor-parallel shapes, pipeline stage, dtype); no process group needed."""
-    from scaletrain.model.gpt import GPT
+    from scaletrain.model.gpt import gpt_on_meta
 
-    with torch.device("meta"):
-        model = GPT(cfg.model)
+    model = gpt_on_meta(cfg.model)
     if cfg.model.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     model.to(_TORCH[cfg.train.dtype])
