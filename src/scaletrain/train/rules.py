@@ -88,8 +88,9 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
                       f"(got zero={p.zero}): ZeRO-3 inside a group is not built (its parameters live as shards "
                       "re-gathered per unit), plain dp and ZeRO-1 groups run and replay but have no test in the suite "
                       "yet (docs/fault_tolerance.md)")
-    if dps * p.tp > 1 and (t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
-        errors.append(f"parallel.replicas ({p.replicas}) with {dps * p.tp} processes per group needs train.dtype "
+    procs = dps * p.tp * p.pp
+    if procs > 1 and (t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
+        errors.append(f"parallel.replicas ({p.replicas}) with {procs} processes per group needs train.dtype "
                       f"fp32/fp64 and optim.name=adamw (got dtype={t.dtype}, optim={cfg.optim.name}): the heal of a "
                       "group's rank sends AdamW state and no loss scaler")
     if p.sync != "bsp":
