@@ -20,7 +20,7 @@ from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.report import page as pg
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
+from scaletrain.train.replica_replay import TOLERANCE, TP_ATOL, TP_RTOL, load_log, replay_rounds
 from tests.harness import TINY, train_reference
 
 HEARTBEAT_S = 2.0  # a live group is never starved of the CPU this long, even on a loaded CI machine
@@ -44,6 +44,11 @@ def _finals(out) -> dict[str, dict[str, torch.Tensor]]:
 
 def _group_steps(out, g: int) -> list[int]:
     return [json.loads(x)["step"] for x in (out / "replicas" / f"group{g}.jsonl").read_text().splitlines()]
+
+
+def _within_tp_bound(a: dict, b: dict) -> bool:
+    """Every entry of `b` within the fp64 bound of split groups (docs/verify.md's) of `a`'s."""
+    return all(bool(((a[k] - b[k]).abs() <= TP_ATOL + TP_RTOL * a[k].abs()).all()) for k in b)
 
 
 def _max_diff(a: dict, b: dict) -> float:

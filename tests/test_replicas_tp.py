@@ -12,9 +12,9 @@ import torch
 
 from scaletrain.cli import main
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.replica_replay import TP_ATOL, TP_RTOL, load_log
+from scaletrain.train.replica_replay import load_log
 from tests.harness import TINY, train_reference
-from tests.test_replicas import _finals, _group_steps, _max_diff, _sets, _train
+from tests.test_replicas import _finals, _group_steps, _max_diff, _sets, _train, _within_tp_bound
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,9 +22,6 @@ MODEL = {**TINY, "train.global_batch": 8, "train.micro_batch": 2, "train.grad_cl
          "train.lr_schedule": "constant"}  # the same learning rate at step 4 of a 4-step and a 10-step run
 RUN = {**MODEL, "parallel.dp": 2, "parallel.tp": 2, "parallel.replicas": 2, "parallel.heartbeat_s": 2.0}
 
-
-def _within(a: dict, b: dict) -> bool:
-    return all(bool(((a[k] - b[k]).abs() <= TP_ATOL + TP_RTOL * a[k].abs()).all()) for k in b)
 
 
 def test_tp_groups_start_from_a_dp1_checkpoint_a_killed_group_heals_and_the_run_equals_its_replay(tmp_path, capsys):
@@ -64,7 +61,7 @@ def test_tp_groups_start_from_a_dp1_checkpoint_a_killed_group_heals_and_the_run_
     # the single-process run continued from step 2 (fp64 bound of docs/verify.md)
     four = ckpt.read_tensors(ckpt.checkpoint_dirs.step_dir(out / "checkpoints", 4))
     _, ref = train_reference({**MODEL, "train.steps": 4})
-    assert _within(ref, four)
+    assert _within_tp_bound(ref, four)
     last = ckpt.read_tensors(ckpt.latest(out / "checkpoints"))
     assert all(torch.equal(last[k], finals["final-group0"][k]) for k in last)
     # scaletrain replay: from the step-2 checkpoint through the membership log, within verify's fp64 bound

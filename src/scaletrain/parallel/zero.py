@@ -96,7 +96,8 @@ class FlatGroup:
     piece_params: list[nn.Parameter] = field(default_factory=list)  # optimizer views of the pieces
     ready: int = 0
     pending: Any = None  # stage 3 all-gather in flight: (work, source)
-    waiting: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)  # stages 2-3: .grad taken, unreduced
+    waiting: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # stages 2-3: (offset, .grad) not reduced yet
+    offset_of: dict[int, int] = field(default_factory=dict)  # id(parameter) -> its offset in the flat buffer
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.rank * self.shard: (self.rank + 1) * self.shard]
@@ -110,7 +111,7 @@ def make_group(params: list[nn.Parameter], n: int, rank: int, device: torch.devi
         total += p.numel()
     shard = max(1, math.ceil(total / n))
     full = torch.zeros(shard * n, dtype=params[0].dtype, device=device)
-    g = FlatGroup(params, offsets, total, shard, rank, full)
+    g = FlatGroup(params, offsets, total, shard, rank, full, offset_of={id(p): o for p, o in zip(params, offsets)})
     lo_own, hi_own = rank * shard, (rank + 1) * shard
     for p, off in zip(params, offsets):
         a, b = max(off, lo_own), min(off + p.numel(), hi_own)
@@ -235,7 +236,6 @@ class ZeroOptimizer(EngineOptimizer):
 
     def _setup_buckets(self) -> None:
         self._group_of: dict[int, FlatGroup] = {}
-        self._offset_of: dict[int, int] = {}
         for g in self.groups:
             with torch.no_grad():
                 for p, off in zip(g.params, g.offsets):
@@ -249,9 +249,8 @@ class ZeroOptimizer(EngineOptimizer):
                         p.grad = g.grad_full[off: off + p.numel()].view_as(p)
             else:
                 g.shard_grad = torch.zeros(g.shard, dtype=self.grad_dtype, device=self.device)
-            for p, off in zip(g.params, g.offsets):
+            for p in g.params:
                 self._group_of[id(p)] = g
-                self._offset_of[id(p)] = off
         for g in self.groups:
             for p in g.params:
                 p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready))
@@ -401,14 +400,14 @@ class ZeroOptimizer(EngineOptimizer):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         g = self._group_of[id(p)]
         if self.main_grads and self.stage == 1:  # accumulate into the fp32 buffer every micro-batch
-            off = self._offset_of[id(p)]
+            off = g.offset_of[id(p)]
             g.grad_full[off: off + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None
         if self.stage >= 2:
             # taken now, not at the bucket's reduce: a pipeline whose weight passes interleave (ZB-V) can hand over the
             # next micro-batch's gradient first, and autograd would add the two in the parameters' precision (fp16
             # overflowing where the fp32 sum does not); _reduce adds them in grad_dtype
-            g.waiting.append((p, p.grad))
+            g.waiting.append((g.offset_of[id(p)], p.grad))
             p.grad = None
         if not self.sync:
             return
@@ -436,11 +435,9 @@ class ZeroOptimizer(EngineOptimizer):
             flat = g.grad_full
         else:
             flat = self._buffer(g.full.numel(), zero=True)
-            if g.waiting:
-                offset = {id(p): off for p, off in zip(g.params, g.offsets)}
-                for p, grad in g.waiting:
-                    flat[offset[id(p)]: offset[id(p)] + p.numel()].add_(grad.reshape(-1))
-                g.waiting.clear()
+            for off, grad in g.waiting:
+                flat[off: off + grad.numel()].add_(grad.reshape(-1))
+            g.waiting.clear()
             for p, off in zip(g.params, g.offsets):
                 if p.grad is not None:  # set by other code than autograd since the hook took the last one
                     flat[off: off + p.numel()].add_(p.grad.reshape(-1))

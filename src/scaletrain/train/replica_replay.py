@@ -33,9 +33,14 @@ docs/verify.md's for fp64 layouts against one process, element-wise |run - repla
 gradients once per step, one process once per micro-batch."""
 
 
+def _split(cfg: Config) -> bool:
+    """Groups whose matmuls or stages are split across ranks (tp or pp inside): the replay's bound is TP_*."""
+    return cfg.parallel.tp > 1 or cfg.parallel.pp > 1
+
+
 def within(cfg: Config, mine: torch.Tensor, saved: torch.Tensor) -> bool:
     """Whether a replayed parameter equals the run's within the bound of its layout (above)."""
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+    if _split(cfg):
         return bool(((mine - saved).abs() <= TP_ATOL + TP_RTOL * mine.abs()).all())
     return float((mine - saved).abs().max()) <= TOLERANCE
 
@@ -122,8 +127,7 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
         diffs[stem] = max(float((mine[k] - saved[k]).abs().max()) for k in saved)
         ok = ok and all(within(cfg, mine[k], saved[k]) for k in saved)
     worst = max(diffs.values())
-    split = cfg.parallel.tp > 1 or cfg.parallel.pp > 1
-    bound = f"rtol {TP_RTOL:g}, atol {TP_ATOL:g}" if split else f"tolerance {TOLERANCE:g}"
+    bound = f"rtol {TP_RTOL:g}, atol {TP_ATOL:g}" if _split(cfg) else f"tolerance {TOLERANCE:g}"
     summary = {"run": str(out), **summarize(cfg, rows), "max_abs_diff": diffs, "replay_s": seconds, "pass": ok}
     if as_json:
         json.dump(summary, sys.stdout, indent=1)
