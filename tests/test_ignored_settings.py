@@ -39,6 +39,8 @@ CASES: dict[str, tuple[list[list[str]], list[str]]] = {
     "parallel.partition": ([["parallel.partition=params"]], ["parallel.pp=2", "parallel.partition=params"]),
     "parallel.schedule": ([["parallel.schedule=gpipe"]], ["parallel.pp=2", "parallel.schedule=gpipe"]),
     "parallel.cp_mode": ([["parallel.cp_mode=ulysses"]], ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
+    "parallel.missing_rows": ([["parallel.missing_rows=reassign"]],
+                              ["parallel.dp=2", "parallel.replicas=2", "parallel.missing_rows=reassign"]),
     "parallel.vertical_sync": ([["parallel.vertical_sync=true"], ["parallel.pp=2", "parallel.vertical_sync=true"]],
                                ["parallel.pp=2", "parallel.schedule=pipedream", "parallel.vertical_sync=true",
                                 "train.global_batch=2", "train.micro_batch=2", "model.tie_embeddings=false"]),

@@ -40,6 +40,8 @@ DropoutImpl = Literal["global", "torch"]
 LrSchedule = Literal["cosine", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 OnNan = Literal["stop", "skip"]
+MissingRows = Literal["skip", "reassign"]
+"""parallel.missing_rows: what a step of fault-tolerant replica groups does with a missing group's rows."""
 RecomputeKind = Literal["none", "full", "every", "nth", "ops", "attn-core"]
 """The checkpointing policies of memory.recompute (docs/memory.md): `every` is written every:k, `nth` nth:k and `ops`
 ops:<op kinds joined by +>; config/parse.py reads the string (`RECOMPUTE_ALIASES` gives the old names)."""
@@ -80,6 +82,7 @@ DROPOUT_IMPLS: tuple[str, ...] = get_args(DropoutImpl)
 LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 DEVICES: tuple[str, ...] = get_args(Device)
 ON_NAN: tuple[str, ...] = get_args(OnNan)
+MISSING_ROWS: tuple[str, ...] = get_args(MissingRows)
 OUTER_MODES: tuple[str, ...] = get_args(OuterMode)
 ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
 
@@ -294,6 +297,11 @@ class ParallelConfig:
     groups that train on through the death of a group (a per-step quorum, torchft-style; a restarted group heals from
     a live one). 1 = off. A group is one process (dp = replicas) or two ranks with ZeRO-2 (dp = 2 x replicas,
     zero = 2); no tp/pp/ep/cp inside a group."""
+    missing_rows: MissingRows = "skip"
+    """parallel.replicas > 1: a step computed by Q < R groups `skip`s the missing groups' rows (the mean over the Q
+    groups' rows, at the step's usual lr: a smaller batch) or `reassign`s them to the live groups, round-robin (every
+    step uses the whole global batch, the mean over all R groups' rows; the lr is unchanged; the live groups compute
+    more). docs/fault_tolerance.md, "The missing group's share of the batch"."""
     slow_ranks: str = ""
     """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
     forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""

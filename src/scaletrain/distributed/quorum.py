@@ -45,6 +45,7 @@ class Quorum:
     step: int  # the step this round computes
     behind: list[int]  # members whose completed steps < step - 1: they heal first
     pg_id: int
+    rows: dict[str, list[int]] | None = None  # parallel.missing_rows=reassign: member -> groups whose rows it computes
 
     @property
     def source(self) -> int:
@@ -107,7 +108,7 @@ class QuorumClient:
                 time.sleep(0.002)
             q = json.loads(self.store.get(key))
             if self.group in q["members"]:
-                return Quorum(r, q["members"], q["step"], q["behind"], q["pg_id"])
+                return Quorum(r, q["members"], q["step"], q["behind"], q["pg_id"], q.get("rows"))
         return None
 
     def process_group(self, q: Quorum) -> dist.ProcessGroup:

@@ -10,7 +10,9 @@ A group of several processes (`--ranks P`) is alive while every one of its ranks
 when every rank of every member reported ok; a heal's row sums the bytes and resent chunks of the group's ranks and
 takes the slowest rank's seconds. The membership log `OUT/membership.jsonl` has one line per round:
 round, step, members, behind (healed), each heal's seconds, bytes and resent chunks, dropped groups,
-committed, and on the first row of a launch that resumed from a checkpoint `resumed_from` (its step; the rows of
+committed, `rows` (parallel.missing_rows=reassign, a step without every group: member -> the groups whose rows
+it computed, distributed/rows.py),
+and on the first row of a launch that resumed from a checkpoint `resumed_from` (its step; the rows of
 later steps before it were recomputed, multinode/replicas.py `effective_rows`), `checkpoint` (its folder, as group
 0 put it in the store under `start`) and, for a `--reshard` start from another layout, `from_layout`. `scaletrain
 replay --out OUT` recomputes the committed rounds in one process (train/replica_replay.py), from that checkpoint
@@ -27,14 +29,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from scaletrain.distributed.rows import assign_rows
+
 POLL_S = 0.002
 
 
 class Lighthouse:
     def __init__(self, store: dist.Store, groups: int, steps: int, heartbeat_s: float, log: Path,
-                 start_s: float = 120.0, ranks: int = 1):
+                 start_s: float = 120.0, ranks: int = 1, reassign: bool = False):
         self.store, self.groups, self.steps, self.heartbeat_s = store, groups, steps, heartbeat_s
         self.log, self.start_s, self.ranks = log, start_s, ranks
+        self.reassign = reassign  # parallel.missing_rows=reassign: a missing group's rows go to a live member
         self.beats: dict[tuple[int, int], tuple[int, float]] = {}  # (group, rank) -> (counter, when it last moved)
 
     def alive(self, g: int) -> bool:
@@ -107,8 +112,10 @@ class Lighthouse:
                 behind = [g for g in members if req[g] < step - 1]
                 if members != members_of_pg or behind:
                     pg_id, members_of_pg = r, members
-                self.store.set(f"quorum/{r}", json.dumps({"members": members, "step": step, "behind": behind,
-                                                          "pg_id": pg_id}))
+                quorum = {"members": members, "step": step, "behind": behind, "pg_id": pg_id}
+                if self.reassign and len(members) < self.groups:  # who computes the missing groups' rows
+                    quorum["rows"] = assign_rows(members, self.groups)
+                self.store.set(f"quorum/{r}", json.dumps(quorum))
                 self.store.add("round", 1)
                 t0 = time.time()
                 ok = self.decide(r, members)
@@ -117,6 +124,8 @@ class Lighthouse:
                 dropped = sorted(set(last) - set(members)) if ok else []
                 row = {"round": r, "step": step, "members": members, "behind": behind, "heal": heal,
                        "dropped": dropped, "committed": ok, "time": t0}
+                if "rows" in quorum:
+                    row["rows"] = quorum["rows"]
                 if r == 0 and step > 1:  # every group loaded the checkpoint of step - 1: a whole-job resume
                     row["resumed_from"] = step - 1
                     if self.store.check(["start"]):  # its folder name, and the layout it was written with
@@ -141,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-s", type=float, required=True)
     p.add_argument("--ranks", type=int, default=1, help="processes per replica group")
     p.add_argument("--log", required=True)
+    p.add_argument("--missing-rows", choices=("skip", "reassign"), default="skip", help="parallel.missing_rows")
     p.add_argument("--linger-s", type=float, default=30.0, help="keep the store up after the run for late readers")
     args = p.parse_args(argv)
     store = dist.TCPStore("127.0.0.1", args.port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
     store.add("round", 0)
-    Lighthouse(store, args.groups, args.steps, args.heartbeat_s, Path(args.log), ranks=args.ranks).run()
+    Lighthouse(store, args.groups, args.steps, args.heartbeat_s, Path(args.log), ranks=args.ranks,
+               reassign=args.missing_rows == "reassign").run()
     time.sleep(args.linger_s)  # groups still read `finished` and their commit
     return 0
 

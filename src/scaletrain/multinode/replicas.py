@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from scaletrain.distributed.launch import LOG_DIR_ENV, free_port, torchrun_command
+from scaletrain.distributed.rows import computed_groups
 
 GRACE_S = 10.0  # after the last step: how long groups get to save and exit before they are stopped
 LIGHTHOUSE_ENV = "SCALETRAIN_LIGHTHOUSE"
@@ -27,7 +28,7 @@ REPLICA_ENV = "SCALETRAIN_REPLICA"
 
 
 def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, steps: int, heartbeat_s: float,
-                    ranks: int = 1) -> int:
+                    ranks: int = 1, missing_rows: str = "skip") -> int:
     """Run the replica groups of `scaletrain <argv>` (`ranks` processes each, one torchrun agent per group); the
     exit code for the user (0: every step committed)."""
     logs, rep = out / "logs", out / "replicas"
@@ -38,7 +39,7 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
     lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain.multinode.lighthouse", "--port", str(port),
                                    "--groups", str(groups), "--steps", str(steps), "--heartbeat-s", str(heartbeat_s),
                                    "--log", str(out / "membership.jsonl"), "--linger-s", "2",
-                                   "--ranks", str(ranks)],
+                                   "--ranks", str(ranks), "--missing-rows", missing_rows],
                                   stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
     agents = []
     try:
@@ -117,8 +118,11 @@ def summarize(rows: list[dict], replicas: int, tokens_per_step: int) -> dict:
     group_tokens = tokens_per_step // replicas
     return {"steps": len(committed), "rounds": len(rows), "failed_rounds": sum(not x["committed"] for x in rows),
             "drops": [{"step": x["step"], "groups": x["dropped"]} for x in rows if x["dropped"]],
-            "tokens_lost": sum((replicas - len(x["members"])) * group_tokens for x in committed),
-            "group_steps_lost": sum(replicas - len(x["members"]) for x in committed),
+            "tokens_lost": sum((replicas - computed_groups(x)) * group_tokens for x in committed),
+            "group_steps_lost": sum(replicas - computed_groups(x) for x in committed),
+            # parallel.missing_rows=reassign: missing groups' shares computed by live groups (their extra compute)
+            "group_steps_reassigned": sum(computed_groups(x) - len(x["members"]) for x in committed),
+            "tokens_reassigned": sum((computed_groups(x) - len(x["members"])) * group_tokens for x in committed),
             "heals": [{"step": x["step"], "group": int(g), **h} for x in rows if x["committed"]
                       for g, h in x["heal"].items()],
             "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None]}
@@ -134,7 +138,7 @@ def report(out: Path, groups: int, steps: int) -> int:
             print(f"step {r['resumed_from']}: resumed from its checkpoint (a whole-job restart)", flush=True)
         if r["dropped"]:
             print(f"step {r['step']}: replica group(s) {r['dropped']} dropped; {len(r['members'])} of {groups} "
-                  "groups went on", flush=True)
+                  "groups went on" + ("; its rows reassigned to the live groups" if r.get("rows") else ""), flush=True)
         if not r["committed"]:
             print(f"step {r['step']}: round {r['round']} failed (a member died mid-step); retried", flush=True)
         for g, h in r["heal"].items():
@@ -142,10 +146,12 @@ def report(out: Path, groups: int, steps: int) -> int:
                 print(f"step {r['step']}: replica group {g} healed from a live group in {h['seconds']:.3f} s "
                       f"({h['bytes']:,} bytes, {h['retries']} chunk(s) resent after a bad checksum) and rejoined",
                       flush=True)
-    lost = sum(groups - len(r["members"]) for r in committed)
+    lost = sum(groups - computed_groups(r) for r in committed)
+    moved = sum(computed_groups(r) - len(r["members"]) for r in committed)
     done = committed[-1]["step"] if committed else 0
+    extra = f"; rows reassigned: {moved} group-steps computed by live groups (extra compute)" if moved else ""
     print(f"replica run: {done}/{steps} steps committed in {len(rows)} rounds; group-steps lost {lost} "
-          f"(each is 1/{groups} of a step's batch); membership log {path}", flush=True)
+          f"(each is 1/{groups} of a step's batch){extra}; membership log {path}", flush=True)
     finals = list((out / "replicas").glob("final-group*.pt"))
     if done == steps and finals:
         return 0

@@ -1,7 +1,8 @@
 """`scaletrain replay --out RUN` for a fault-tolerant replica run (parallel.replicas > 1): recompute the committed
 rounds of the membership log in one process and compare with the final parameters every finishing group saved
 (docs/fault_tolerance.md). Each committed round is one step computed by exactly its members: their gradients
-(each on its own rows, train/runners/replicas.py) added in member order, divided by the member count, clipped,
+(each on its own rows, and with parallel.missing_rows=reassign on the rows the log's `rows` gave it,
+train/runners/replicas.py) added in member order, divided by the number of groups whose rows were computed, clipped,
 AdamW step. The run adds them in the same order (distributed/quorum.py `ordered_sum`), so equal means bit-equal
 when both sides ran on the same kind of CPU; the command prints the largest difference either way."""
 
@@ -16,6 +17,7 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.distributed.quorum import ordered_sum
+from scaletrain.distributed.rows import divisor, rows_of
 from scaletrain.errors import CheckpointError
 from scaletrain.multinode.replicas import effective_rows
 from scaletrain.multinode.replicas import summarize as summarize_log
@@ -73,8 +75,9 @@ def replay_rounds(cfg: Config, rows: list[dict], out: Path | None = None) -> dic
     for row in committed:
         if row["step"] != step + 1:
             raise CheckpointError(f"membership log: committed step {row['step']} follows step {step}")
-        parts = [model.group_grad(row["step"], g) for g in row["members"]]
-        model.apply(row["step"], ordered_sum(parts) / len(row["members"]))
+        rows = row.get("rows")  # parallel.missing_rows=reassign: whose rows each member computed
+        parts = [ordered_sum([model.group_grad(row["step"], g) for g in rows_of(rows, m)]) for m in row["members"]]
+        model.apply(row["step"], ordered_sum(parts) / divisor(rows, row["members"]))
         step = row["step"]
     return model.trainer.full_state()
 
@@ -135,7 +138,9 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
     else:
         print(f"replayed {summary['steps']} steps ({summary['rounds']} rounds, {summary['failed_rounds']} failed) of "
               f"{out} in {seconds:.1f} s; groups dropped: {summary['drops'] or 'none'}; heals: "
-              f"{summary['heals'] or 'none'}; tokens lost {summary['tokens_lost']}")
+              f"{summary['heals'] or 'none'}; tokens lost {summary['tokens_lost']}"
+              + (f"; rows reassigned: {summary['group_steps_reassigned']} group-steps "
+                 f"({summary['tokens_reassigned']} tokens)" if summary["group_steps_reassigned"] else ""))
         print(f"largest parameter difference {worst:.3g} ({bound}): "
               + ("PASS" if summary["pass"] else "FAIL"))
     return 0 if summary["pass"] else 1

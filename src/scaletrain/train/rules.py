@@ -7,7 +7,7 @@ Registered with `scaletrain.config.rules` when imported (scaletrain/__init__.py 
 from __future__ import annotations
 
 from scaletrain.config.rules import rule
-from scaletrain.config.schema import DEVICES, LR_SCHEDULES, ON_NAN, Config, or_list
+from scaletrain.config.schema import DEVICES, LR_SCHEDULES, MISSING_ROWS, ON_NAN, Config, or_list
 
 
 @rule("values")
@@ -52,6 +52,8 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, of two
     data-parallel ranks with ZeRO-2 inside the group, of two tensor-parallel ranks or of two 1F1B pipeline stages."""
     p, t = cfg.parallel, cfg.train
+    if p.missing_rows not in MISSING_ROWS:
+        return [f"parallel.missing_rows must be {or_list(MISSING_ROWS)}, got {p.missing_rows!r}"]
     if p.replicas == 1:
         return []
     if p.replicas < 1:
@@ -89,6 +91,10 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
                       "re-gathered per unit), plain dp and ZeRO-1 groups run and replay but have no test in the suite "
                       "yet (docs/fault_tolerance.md)")
     procs = dps * p.tp * p.pp
+    if p.missing_rows == "reassign" and procs > 1:
+        errors.append(f"parallel.missing_rows=reassign with {procs} processes per replica group (dp/replicas={dps}, "
+                      f"tp={p.tp}, pp={p.pp}) is not built: reassigned rows are tested for groups of one process "
+                      "(parallel.dp = parallel.replicas); use parallel.missing_rows=skip")
     if procs > 1 and (t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
         errors.append(f"parallel.replicas ({p.replicas}) with {procs} processes per group needs train.dtype "
                       f"fp32/fp64 and optim.name=adamw (got dtype={t.dtype}, optim={cfg.optim.name}): the heal of a "

@@ -7,10 +7,13 @@ this step boundary; compute this group's gradient on its own rows of the global 
 g*B/R .. (g+1)*B/R, as data-parallel rank g of dp = R would), normalised by its own tokens; sum the gradients (and
 losses) over the quorum and divide by the quorum's size; commit through the lighthouse; clip and step.
 
-The missing group's share: skipped. A step with Q of R groups is the mean gradient over the Q groups' rows (the
-batch actually computed) at the step's usual learning rate; the rows of a dead group are not recomputed by the
-others, so a failure costs (R - Q) x B/R sequences of that step and no stop. The membership log records which
-groups computed each step; `scaletrain replay` recomputes exactly that.
+The missing group's share (parallel.missing_rows): `skip` (the default): a step with Q of R groups is the mean
+gradient over the Q groups' rows (the batch actually computed) at the step's usual learning rate; the rows of a dead
+group are not recomputed by the others, so a failure costs (R - Q) x B/R sequences of that step and no stop.
+`reassign`: the lighthouse gives each missing group's rows to a live member, round-robin (distributed/rows.py); a
+member adds its shares' gradients (its own first), the sum over members is divided by R, so the step is the mean over
+the whole global batch at the usual learning rate, and the live groups compute more. The membership log records
+which groups computed each step and whose rows each computed; `scaletrain replay` recomputes exactly that.
 
 Groups of two processes (parallel.dp = 2 x replicas, parallel.zero = 2): each group is ZeRO-2 over its own two
 ranks (rank I of group g takes the rows of data-parallel rank g*2+I of dp = 2R, and after each micro-batch's
@@ -59,6 +62,7 @@ from scaletrain.config import Config
 from scaletrain.distributed.comm import all_gather_single
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient, ordered_sum
+from scaletrain.distributed.rows import divisor, rows_of
 from scaletrain.parallel.zero import ZeroOptimizer
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
@@ -303,7 +307,8 @@ class ReplicaRunner:
     def run(self) -> TrainResult:
         result = TrainResult(params=self.n_params, resumed_from=self.step)
         log = open(self.out / "replicas" / f"group{self.group}.jsonl", "a") if self.out is not None else None
-        local: tuple[int, torch.Tensor] | None = None  # (step, this group's gradient) kept across failed rounds
+        local: tuple[int, dict[int, torch.Tensor]] = (-1, {})  # (step, group -> its rows' gradient) kept across
+        # failed rounds; with parallel.missing_rows=reassign a member also computes missing groups' rows
         try:
             while True:
                 q = self.client.join(self.step)
@@ -317,12 +322,16 @@ class ReplicaRunner:
                 except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
                     self.client.commit(q, False)
                     continue
-                if local is None or local[0] != q.step:
-                    local = (q.step, self.model.local_grad(q.step, self.group))
-                total = self.client.gather_sum(q, local[1])
+                if local[0] != q.step:
+                    local = (q.step, {})
+                mine = rows_of(q.rows, self.group)  # this group's rows, then those of missing groups it computes
+                for g in mine:
+                    if g not in local[1]:
+                        local[1][g] = self.model.local_grad(q.step, g)
+                total = self.client.gather_sum(q, ordered_sum([local[1][g] for g in mine]))
                 if not self.client.commit(q, total is not None, heal):
                     continue
-                mean = total / len(q.members)
+                mean = total / divisor(q.rows, q.members)  # Q groups' rows (skip) or all R (reassign)
                 norm = self.model.apply(q.step, mean)
                 loss = mean[-1].clone()
                 if self.model.dps > 1:  # the group's loss: its data-parallel ranks' parts (tp ranks: the whole)
@@ -331,7 +340,10 @@ class ReplicaRunner:
                     time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
                 self.step = q.step
                 row = {"step": q.step, "loss": float(loss), "grad_norm": float(norm), "members": q.members,
-                       "round": q.round, "step_time_s": time.perf_counter() - t0}
+                       "round": q.round, "step_time_s": time.perf_counter() - t0,
+                       "groups_computed": divisor(q.rows, q.members)}
+                if len(mine) > 1:  # the extra compute of reassigned rows
+                    row["rows"] = mine
                 if heal is not None:
                     row["heal"] = heal
                 result.losses[q.step] = row["loss"]
@@ -368,7 +380,7 @@ class ReplicaRunner:
         t = self.cfg.train
         if self.step % t.log_every and self.step != t.steps:
             return
-        tokens = len(row["members"]) * self.model.tokens
+        tokens = row["groups_computed"] * self.model.tokens  # reassigned rows included
         line = {"step": self.step, "loss": row["loss"], "grad_norm": row["grad_norm"], "lr": lr,
                 "step_time_s": row["step_time_s"], "tokens_per_s": tokens / row["step_time_s"],
                 "replica_groups": len(row["members"])}

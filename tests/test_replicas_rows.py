@@ -1,0 +1,129 @@
+"""parallel.missing_rows=reassign (docs/fault_tolerance.md, "The missing group's share of the batch"): while a replica
+group is dead, the live groups compute its rows (round-robin, distributed/rows.py), so every step uses the whole
+global batch and is the mean over all R groups' rows at the usual learning rate. A run where one of 3 groups is
+SIGKILLed, restarts and heals therefore ends where an uninterrupted run of the same config ends (fp64, an independent
+plain loop: tests/harness.py `train_reference_rules`), and equal to the replay of its membership log, which records
+who computed which rows."""
+
+import json
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.config import load_config
+from scaletrain.distributed.rows import assign_rows
+from scaletrain.train.replica_replay import TOLERANCE, TP_ATOL, TP_RTOL, load_log, replay_rounds
+from tests.harness import TINY, train_reference_rules
+from tests.test_replicas import _finals, _group_steps, _max_diff, _sets, _train
+
+HEARTBEAT_S = 2.0
+STEPS = 8
+RUN = {**TINY, "train.global_batch": 6, "train.steps": STEPS, "train.checkpoint_every": 0, "parallel.dp": 3,
+       "parallel.replicas": 3, "parallel.heartbeat_s": HEARTBEAT_S, "parallel.missing_rows": "reassign",
+       "train.grad_clip": 0.5}  # the clip acts (norms ~1-2): a mean divided by the wrong count changes its norm
+
+
+def _within(ref: dict, got: dict) -> bool:
+    """docs/verify.md's fp64 bound for a layout against one process: |got - ref| <= 1e-11 + 1e-9 |ref|, each element
+    (set before measuring)."""
+    return all(bool(((ref[k] - got[k]).abs() <= TP_ATOL + TP_RTOL * ref[k].abs()).all()) for k in ref)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The uninterrupted run of the same config: a plain loop over the whole global batch each step (no engine)."""
+    return train_reference_rules(RUN, ("sync",) * STEPS)
+
+
+def test_missing_groups_rows_go_round_robin_to_the_live_members():
+    assert assign_rows([0, 1, 2], 3) == {"0": [0], "1": [1], "2": [2]}
+    assert assign_rows([1, 2], 3) == {"1": [1, 0], "2": [2]}
+    assert assign_rows([1, 3], 5) == {"1": [1, 0, 4], "3": [3, 2]}  # spread: no member takes two more than another
+    assert assign_rows([4], 5) == {"4": [4, 0, 1, 2, 3]}
+    for members in ([0], [2, 5], [0, 3, 6, 7]):
+        rows = assign_rows(members, 8)
+        assert sorted(g for v in rows.values() for g in v) == list(range(8))  # every group's rows exactly once
+        loads = [len(v) for v in rows.values()]
+        assert max(loads) - min(loads) <= 1
+
+
+def test_replay_of_reassigned_rows_equals_the_plain_loop(plain):
+    """The arithmetic alone (no lighthouse): steps 3-5 computed by groups 1 and 2, group 1 also on group 0's rows,
+    divided by R = 3, is the whole-batch step of one process."""
+    cfg = load_config(None, [f"{k}={v}" for k, v in RUN.items()])
+    moved = {"1": [1, 0], "2": [2]}
+    rows = [{"step": s, "members": [0, 1, 2] if s < 3 or s > 5 else [1, 2], "committed": True,
+             **({"rows": moved} if 3 <= s <= 5 else {})} for s in range(1, STEPS + 1)]
+    assert _within(plain[1], replay_rounds(cfg, rows))
+
+
+def test_reassigned_run_through_a_kill_and_heal_equals_the_uninterrupted_run_and_its_replay(tmp_path, plain):
+    out = tmp_path / "run"
+    # group 0 is SIGKILLed after joining step 3's quorum and restarted (--restarts 1); steps without every group take
+    # >= 2 s so that the restart finds the run still going; it heals from group 1 and rejoins
+    p = _train(out, RUN, "kill:0:3", "--restarts", "1", pace=2.0)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = load_log(out)
+    committed = [r for r in rows if r["committed"]]
+    assert [r["step"] for r in committed] == list(range(1, STEPS + 1))
+    missing = [r for r in committed if r["members"] != [0, 1, 2]]
+    healed = [r for r in committed if r["behind"]]
+    assert missing and missing[0]["step"] == 3 and missing[0]["dropped"] == [0]
+    assert len(healed) == 1 and healed[0]["behind"] == [0] and healed[0]["step"] <= STEPS
+    back = healed[0]["step"]
+    # while group 0 is out, group 1 (the live member at position 0) computes its rows; the log says so
+    assert [(r["members"], r["rows"]) for r in missing] == [([1, 2], {"1": [1, 0], "2": [2]})] * (back - 3)
+    assert all("rows" not in r for r in committed if r["members"] == [0, 1, 2])
+    survivor = [json.loads(x) for x in (out / "replicas" / "group1.jsonl").read_text().splitlines()]
+    assert [r.get("rows") for r in survivor] == [None] * 2 + [[1, 0]] * (back - 3) + [None] * (STEPS + 1 - back)
+    assert all(r["groups_computed"] == 3 for r in survivor)
+    assert _group_steps(out, 0) == [1, 2] + list(range(back, STEPS + 1))
+    finals = _finals(out)
+    assert sorted(finals) == ["final-group0", "final-group1", "final-group2"]
+    assert all(_max_diff(finals["final-group0"], f) == 0.0 for f in finals.values())  # the healed group is bit-equal
+    # the uninterrupted run: every step's loss and every final parameter within the fp64 bound
+    losses, params = plain
+    assert all(abs(r["loss"] - losses[r["step"]]) <= TP_ATOL + TP_RTOL * abs(losses[r["step"]]) for r in survivor)
+    assert _within(params, finals["final-group1"])
+    # the replay of the membership log recomputes exactly what was computed (the run's own bound, 1e-12)
+    cfg = load_config(out / "config.yaml")
+    assert _max_diff(replay_rounds(cfg, rows), finals["final-group1"]) <= TOLERANCE
+    # the launcher, the replay command and the report say "rows reassigned", with no tokens lost
+    assert "its rows reassigned to the live groups" in p.stdout and "group-steps lost 0" in p.stdout
+    assert f"rows reassigned: {back - 3} group-steps computed by live groups" in p.stdout
+    text = (out / "report.html").read_text()
+    share = cfg.tokens_per_step // 3
+    assert "<th>tokens reassigned</th>" in text and f"<td>{(back - 3) * share:,}</td>" in text
+    assert "tokens lost 0 (rows reassigned" in text
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+
+
+def test_summary_counts_reassigned_rows_apart_from_lost_ones():
+    """`scaletrain replay --json`'s summary, from a membership log: a step with `rows` lost nothing and reassigned
+    one group's share; one without lost that share."""
+    from scaletrain.train.replica_replay import summarize
+
+    cfg = load_config(None, [f"{k}={v}" for k, v in RUN.items()])
+    rows = [{"round": 0, "step": 1, "members": [1, 2], "behind": [], "heal": {}, "dropped": [0], "committed": True,
+             "rows": {"1": [1, 0], "2": [2]}},
+            {"round": 1, "step": 2, "members": [1, 2], "behind": [], "heal": {}, "dropped": [], "committed": True}]
+    s = summarize(cfg, rows)
+    share = cfg.tokens_per_step // 3
+    assert (s["tokens_lost"], s["group_steps_reassigned"], s["tokens_reassigned"]) == (share, 1, share)
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"parallel.missing_rows": "spread"}, "parallel.missing_rows must be skip or reassign, got 'spread'"),
+    ({"parallel.dp": 4, "parallel.replicas": 2, "parallel.zero": 2, "train.global_batch": 8},
+     "parallel.missing_rows=reassign with 2 processes per replica group"),
+    ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.tp": 2},
+     "parallel.missing_rows=reassign with 2 processes per replica group"),
+    ({"parallel.replicas": 1, "parallel.dp": 1},
+     "parallel.missing_rows (reassign) is used only with parallel.replicas"),
+])
+def test_missing_rows_refused_where_it_cannot_work(tmp_path, capsys, sets, message):
+    assert main(["train", "--out", str(tmp_path / "o"), *_sets({**RUN, **sets})]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
