@@ -149,7 +149,8 @@ def report(out: Path, groups: int, steps: int) -> int:
     lost = sum(groups - computed_groups(r) for r in committed)
     moved = sum(computed_groups(r) - len(r["members"]) for r in committed)
     done = committed[-1]["step"] if committed else 0
-    extra = f"; rows reassigned: {moved} group-steps computed by live groups (extra compute)" if moved else ""
+    extra = (f"; rows reassigned: {moved} group-steps computed by live groups (extra compute: "
+             f"{moved / (groups * max(1, len(committed))):.1%} of the run's forward-backward work)" if moved else "")
     print(f"replica run: {done}/{steps} steps committed in {len(rows)} rounds; group-steps lost {lost} "
           f"(each is 1/{groups} of a step's batch){extra}; membership log {path}", flush=True)
     finals = list((out / "replicas").glob("final-group*.pt"))
