@@ -70,9 +70,8 @@ def main() -> None:
     print(f"{'mode':>9} | step s, 3 groups | step s, group 0 out | ratio | steps without it | group-steps lost | "
           "reassigned | whole run s | max |params - uninterrupted|")
     for mode, rows in res.items():
-        def med(key: str) -> float:
-            return statistics.median(r[key] for r in rows)
-
+        med = {k: statistics.median(r[k] for r in rows) for k in ("full_step_s", "short_step_s", "steps_without",
+                                                                   "lost", "reassigned", "total_s")}.__getitem__
         spread = f"{min(r['short_step_s'] for r in rows):.3f}-{max(r['short_step_s'] for r in rows):.3f}"
         print(f"{mode:>9} | {med('full_step_s'):.3f} | {med('short_step_s'):.3f} ({spread}) | "
               f"{med('short_step_s') / med('full_step_s'):.2f}x | {med('steps_without'):.0f} | {med('lost'):.0f} | "
