@@ -8,6 +8,7 @@ who computed which rows."""
 import json
 
 import pytest
+import torch
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
@@ -30,6 +31,16 @@ def _within(ref: dict, got: dict) -> bool:
     """docs/verify.md's fp64 bound for a layout against one process: |got - ref| <= 1e-11 + 1e-9 |ref|, each element
     (set before measuring)."""
     return all(bool(((ref[k] - got[k]).abs() <= TP_ATOL + TP_RTOL * ref[k].abs()).all()) for k in ref)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The in-process references and replays run on one thread, as each group does (OMP_NUM_THREADS = 1 on 2 cores):
+    a tiny model gains nothing from two, and on a loaded machine they wait for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +80,18 @@ def test_reassigned_run_through_a_kill_and_heal_equals_the_uninterrupted_run_and
     rows = load_log(out)
     committed = [r for r in rows if r["committed"]]
     assert [r["step"] for r in committed] == list(range(1, STEPS + 1))
+    assert committed[2]["step"] == 3 and committed[2]["members"] == [1, 2] and committed[2]["dropped"] == [0]
+    # it came back (it restarted with nothing: only a heal from a live group brings it into a quorum) and stayed;
+    # the heal's stats are logged with its round when that round commits (under heavy load the first heal round
+    # can time out after the state was loaded: the group is then caught up in the next round, no second transfer)
+    back = next((r["step"] for r in committed[3:] if 0 in r["members"]), None)
+    assert back is not None, "group 0 never rejoined: " + p.stdout
+    assert all(r["members"] == [0, 1, 2] for r in committed[back - 1:])
+    assert all(r["heal"]["0"]["bytes"] > 0 for r in committed if "0" in r["heal"])
     missing = [r for r in committed if r["members"] != [0, 1, 2]]
-    healed = [r for r in committed if r["behind"]]
-    assert missing and missing[0]["step"] == 3 and missing[0]["dropped"] == [0]
-    assert len(healed) == 1 and healed[0]["behind"] == [0] and healed[0]["step"] <= STEPS
-    back = healed[0]["step"]
+    assert [r["step"] for r in missing] == list(range(3, back))
     # while group 0 is out, group 1 (the live member at position 0) computes its rows; the log says so
-    assert [(r["members"], r["rows"]) for r in missing] == [([1, 2], {"1": [1, 0], "2": [2]})] * (back - 3)
+    assert all(r["rows"] == {"1": [1, 0], "2": [2]} for r in missing)
     assert all("rows" not in r for r in committed if r["members"] == [0, 1, 2])
     survivor = [json.loads(x) for x in (out / "replicas" / "group1.jsonl").read_text().splitlines()]
     assert [r.get("rows") for r in survivor] == [None] * 2 + [[1, 0]] * (back - 3) + [None] * (STEPS + 1 - back)
