@@ -17,7 +17,8 @@ count, N the join); each rank I of the members forms the cross-group gloo group 
 ordered sum, its heal) and reports its own outcome, so a round commits only when every rank of every member did.
 
 Keys in the store: `hb/G/I` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `qof/G/A/N`,
-`phase/R/G/I` (the heal phase's outcome, agreed inside a group), `done/R/G/I`, `heal/R/G/I` (seconds, bytes,
+`phase/R/G/I` (the heal phase's outcome, agreed inside a group), `ready/R/G/I` (a member's gradient is computed:
+parallel.missing_rows=reassign), `done/R/G/I`, `heal/R/G/I` (seconds, bytes,
 resent chunks), `healed/R/I`, `commit/R`, `finished`.
 """
 
@@ -127,6 +128,9 @@ class QuorumClient:
         moves (Q - 1) x the bytes of a ring all-reduce's 2 (Q - 1) / Q: the price of an exactly replayable sum."""
         if len(q.members) == 1:
             return flat.clone()
+        if q.rows and not self._ready(q):  # reassigned rows: a member died before every member had its gradient
+            self.pg_id = -1
+            return None
         parts = [torch.empty_like(flat) for _ in q.members]
         try:
             self.process_group(q).allgather([parts], [flat]).wait()
@@ -134,6 +138,19 @@ class QuorumClient:
             self.pg_id = -1  # never reuse a group a failure went through
             return None
         return ordered_sum(parts)
+
+    def _ready(self, q: Quorum) -> bool:
+        """parallel.missing_rows=reassign: members compute unequal shares (one takes over a missing group's rows), so
+        wait until every member has its gradient (`ready/R/G/I`) before the all-gather, whose timeout then covers
+        the transfer only. Bounded by liveness, not time: False when the lighthouse fails the round (a member died or
+        froze: its heartbeat stopped)."""
+        self.store.set(f"ready/{q.round}/{self.group}/{self.local_rank}", "1")
+        keys = [f"ready/{q.round}/{g}/{self.local_rank}" for g in q.members]
+        while not self.store.check(keys):
+            if self.store.check([f"commit/{q.round}"]):
+                return False
+            time.sleep(0.002)
+        return True
 
     def wait(self, key: str, timeout_s: float) -> None:
         """Until `key` is in the store (RuntimeError after `timeout_s`)."""
