@@ -121,6 +121,8 @@ def test_reassigned_run_through_a_kill_and_heal_equals_the_uninterrupted_run_and
     assert "tokens lost 0 (rows reassigned: " + f"{(back - 3) * share:,} tokens" in note
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    # throughput counts the rows computed, reassigned ones included: the whole batch in every step
+    assert all(abs(m["tokens_per_s"] * m["step_time_s"] - 3 * share) <= 1e-6 * share for m in metrics)
 
 
 def test_summary_counts_reassigned_rows_apart_from_lost_ones():
