@@ -5,6 +5,9 @@ membership log; plain dp and ZeRO-1 groups (one reduction after the last micro-b
 the plain dp run through a kill and a heal. The replay of plain dp groups equals the one-process Trainer."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from scaletrain.config import load_config
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from tests.harness import TINY, train_reference
-from tests.test_replicas import _finals, _group_steps, _max_diff, _train
+from tests.test_replicas import _finals, _group_steps, _max_diff, _sets
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the groups' one thread each: the replay adds as they do
 
@@ -47,14 +50,42 @@ def _run_equals_replay(out, rows: list[dict]) -> dict[str, torch.Tensor]:
     return finals
 
 
-def test_zero3_group_killed_heals_its_parameter_shards_rank_by_rank_and_the_run_equals_its_replay(tmp_path):
-    out = tmp_path / "zero3"
-    run = {**RUN, "parallel.zero": 3, "train.steps": 10, "train.grad_clip": 0.5, "train.checkpoint_every": 2,
-           "train.keep_checkpoints": 100}
-    # group 0's rank 1 is SIGKILLed after joining step 3's quorum (its agent stops rank 0 and restarts both); both
-    # ranks of group 1 corrupt the first chunk of the heal (their parameter shard and AdamW state) they send once
-    p = _train(out, run, "kill:0:3,corrupt:1:0", "--restarts", "1", pace=4.0)
-    assert p.returncode == 0, p.stdout + p.stderr
+ZERO3 = {**RUN, "parallel.zero": 3, "train.steps": 10, "train.grad_clip": 0.5, "train.checkpoint_every": 2,
+         "train.keep_checkpoints": 100}
+# group 0's rank 1 is SIGKILLed after joining step 3's quorum (its agent stops rank 0 and restarts both); both ranks
+# of group 1 corrupt the first chunk of the heal they send once; steps without group 0 take >= 4 s (the restart of
+# a 2-rank group finds the run still going)
+RUNS = {"zero3": (ZERO3, "kill:0:3,corrupt:1:0", ("--restarts", "1"), 4.0),
+        "dp": ({**RUN, "parallel.zero": 0, "train.steps": 8}, "kill:0:3,corrupt:1:0", ("--restarts", "1"), 4.0),
+        "zero1": ({**RUN, "parallel.zero": 1, "train.steps": 4}, "", (), 0.0)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three runs at once (CI time: the kill drills mostly wait for a restart): {name: (folder, exit code,
+    output)}."""
+    root = tmp_path_factory.mktemp("zero_stages")
+    started = {}
+    for name, (overrides, fault, extra, pace) in RUNS.items():
+        env = {**os.environ, "SCALETRAIN_FT_FAULT": fault, "SCALETRAIN_FT_PACE_S": str(pace)}
+        cmd = [sys.executable, "-m", "scaletrain", "train", "--out", str(root / name), *_sets(overrides), *extra]
+        log = open(root / f"{name}.log", "w")
+        started[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    done = {}
+    for name, (proc, log) in started.items():
+        try:
+            code = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        log.close()
+        done[name] = (root / name, code, (root / f"{name}.log").read_text())
+    return done
+
+
+def test_zero3_group_killed_heals_its_parameter_shards_rank_by_rank_and_the_run_equals_its_replay(runs):
+    out, code, output = runs["zero3"]
+    assert code == 0, output
     rows = load_log(out)
     committed = _check_kill_and_heal(out, rows, 10)
     finals = _run_equals_replay(out, rows)
@@ -73,20 +104,17 @@ def test_zero3_group_killed_heals_its_parameter_shards_rank_by_rank_and_the_run_
     assert all(torch.equal(last[k], finals["final-group0"][k]) for k in last)
 
 
-def test_plain_dp_group_killed_heals_and_the_run_equals_its_replay(tmp_path):
-    out = tmp_path / "dp"
-    p = _train(out, {**RUN, "parallel.zero": 0, "train.steps": 8}, "kill:0:3,corrupt:1:0", "--restarts", "1",
-               pace=4.0)
-    assert p.returncode == 0, p.stdout + p.stderr
+def test_plain_dp_group_killed_heals_and_the_run_equals_its_replay(runs):
+    out, code, output = runs["dp"]
+    assert code == 0, output
     rows = load_log(out)
     _check_kill_and_heal(out, rows, 8)
     _run_equals_replay(out, rows)
 
 
-def test_zero1_groups_run_and_equal_their_replay(tmp_path):
-    out = tmp_path / "zero1"
-    p = _train(out, {**RUN, "parallel.zero": 1, "train.steps": 4}, "")
-    assert p.returncode == 0, p.stdout + p.stderr
+def test_zero1_groups_run_and_equal_their_replay(runs):
+    out, code, output = runs["zero1"]
+    assert code == 0, output
     rows = load_log(out)
     assert [r["step"] for r in rows if r["committed"]] == [1, 2, 3, 4]
     _run_equals_replay(out, rows)
