@@ -26,15 +26,19 @@ RUN = {**TINY, "train.global_batch": 8, "train.micro_batch": 1, "train.checkpoin
 
 
 def _check_kill_and_heal(out, rows: list[dict], steps: int) -> list[dict]:
-    """Group 0 was killed at step 3 and healed once from group 1 (one corrupted chunk per rank, resent); every step
-    committed, each group logged exactly the steps it was a member of. The committed rows."""
+    """Group 0 was killed at step 3 and healed once from group 1, one corrupted chunk per rank of the first heal group
+    1 sent detected and resent; every step committed, each group logged exactly the steps it was a member of. The
+    committed rows."""
     committed = [r for r in rows if r["committed"]]
     assert [r["step"] for r in committed] == list(range(1, steps + 1))
     assert any(0 in r["dropped"] and r["step"] >= 3 for r in committed)  # dropped once killed, the run went on
     healed = [r for r in committed if 0 in r["behind"] and r["step"] > 3]
     assert len(healed) == 1 and healed[0]["members"] == [0, 1]  # back through a heal from group 1
-    heal = healed[0]["heal"]["0"]
-    assert heal["retries"] == 2 and heal["bytes"] > 0  # one corrupted chunk per rank, each detected and resent
+    assert healed[0]["heal"]["0"]["bytes"] > 0
+    # group 1 corrupts the first chunk of each rank's first heal it sends: this one, or, where a slow first step under
+    # load made the lighthouse drop group 0 at step 1 already, that earlier heal (the drill fires once)
+    heals = [h for r in committed for h in r["heal"].values()]
+    assert sum(h["retries"] for h in heals) == 2
     for g in (0, 1):
         assert _group_steps(out, g) == [r["step"] for r in committed if g in r["members"]]
     return committed
@@ -51,13 +55,13 @@ def _run_equals_replay(out, rows: list[dict]) -> dict[str, torch.Tensor]:
     return finals
 
 
-ZERO3 = {**RUN, "parallel.zero": 3, "train.steps": 10, "train.grad_clip": 0.5, "train.checkpoint_every": 2,
+ZERO3 = {**RUN, "parallel.zero": 3, "train.steps": 12, "train.grad_clip": 0.5, "train.checkpoint_every": 2,
          "train.keep_checkpoints": 100}
 # group 0's rank 1 is SIGKILLed after joining step 3's quorum (its agent stops rank 0 and restarts both); both ranks
 # of group 1 corrupt the first chunk of the heal they send once; steps without group 0 take >= 4 s (the restart of
-# a 2-rank group finds the run still going)
+# a 2-rank group, 20 s and more on a loaded machine, finds the run still going: 9 paced steps, 36 s)
 RUNS = {"zero3": (ZERO3, "kill:0:3,corrupt:1:0", ("--restarts", "1"), 4.0),
-        "dp": ({**RUN, "parallel.zero": 0, "train.steps": 8}, "kill:0:3,corrupt:1:0", ("--restarts", "1"), 4.0),
+        "dp": ({**RUN, "parallel.zero": 0, "train.steps": 12}, "kill:0:3,corrupt:1:0", ("--restarts", "1"), 4.0),
         "zero1": ({**RUN, "parallel.zero": 1, "train.steps": 4}, "", (), 0.0)}
 
 
@@ -88,7 +92,7 @@ def test_zero3_group_killed_heals_its_parameter_shards_rank_by_rank_and_the_run_
     out, code, output = runs["zero3"]
     assert code == 0, output
     rows = load_log(out)
-    committed = _check_kill_and_heal(out, rows, 10)
+    committed = _check_kill_and_heal(out, rows, 12)
     finals = _run_equals_replay(out, rows)
     norms = [json.loads(x)["grad_norm"] for x in (out / "replicas" / "group1.jsonl").read_text().splitlines()]
     assert max(norms) > 0.5  # the clip acted: each group clipped by the norm over its two shards
@@ -99,7 +103,7 @@ def test_zero3_group_killed_heals_its_parameter_shards_rank_by_rank_and_the_run_
     replayed = replay_rounds(cfg, [r for r in rows if r["step"] <= 2])
     assert max(float((two[k] - replayed[k]).abs().max()) for k in two) <= TOLERANCE
     writers = [ckpt.read_meta(ckpt.checkpoint_dirs.step_dir(out / "checkpoints", s))["replicas"]["writer"]
-               for s in range(2, 11, 2)]
+               for s in range(2, 13, 2)]
     assert writers == [r["members"][0] for r in committed if r["step"] % 2 == 0]
     last = ckpt.read_tensors(ckpt.latest(out / "checkpoints"))
     assert all(torch.equal(last[k], finals["final-group0"][k]) for k in last)
@@ -109,7 +113,7 @@ def test_plain_dp_group_killed_heals_and_the_run_equals_its_replay(runs):
     out, code, output = runs["dp"]
     assert code == 0, output
     rows = load_log(out)
-    _check_kill_and_heal(out, rows, 8)
+    _check_kill_and_heal(out, rows, 12)
     _run_equals_replay(out, rows)
 
 
