@@ -6,6 +6,7 @@ the plain dp run through a kill and a heal. The replay of plain dp groups equals
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from tests.harness import TINY, train_reference
 from tests.test_replicas import _finals, _group_steps, _max_diff, _sets
+from tests.test_replicas_checkpoint import _tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the groups' one thread each: the replay adds as they do
 
@@ -80,8 +82,12 @@ def runs(tmp_path_factory):
     for name, (proc, log) in started.items():
         try:
             code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        except subprocess.TimeoutExpired:  # the whole job: launcher, lighthouse, agents, groups
+            for pid in _tree(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             code = proc.wait()
         log.close()
         done[name] = (root / name, code, (root / f"{name}.log").read_text())
