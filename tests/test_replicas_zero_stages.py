@@ -37,8 +37,8 @@ def _check_kill_and_heal(out, rows: list[dict], steps: int) -> list[dict]:
     healed = [r for r in committed if 0 in r["behind"] and r["step"] > 3]
     assert len(healed) == 1 and healed[0]["members"] == [0, 1]  # back through a heal from group 1
     assert healed[0]["heal"]["0"]["bytes"] > 0
-    # group 1 corrupts the first chunk of each rank's first heal it sends: this one, or, where a slow first step under
-    # load made the lighthouse drop group 0 at step 1 already, that earlier heal (the drill fires once)
+    # group 1 corrupts the first chunk of each rank's first heal it sends: this one, or, where the lighthouse dropped
+    # group 0 at step 1 already (seen under load, docs/fault_tolerance.md), that earlier heal (the drill fires once)
     heals = [h for r in committed for h in r["heal"].values()]
     assert sum(h["retries"] for h in heals) == 2
     for g in (0, 1):
