@@ -11,6 +11,8 @@ same numbers and a healed group needs nothing but the parameters and optimizer s
   and heals rank by rank (each rank its own experts, through a corrupted chunk that is detected and resent); both
   groups end bit-equal and equal to the replay of the membership log within the bound of split groups."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import load_log, replay_rounds
+from scaletrain.train.runners.replicas import ReplicaRunner
 from tests.harness import TINY, train_reference
 from tests.test_replicas import _finals, _group_steps, _max_diff, _sets, _train, _within_tp_bound
 
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # the groups' one thread eac
 MOE = {**TINY, "model.moe.experts": 4, "model.moe.group_tokens": 16, "model.moe.router_noise": 0.1,
        "model.moe.random_routing": True, "model.moe.expert_dropout": 0.1, "model.dropout": 0.1,
        "train.micro_batch": 1, "train.checkpoint_every": 0, "train.report": False, "parallel.heartbeat_s": 2.0}
-ONE = {**MOE, "parallel.dp": 2, "parallel.replicas": 2}  # groups of one process
+ONE = {**MOE, "train.micro_batch": 2, "parallel.dp": 2, "parallel.replicas": 2}  # groups of one process
 EP = {**MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.replicas": 2}  # groups of 2 expert-parallel ranks
 
 
@@ -96,3 +99,14 @@ def test_moe_replicas_refused_where_they_are_not_built(tmp_path, capsys, sets, m
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "o").exists()
 
+
+
+def test_heal_payload_of_the_other_ep_rank_is_refused_before_loading():
+    """Both ep ranks' expert weights have the same names and shapes, so a strict load would take the other rank's:
+    the receiver checks the payload's ep rank (a RuntimeError fails the heal's round; nothing is loaded)."""
+    rank1 = SimpleNamespace(group=0, model=SimpleNamespace(trainer=SimpleNamespace(
+        mesh=SimpleNamespace(local_rank=lambda dim: 1))))
+    ReplicaRunner._check_slice(rank1, {"ep_rank": 1, "step": 3})  # its own experts: accepted
+    ReplicaRunner._check_slice(rank1, {"step": 3})  # not an ep group's payload: nothing to check
+    with pytest.raises(RuntimeError, match="sent ep rank 0's experts to ep rank 1"):
+        ReplicaRunner._check_slice(rank1, {"ep_rank": 0, "step": 3})
