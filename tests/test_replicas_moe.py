@@ -11,6 +11,7 @@ same numbers and a healed group needs nothing but the parameters and optimizer s
   and heals rank by rank (each rank its own experts, through a corrupted chunk that is detected and resent); both
   groups end bit-equal and equal to the replay of the membership log within the bound of split groups."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -34,24 +35,36 @@ ONE = {**MOE, "train.micro_batch": 2, "parallel.dp": 2, "parallel.replicas": 2} 
 EP = {**MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.replicas": 2}  # groups of 2 expert-parallel ranks
 
 
-def test_replay_of_moe_groups_with_full_quorums_equals_the_single_process_trainer():
+@pytest.fixture(scope="module")
+def one_process():
+    """(losses by step, final parameters) of the plain one-process Trainer on the whole batch: the reference."""
+    return train_reference({k: v for k, v in ONE.items() if not k.startswith("parallel.")})
+
+
+def test_replay_of_moe_groups_with_full_quorums_equals_the_single_process_trainer(one_process):
     """2 one-process groups, both in every step: each keys its MoE and dropout streams for its own rows, and their
     averaged gradients are the one-process Trainer's on the whole batch (fp64, bound 1e-12)."""
     cfg = load_config(None, [f"{k}={v}" for k, v in ONE.items()])
     rows = [{"step": s, "members": [0, 1], "committed": True} for s in range(1, cfg.train.steps + 1)]
-    _, ref = train_reference({k: v for k, v in ONE.items() if not k.startswith("parallel.")})
-    diff = _max_diff(replay_rounds(cfg, rows), ref)
+    diff = _max_diff(replay_rounds(cfg, rows), one_process[1])
     print(f"replay vs one process: largest parameter difference {diff:.3g}")
     assert diff <= 1e-12
 
 
-def test_moe_run_of_one_process_groups_equals_its_replay(tmp_path, capsys):
+def test_moe_run_of_one_process_groups_equals_its_replay(tmp_path, capsys, one_process):
     out = tmp_path / "run"
     p = _train(out, ONE, "")
     assert p.returncode == 0, p.stdout + p.stderr
     finals = _finals(out)
     assert sorted(finals) == ["final-group0", "final-group1"]
     assert _max_diff(finals["final-group0"], finals["final-group1"]) == 0.0
+    # the logged loss of every step (both groups in it) is the Trainer's: cross-entropy plus the weighted auxiliary
+    # and z-losses, as the quorum's mean (fp64, bound 1e-12)
+    logged = {json.loads(x)["step"]: json.loads(x)["loss"] for x in (out / "replicas" / "group0.jsonl").open()}
+    assert logged.keys() == one_process[0].keys()
+    loss_diff = max(abs(logged[s] - one_process[0][s]) for s in logged)
+    print(f"logged loss vs one process: largest difference {loss_diff:.3g}")
+    assert loss_diff <= 1e-12
     assert main(["replay", "--out", str(out)]) == 0  # the command's own check (bound 1e-12)
     said = capsys.readouterr().out
     print(said)

@@ -60,6 +60,7 @@ from scaletrain.distributed.comm import all_gather_single
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient, ordered_sum
 from scaletrain.model.moe import begin_step as begin_moe_step
+from scaletrain.model.moe import moe_modules
 from scaletrain.parallel.experts import ExpertParallelOptimizer
 from scaletrain.parallel.zero import ZeroOptimizer
 from scaletrain.train import checkpoint as ckpt
@@ -130,9 +131,20 @@ class GroupModel:
 
     def _flat(self, loss: torch.Tensor) -> torch.Tensor:
         grads = _grads(self.opt)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
+        loss = loss.reshape(1).to(grads[0].dtype) + self._aux_loss()
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
         self.opt.zero_grad()
         return flat
+
+    def _aux_loss(self) -> float:
+        """This rank's share of the weighted MoE auxiliary and z-losses of the forward just run (0 without MoE), per
+        token of the group: added to the logged loss as the Trainer adds them (they are already in the gradient)."""
+        w = self.cfg.model.moe
+        if not w.experts:
+            return 0.0
+        aux_weight = 1.0 if w.aux_loss == "importance" else w.aux_loss_weight  # importance's aux is weighted
+        return sum(aux_weight * m.stats.aux + w.z_loss_weight * m.stats.z
+                   for m in moe_modules(self.trainer.model)) / self.tokens
 
     def local_grad(self, step: int, group: int) -> torch.Tensor:
         """This rank's part of its group's gradient of the mean token loss over the group's rows, flattened, with
