@@ -58,6 +58,7 @@ def test_moe_run_of_one_process_groups_equals_its_replay(tmp_path, capsys, one_p
     finals = _finals(out)
     assert sorted(finals) == ["final-group0", "final-group1"]
     assert _max_diff(finals["final-group0"], finals["final-group1"]) == 0.0
+    assert _max_diff(finals["final-group0"], one_process[1]) <= 1e-12  # no failure: the one-process Trainer's run
     # the logged loss of every step (both groups in it) is the Trainer's: cross-entropy plus the weighted auxiliary
     # and z-losses, as the quorum's mean (fp64, bound 1e-12)
     logged = {json.loads(x)["step"]: json.loads(x)["loss"] for x in (out / "replicas" / "group0.jsonl").open()}
