@@ -194,7 +194,7 @@ def cmd_train(args) -> int:
     set_user_command(args)  # the command as the user gave it, for the run report
     multinode_launcher.check_arguments(args)
     if cfg.parallel.replicas > 1:
-        check_replica_run(args, Path(args.out))
+        check_replica_run(args, Path(args.out), cfg.parallel.replicas)
     if cfg.parallel.sync != "bsp" and (args.rdzv_endpoint or args.restarts):
         raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
                         f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
@@ -209,7 +209,9 @@ def cmd_train(args) -> int:
     from scaletrain.distributed.launch import LauncherLines
 
     with LauncherLines() as said:  # what this command prints before the ranks start: OUT/logs/launcher.log
-        if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
+        # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher (replica groups: the
+        # launcher of the lighthouse's host)
+        if args.rdzv_endpoint and not (cfg.parallel.replicas > 1 and _runs_lighthouse(args)):
             return _launch(args, cfg, out, nproc, resume_args, said)
         with lock_run(out) or contextlib.nullcontext():  # one run per folder (guards.py), until the ranks have stopped
             return _launch(args, cfg, out, nproc, resume_args, said)
@@ -263,12 +265,12 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
         if found is not None and int(found.name.split("_")[-1]) >= cfg.train.steps:
             print(f"run in {out} is already complete ({cfg.train.steps} steps); nothing to do", flush=True)
             return 0
-        if found is None:
+        if found is None and _runs_lighthouse(args):
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
         p = cfg.parallel
         code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s,
-                               ranks=cfg.world_size // p.replicas)
-        if cfg.train.report:  # the groups train without an output folder: the launcher writes the report
+                               ranks=cfg.world_size // p.replicas, nnodes=args.nnodes, endpoint=args.rdzv_endpoint)
+        if cfg.train.report and _runs_lighthouse(args):  # the groups have no output folder: the launcher writes it
             from scaletrain.report.observers import safely
             from scaletrain.report.run_page import write_report
 
@@ -281,6 +283,16 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
     if args.rdzv_endpoint:
         return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
     return launch_local(nproc, argv, out, args.restarts)
+
+
+def _runs_lighthouse(args) -> bool:
+    """Whether this launcher runs the replica run's lighthouse (one machine, or the rendezvous host of several):
+    it writes the run's config.yaml and report."""
+    if not args.rdzv_endpoint:
+        return True
+    from scaletrain.multinode import network
+
+    return network.is_this_host(network.split_endpoint(args.rdzv_endpoint)[0])
 
 
 def complete_step(out: Path, cfg: Config) -> int | None:
@@ -297,12 +309,13 @@ def complete_step(out: Path, cfg: Config) -> int | None:
     return step if step >= cfg.train.steps else None
 
 
-def check_replica_run(args, out: Path) -> None:
+def check_replica_run(args, out: Path, replicas: int) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
-    if args.rdzv_endpoint or args.nnodes != 1 or args.init_from is not None:
-        raise UserError("parallel.replicas > 1 runs on one machine and starts from its own or a --reshard checkpoint: "
-                        "--nnodes/--rdzv-endpoint and --init-from are not supported with it (`scaletrain replay` "
-                        "starts from step 0 or a checkpoint in --out: Hugging Face weights are neither)")
+    if args.init_from is not None:
+        raise UserError("parallel.replicas > 1 starts from its own or a --reshard checkpoint: --init-from is not "
+                        "supported with it (`scaletrain replay` starts from step 0 or a checkpoint in --out: Hugging "
+                        "Face weights are neither)")
+    check_replica_nodes(args, replicas)
     from scaletrain.train.checkpoint_dirs import latest
 
     if args.reshard and (out / "membership.jsonl").exists():
@@ -313,6 +326,22 @@ def check_replica_run(args, out: Path) -> None:
     if (out / "membership.jsonl").exists() and latest(out / "checkpoints") is None:
         raise UserError(f"{out} holds a replica run (membership.jsonl) without a complete checkpoint to resume from "
                         "(set train.checkpoint_every): use a new --out")
+
+
+def check_replica_nodes(args, replicas: int) -> None:
+    """Replica groups on several machines (multinode/replicas.py): each node runs a whole number of groups, and the
+    rendezvous host is named as the other nodes reach it (its launcher runs the lighthouse there)."""
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        return
+    if replicas % args.nnodes:
+        raise UserError(f"parallel.replicas ({replicas}) must be a multiple of --nnodes ({args.nnodes}): each node "
+                        "runs the same number of whole replica groups")
+    from scaletrain.multinode import network
+
+    host, _ = network.split_endpoint(args.rdzv_endpoint)
+    if args.nnodes > 1 and (host == "localhost" or network.is_loopback(host)):
+        raise UserError(f"--rdzv-endpoint {args.rdzv_endpoint} is a loopback address: with parallel.replicas > 1 "
+                        "name the host that runs the lighthouse as the other nodes reach it (its name or address)")
 
 
 def refuse_if_too_big(cfg: Config, nproc: int) -> None:
