@@ -74,19 +74,24 @@ def test_moe_run_of_one_process_groups_equals_its_replay(tmp_path, capsys, one_p
 
 def test_ep2_group_killed_heals_expert_by_expert_and_the_run_equals_its_replay(tmp_path):
     out = tmp_path / "run"
-    run = {**EP, "train.steps": 8}
+    run = {**EP, "train.steps": 12}  # steps without group 0 take >= 4 s: its restart has >= 36 s to come back
+    # (measured up to 18 s on the loaded 2-core machine; the steps after the heal take ~0.3 s)
     # group 0's rank 1 (ep rank 1) is SIGKILLed after joining step 3's quorum (its agent stops rank 0 and restarts
-    # both); both ranks of group 1 corrupt the first chunk of the heal they send once
-    p = _train(out, run, "kill:0:3,corrupt:1:0", "--restarts", "1", pace=3.0)
+    # both); both ranks of group 1 corrupt the first chunk of the heal they send
+    p = _train(out, run, "kill:0:3,corrupt:1:0", "--restarts", "1", pace=4.0)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = load_log(out)
     committed = [r for r in rows if r["committed"]]
-    assert [r["step"] for r in committed] == list(range(1, 9))
-    assert any(0 in r["dropped"] and r["step"] >= 3 for r in committed)  # dropped once killed, the run went on
-    healed = [r for r in committed if 0 in r["behind"] and r["step"] > 3]
-    assert len(healed) == 1 and healed[0]["members"] == [0, 1]  # back through a heal from group 1
-    heal = healed[0]["heal"]["0"]
-    assert heal["retries"] == 2 and heal["bytes"] > 0  # one corrupted chunk per rank, each detected and resent
+    assert [r["step"] for r in committed] == list(range(1, 13)), rows
+    assert any(0 in r["dropped"] and r["step"] >= 3 for r in committed), rows  # dropped once killed, the run went on
+    drop = next(r["step"] for r in committed if 0 in r["dropped"])
+    back = [r for r in committed if r["step"] > drop and 0 in r["members"]]
+    assert back and all(r["members"] == [0, 1] for r in back), rows  # back through a heal from group 1, to the end
+    # every heal's row (with its round, committed or not: under heavy load a heal round can time out after the
+    # state was loaded, and the group is caught up in the next round without a second transfer) shows one corrupted
+    # chunk per rank, each detected and resent
+    heals = [r["heal"]["0"] for r in rows if "0" in r["heal"]]
+    assert heals and all(h["retries"] == 2 and h["bytes"] > 0 for h in heals), rows
     for g in (0, 1):
         assert _group_steps(out, g) == [r["step"] for r in committed if g in r["members"]]
     finals = _finals(out)
