@@ -23,7 +23,7 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import load_log, replay_rounds
 from scaletrain.train.runners.replicas import ReplicaRunner
 from tests.harness import TINY, train_reference
-from tests.test_replicas import _finals, _group_steps, _max_diff, _sets, _train, _within_tp_bound
+from tests.test_replicas import _finals, _group_steps, _max_diff, _sets, _within_tp_bound, train_at_once
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the groups' one thread each: the replay adds as they do
 
@@ -33,6 +33,19 @@ MOE = {**TINY, "model.moe.experts": 4, "model.moe.group_tokens": 16, "model.moe.
        "train.micro_batch": 1, "train.checkpoint_every": 0, "train.report": False, "parallel.heartbeat_s": 2.0}
 ONE = {**MOE, "train.micro_batch": 2, "parallel.dp": 2, "parallel.replicas": 2}  # groups of one process
 EP = {**MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.replicas": 2}  # groups of 2 expert-parallel ranks
+
+
+# group 0's rank 1 (ep rank 1) is SIGKILLed after joining step 3's quorum (its agent stops rank 0 and restarts both);
+# both ranks of group 1 corrupt the first chunk of the heal they send; steps without group 0 take >= 4 s, so its
+# restart has >= 36 s to come back (measured up to 18 s on the loaded 2-core machine; the steps after the heal take
+# ~0.3 s). The one-process groups' run (no fault) starts at the same time (CI time: the drill mostly waits).
+RUNS = {"one": (ONE, "", (), 0.0), "ep": ({**EP, "train.steps": 12}, "kill:0:3,corrupt:1:0", ("--restarts", "1"), 4.0)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both runs at once: {name: (folder, exit code, output)}."""
+    return train_at_once(tmp_path_factory.mktemp("moe"), RUNS)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +64,9 @@ def test_replay_of_moe_groups_with_full_quorums_equals_the_single_process_traine
     assert diff <= 1e-12
 
 
-def test_moe_run_of_one_process_groups_equals_its_replay(tmp_path, capsys, one_process):
-    out = tmp_path / "run"
-    p = _train(out, ONE, "")
-    assert p.returncode == 0, p.stdout + p.stderr
+def test_moe_run_of_one_process_groups_equals_its_replay(runs, capsys, one_process):
+    out, code, output = runs["one"]
+    assert code == 0, output
     finals = _finals(out)
     assert sorted(finals) == ["final-group0", "final-group1"]
     assert _max_diff(finals["final-group0"], finals["final-group1"]) == 0.0
@@ -72,14 +84,9 @@ def test_moe_run_of_one_process_groups_equals_its_replay(tmp_path, capsys, one_p
     assert "PASS" in said and "heals: none" in said
 
 
-def test_ep2_group_killed_heals_expert_by_expert_and_the_run_equals_its_replay(tmp_path):
-    out = tmp_path / "run"
-    run = {**EP, "train.steps": 12}  # steps without group 0 take >= 4 s: its restart has >= 36 s to come back
-    # (measured up to 18 s on the loaded 2-core machine; the steps after the heal take ~0.3 s)
-    # group 0's rank 1 (ep rank 1) is SIGKILLed after joining step 3's quorum (its agent stops rank 0 and restarts
-    # both); both ranks of group 1 corrupt the first chunk of the heal they send
-    p = _train(out, run, "kill:0:3,corrupt:1:0", "--restarts", "1", pace=4.0)
-    assert p.returncode == 0, p.stdout + p.stderr
+def test_ep2_group_killed_heals_expert_by_expert_and_the_run_equals_its_replay(runs):
+    out, code, output = runs["ep"]
+    assert code == 0, output
     rows = load_log(out)
     committed = [r for r in rows if r["committed"]]
     assert [r["step"] for r in committed] == list(range(1, 13)), rows

@@ -5,10 +5,6 @@ membership log; plain dp and ZeRO-1 groups (one reduction after the last micro-b
 the plain dp run through a kill and a heal. The replay of plain dp groups equals the one-process Trainer."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,8 +13,7 @@ from scaletrain.config import load_config
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from tests.harness import TINY, train_reference
-from tests.test_replicas import _finals, _group_steps, _max_diff, _sets
-from tests.test_replicas_checkpoint import _tree
+from tests.test_replicas import _finals, _group_steps, _max_diff, train_at_once
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the groups' one thread each: the replay adds as they do
 
@@ -65,29 +60,8 @@ RUNS = {"zero3": (ZERO3, "kill:0:3,corrupt:1:0", ("--restarts", "1"), 5.0),
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three runs at once (CI time: the kill drills mostly wait for a restart): {name: (folder, exit code,
-    output)}."""
-    root = tmp_path_factory.mktemp("zero_stages")
-    started = {}
-    for name, (overrides, fault, extra, pace) in RUNS.items():
-        env = {**os.environ, "SCALETRAIN_FT_FAULT": fault, "SCALETRAIN_FT_PACE_S": str(pace)}
-        cmd = [sys.executable, "-m", "scaletrain", "train", "--out", str(root / name), *_sets(overrides), *extra]
-        log = open(root / f"{name}.log", "w")
-        started[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-    done = {}
-    for name, (proc, log) in started.items():
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:  # the whole job: launcher, lighthouse, agents, groups
-            for pid in _tree(proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            code = proc.wait()
-        log.close()
-        done[name] = (root / name, code, (root / f"{name}.log").read_text())
-    return done
+    """The three runs at once: {name: (folder, exit code, output)}."""
+    return train_at_once(tmp_path_factory.mktemp("zero_stages"), RUNS)
 
 
 def test_zero3_group_killed_heals_its_parameter_shards_rank_by_rank_and_the_run_equals_its_replay(runs):
