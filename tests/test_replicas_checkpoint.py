@@ -26,6 +26,7 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
 from scaletrain.train.trainer import Trainer
 from tests.harness import TINY, train_reference
+from tests.test_replicas import _tree
 
 RUN = {**TINY, "train.steps": 8, "train.checkpoint_every": 2, "train.checkpoint_async": True, "parallel.dp": 2,
        "parallel.replicas": 2, "parallel.heartbeat_s": 2.0, "train.report": False}
@@ -38,24 +39,6 @@ def _sets(overrides: dict) -> list[str]:
 
 def _cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "scaletrain", "train", "--out", str(out), *_sets(RUN)]
-
-
-def _tree(root: int) -> list[int]:
-    """`root` and every process descended from it (the launcher's children run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
 
 
 def _kill_job_after_checkpoint(out: Path) -> None:

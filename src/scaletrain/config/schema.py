@@ -295,8 +295,8 @@ class ParallelConfig:
     replicas: int = 1
     """Fault-tolerant replica groups (docs/fault_tolerance.md): the data-parallel dimension split into this many
     groups that train on through the death of a group (a per-step quorum, torchft-style; a restarted group heals from
-    a live one). 1 = off. A group is one process (dp = replicas) or two ranks with ZeRO-2 (dp = 2 x replicas,
-    zero = 2); no tp/pp/ep/cp inside a group."""
+    a live one). 1 = off. A group is one process (dp = replicas) or two data-parallel ranks (dp = 2 x replicas,
+    any parallel.zero); no tp/pp/ep/cp inside a group."""
     missing_rows: MissingRows = "skip"
     """parallel.replicas > 1: a step computed by Q < R groups `skip`s the missing groups' rows (the mean over the Q
     groups' rows, at the step's usual lr: a smaller batch) or `reassign`s them to the live groups, round-robin (every

@@ -25,6 +25,10 @@ all-gathers the parameters. A restarted group heals rank by rank: rank I receive
 the parameters, its optimizer state) from rank I of the source group, and the group all-gathers its parameters.
 The replay recomputes a group's gradient as its engine does: per micro-batch, the two ranks' gradients added (a sum
 of two is the same in either order), accumulated over the micro-batches.
+ZeRO-3 groups (parallel.zero = 3) reduce-scatter per unit and micro-batch as ZeRO-2 does (the same replay), keep
+their parameters as shards gathered per unit (nothing to all-gather after the step or a heal: a heal sends rank I's
+parameter shard); plain dp and ZeRO-1 groups reduce once after the last micro-batch (the replay adds each rank's
+accumulated gradient) and a heal sends rank I's whole state (plain dp) or its ZeRO-1 shard.
 
 Groups of two tensor-parallel ranks (parallel.tp = 2, parallel.dp = replicas): both ranks read the group's rows;
 rank I of every member adds its own tp slice's gradients (and its copy of the replicated parameters') in member
@@ -63,6 +67,9 @@ from scaletrain.distributed.comm import all_gather_single
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient, ordered_sum
 from scaletrain.distributed.rows import divisor, rows_of
+from scaletrain.model.moe import begin_step as begin_moe_step
+from scaletrain.model.moe import moe_modules
+from scaletrain.parallel.experts import ExpertParallelOptimizer
 from scaletrain.parallel.zero import ZeroOptimizer
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
@@ -96,7 +103,7 @@ def group_config(cfg: Config, replay: bool = False) -> Config:
     process of `scaletrain replay`, which computes every rank's gradient itself, at whole width, all stages)."""
     p = cfg.parallel
     if replay:
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, pp=1, replicas=1, zero=0,
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, pp=1, ep=1, replicas=1, zero=0,
                                                                      microbatches=0))
     # a pipeline's schedule runs the micro-batches of the group's rows (those of one dp rank of the whole run)
     micro = (p.microbatches or cfg.grad_accum) if p.pp > 1 else p.microbatches
@@ -105,7 +112,10 @@ def group_config(cfg: Config, replay: bool = False) -> Config:
 
 
 def _grads(opt) -> list[torch.Tensor]:
-    """The gradients this rank reduces across groups: the whole gradients, or its ZeRO shard's."""
+    """The gradients this rank reduces across groups: the whole gradients, or its ZeRO shard's; under expert
+    parallelism (ep2 groups) the dense parameters' (all-reduced over the group) then this rank's experts'."""
+    if isinstance(opt, ExpertParallelOptimizer):
+        return [g for part in opt.parts for g in _grads(part)]
     return [g.shard_grad for g in opt.groups] if isinstance(opt, ZeroOptimizer) else opt.grads
 
 
@@ -129,30 +139,59 @@ class GroupModel:
 
     def _flat(self, loss: torch.Tensor) -> torch.Tensor:
         grads = _grads(self.opt)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
+        loss = loss.reshape(1).to(grads[0].dtype) + self._aux_loss()
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
         self.opt.zero_grad()
         return flat
+
+    def _aux_loss(self) -> float:
+        """This rank's share of the weighted MoE auxiliary and z-losses of the forward just run (0 without MoE), per
+        token of the group: added to the logged loss as the Trainer adds them (they are already in the gradient)."""
+        w = self.cfg.model.moe
+        if not w.experts:
+            return 0.0
+        aux_weight = 1.0 if w.aux_loss == "importance" else w.aux_loss_weight  # importance's aux is weighted
+        return sum(aux_weight * m.stats.aux + w.z_loss_weight * m.stats.z
+                   for m in moe_modules(self.trainer.model)) / self.tokens
 
     def local_grad(self, step: int, group: int) -> torch.Tensor:
         """This rank's part of its group's gradient of the mean token loss over the group's rows, flattened, with
         this rank's part of that loss appended: the whole gradient (a group of one process) or its ZeRO shard."""
         return self._rank_grad(step, group, self.dp_rank)
 
+    def _first_row(self, group: int, rank: int) -> int:
+        """The global batch row of data-parallel rank `rank` of group `group`'s first row of a step."""
+        cfg = self.cfg
+        return (group * self.dps + rank) * (cfg.train.global_batch // cfg.parallel.dp)
+
+    def _begin(self, step: int, first_row: int) -> None:
+        """The per-step state of the model's random streams, as the Trainer sets it (train/trainer.py): MoE routers'
+        noise and random routing (model/moe.py) and layout-independent dropout (model/dropout.py) are keyed by
+        (seed, step, global row of the rank's first row), so a group, a healed group and the replay draw the same
+        numbers for the same rows; the MoE layers' statistics are reset."""
+        t, cfg = self.trainer, self.cfg
+        if cfg.model.moe.experts:
+            begin_moe_step(t.model, cfg.train.seed, step, first_row)
+        if t.engine.dropout is not None:
+            d = t.engine.dropout
+            d.seed, d.step, d.base_row = cfg.train.seed, step, first_row
+
     def _rank_grad(self, step: int, group: int, rank: int) -> torch.Tensor:
         t = self.trainer
+        self._begin(step, self._first_row(group, rank))
         with t.own_rng():
             loss = t.engine.forward_backward(self._micro(step, group, rank), 1.0 / self.tokens)
         return self._flat(loss)
 
     def group_grad(self, step: int, group: int) -> torch.Tensor:
         """The replay: group `group`'s whole gradient (and loss) as its engine computes it. One data-parallel rank
-        (one process, or tp ranks: their slices at whole width): its local_grad. Two with ZeRO-2: per micro-batch
+        (one process, or tp ranks: their slices at whole width): its local_grad. Two with ZeRO-2 or -3: per micro-batch
         the ranks' gradients added in rank order (the reduce-scatter), accumulated over the micro-batches into a
         zero buffer (the shard accumulator). Two with plain dp or ZeRO-1: each rank's gradient accumulated over
         its micro-batches, then the ranks' added in rank order (the one reduction after the last micro-batch)."""
         if self.dps == 1:
             return self.local_grad(step, group)
-        if self.cfg.parallel.zero != 2:
+        if self.cfg.parallel.zero not in (2, 3):
             return ordered_sum([self._rank_grad(step, group, i) for i in range(self.dps)])
         t = self.trainer
         micro = [self._micro(step, group, i) for i in range(self.dps)]
@@ -160,6 +199,7 @@ class GroupModel:
         for m in range(len(micro[0])):
             parts = []
             for i in range(self.dps):
+                self._begin(step, self._first_row(group, i) + m * self.cfg.train.micro_batch)
                 with t.own_rng():
                     parts.append(self._flat(t.engine.forward_backward([micro[i][m]], 1.0 / self.tokens)))
             reduced = ordered_sum(parts)
@@ -172,9 +212,10 @@ class GroupModel:
         for g in _grads(self.opt):
             g.copy_(mean[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
-        if not isinstance(self.opt, ZeroOptimizer):  # plain dp over several ranks drops .grad in zero_grad
-            for p, g in zip(self.opt.params, self.opt.grads):
-                p.grad = g
+        for part in self.opt.parts:  # plain dp over several ranks drops .grad in zero_grad
+            if not isinstance(part, ZeroOptimizer):
+                for p, g in zip(part.params, part.grads):
+                    p.grad = g
         norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
         self.opt.step(lr_at(step, self.cfg.train) * self.trainer.lr_scale)
         self.opt.zero_grad()
@@ -256,10 +297,18 @@ class ReplicaRunner:
                 self.client.store.set(f"healed/{q.round}/{self.rank}", "1")
         elif self.group in q.behind:
             state, stats = recv_state(src, link)
+            self._check_slice(state)
             return state, {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
         else:
             self.client.wait(f"healed/{q.round}/{self.rank}", self.cfg.parallel.timeout_s)
         return None
+
+    def _check_slice(self, state: dict) -> None:
+        """A verified heal payload of an ep2 group holds the sender's experts: refused (the round fails, nothing is
+        loaded) unless they are this rank's (both ranks' expert weights have the same names and shapes)."""
+        if "ep_rank" in state and state["ep_rank"] != self.model.trainer.mesh.local_rank("ep"):
+            raise RuntimeError(f"replica group {self.group}: the heal sent ep rank {state['ep_rank']}'s experts to "
+                               f"ep rank {self.model.trainer.mesh.local_rank('ep')}")
 
     def _phase(self, q: Quorum) -> dict | None:
         """The round's heal phase, agreed by the group's ranks: the heal's stats (None if not behind); RuntimeError
@@ -279,29 +328,39 @@ class ReplicaRunner:
 
     def _heal_state(self) -> dict:
         """What this rank sends to the same local rank of a group that is behind: the whole training state (a group
-        of one process), or its ZeRO-2 shard: its slice of the parameters (and masters), its optimizer state."""
+        of one process, plain dp), or its ZeRO shard: its slice of the parameters (ZeRO-3: its persistent parameter
+        shard) and masters, its optimizer state."""
         t = self.model.trainer
         z = t.engine.optimizer
+        if isinstance(z, ExpertParallelOptimizer):  # ep2 groups: its experts' slice and the dense copy, both parts'
+            return {"model": t.model.state_dict(), "optimizer": [o.state_dict() for o in z.parts],  # AdamW state
+                    "ep_rank": t.mesh.local_rank("ep"), "step": self.step}
         if not isinstance(z, ZeroOptimizer):
             return training_state(t.model, z, self.step)
-        return {"shards": [g.own(g.full).clone() for g in z.groups],
+        return {"shards": [_param_shard(z, g).clone() for g in z.groups],
                 "masters": [g.master.clone() for g in z.groups] if z.main_grads else [],
                 "optimizer": z.opt.state_dict(), "step": self.step}
 
     def _load_heal(self, state: dict) -> int:
-        """Load a verified heal payload; a ZeRO-2 group then all-gathers its parameters (both ranks heal at once)."""
+        """Load a verified heal payload; a ZeRO-1/2 group then all-gathers its parameters (both ranks heal at once)."""
         t = self.model.trainer
         z = t.engine.optimizer
+        if isinstance(z, ExpertParallelOptimizer):
+            t.model.load_state_dict(state["model"])
+            for part, part_state in zip(z.parts, state["optimizer"]):
+                part.load_state_dict(part_state)
+            return int(state["step"])
         if not isinstance(z, ZeroOptimizer):
             return load_training_state(t.model, z, state)
         with torch.no_grad():
             for g, shard in zip(z.groups, state["shards"]):
-                g.own(g.full).copy_(shard)
+                _param_shard(z, g).copy_(shard)
             for g, master in zip(z.groups, state["masters"]):
                 g.master.copy_(master)
             z.opt.load_state_dict(state["optimizer"])
-            for g in z.groups:
-                all_gather_single(g.full, g.own(g.full).clone(), group=z.group)
+            if z.stage != 3:  # ZeRO-3 gathers each unit's parameters from the shards when it runs
+                for g in z.groups:
+                    all_gather_single(g.full, g.own(g.full).clone(), group=z.group)
         return int(state["step"])
 
     def run(self) -> TrainResult:
@@ -397,6 +456,12 @@ class ReplicaRunner:
             while True:
                 time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
+
+
+def _param_shard(z: ZeroOptimizer, g) -> torch.Tensor:
+    """This rank's slice of a flat group's parameters: ZeRO-3's persistent shard (its flat buffer is released between
+    uses), or the owned slice of ZeRO-1/2's full buffer."""
+    return g.param_shard if z.stage == 3 else g.own(g.full)
 
 
 def _fault(group: int, rank: int = 0, ranks: int = 1) -> tuple[str, int] | None:
