@@ -8,7 +8,6 @@ who computed which rows."""
 import json
 
 import pytest
-import torch
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
@@ -20,27 +19,19 @@ from scaletrain.train.replica_replay import TOLERANCE, TP_ATOL, TP_RTOL, load_lo
 from tests.harness import TINY, train_reference_rules
 from tests.test_replicas import _finals, _group_steps, _max_diff, _sets, _train
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # in-process references and replays on one thread, as each group
+
 HEARTBEAT_S = 2.0
 STEPS = 16  # the kill at step 3 leaves 13 paced steps (>= 2 s each) for the restart: ~26 s of margin
 RUN = {**TINY, "train.global_batch": 6, "train.steps": STEPS, "train.checkpoint_every": 0, "parallel.dp": 3,
        "parallel.replicas": 3, "parallel.heartbeat_s": HEARTBEAT_S, "parallel.missing_rows": "reassign",
-       "train.grad_clip": 0.5}  # the clip acts (norms ~1-2): a mean divided by the wrong count changes its norm
+       "train.grad_clip": 0.5}  # the clip acts (logged norms 2-2.7), as in the tp and pp drills
 
 
 def _within(ref: dict, got: dict) -> bool:
     """docs/verify.md's fp64 bound for a layout against one process: |got - ref| <= 1e-11 + 1e-9 |ref|, each element
     (set before measuring)."""
     return all(bool(((ref[k] - got[k]).abs() <= TP_ATOL + TP_RTOL * ref[k].abs()).all()) for k in ref)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The in-process references and replays run on one thread, as each group does (OMP_NUM_THREADS = 1 on 2 cores):
-    a tiny model gains nothing from two, and on a loaded machine they wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +60,20 @@ def test_replay_of_reassigned_rows_equals_the_plain_loop(plain):
     rows = [{"step": s, "members": [0, 1, 2] if s < 3 or s > 5 else [1, 2], "committed": True,
              **({"rows": moved} if 3 <= s <= 5 else {})} for s in range(1, STEPS + 1)]
     assert _within(plain[1], replay_rounds(cfg, rows))
+
+
+def test_reassigned_rows_of_an_moe_model_with_dropout_draw_the_missing_groups_random_numbers():
+    """MoE (router noise, random routing, expert dropout) and dropout are keyed by (seed, step, global row): a member
+    computing group 0's rows draws group 0's numbers, so with 3 groups the step where group 1 computes groups 1 and 0
+    (g1 + g0, which is g0 + g1 exactly) then + g2 is bit-equal to the step of the full quorum. Keyed by the computing
+    member's own rows instead, it is not."""
+    moe = {**RUN, "train.steps": 3, "model.moe.experts": 4, "model.moe.group_tokens": 16,
+           "model.moe.router_noise": 0.1, "model.moe.random_routing": True, "model.moe.expert_dropout": 0.1,
+           "model.dropout": 0.1}
+    cfg = load_config(None, [f"{k}={v}" for k, v in moe.items()])
+    full = [{"step": s, "members": [0, 1, 2], "committed": True} for s in (1, 2, 3)]
+    moved = [{**r, "members": [1, 2], "rows": {"1": [1, 0], "2": [2]}} if r["step"] == 2 else r for r in full]
+    assert _max_diff(replay_rounds(cfg, full), replay_rounds(cfg, moved)) == 0.0
 
 
 def test_reassigned_run_through_a_kill_and_heal_equals_the_uninterrupted_run_and_its_replay(tmp_path, plain):
