@@ -99,8 +99,8 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     procs = dps * p.tp * p.pp
     if p.missing_rows == "reassign" and procs > 1:
         errors.append(f"parallel.missing_rows=reassign with {procs} processes per replica group (dp/replicas={dps}, "
-                      f"tp={p.tp}, pp={p.pp}) is not built: reassigned rows are tested for groups of one process "
-                      "(parallel.dp = parallel.replicas); use parallel.missing_rows=skip")
+                      f"tp={p.tp}, pp={p.pp}, ep={p.ep}) is refused: reassigned rows are built and tested for groups "
+                      "of one process (parallel.dp = parallel.replicas); use parallel.missing_rows=skip")
     if procs > 1 and (t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
         errors.append(f"parallel.replicas ({p.replicas}) with {procs} processes per group needs train.dtype "
                       f"fp32/fp64 and optim.name=adamw (got dtype={t.dtype}, optim={cfg.optim.name}): the heal of a "
