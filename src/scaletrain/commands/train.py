@@ -267,7 +267,7 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
         p = cfg.parallel
         code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s,
-                               ranks=cfg.world_size // p.replicas)
+                               ranks=cfg.world_size // p.replicas, heal_attempts=p.heal_attempts)
         if cfg.train.report:  # the groups train without an output folder: the launcher writes the report
             from scaletrain.report.observers import safely
             from scaletrain.report.run_page import write_report

@@ -4,8 +4,10 @@ One lighthouse process (multinode/lighthouse.py: the store, the per-step quorum,
 torchrun agent per replica group, each with its own rendezvous and `--max-restarts=N` (`scaletrain train
 --restarts N`): when a group dies only its agent restarts it, the new process heals from a live group and joins at
 a step boundary while the others train on. Group g's output goes to `OUT/logs/group{g}.log`. When the lighthouse
-has committed the last step, groups still running (a frozen one, a restart that came too late) are stopped. Torch-
-free: the lighthouse and the groups import torch, this launcher does not.
+has committed the last step, groups still running (a frozen one, a restart that came too late) are stopped. A group
+the lighthouse excluded (its heal failed `parallel.heal_attempts` rounds in a row; it writes `replicas/excluded-
+group{g}`) has its agent stopped at once, so it is not restarted; its process stops itself with the lighthouse's line.
+Torch-free: the lighthouse and the groups import torch, this launcher does not.
 """
 
 from __future__ import annotations
@@ -27,18 +29,21 @@ REPLICA_ENV = "SCALETRAIN_REPLICA"
 
 
 def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, steps: int, heartbeat_s: float,
-                    ranks: int = 1) -> int:
+                    ranks: int = 1, heal_attempts: int = 3) -> int:
     """Run the replica groups of `scaletrain <argv>` (`ranks` processes each, one torchrun agent per group); the
     exit code for the user (0: every step committed)."""
     logs, rep = out / "logs", out / "replicas"
     logs.mkdir(parents=True, exist_ok=True)
     rep.mkdir(parents=True, exist_ok=True)
+    for mark in rep.glob("excluded-group*"):  # a whole-job resume gives every group a fresh start
+        mark.unlink()
     port = free_port()
     lh_log = open(logs / "lighthouse.log", "w")
     lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain.multinode.lighthouse", "--port", str(port),
                                    "--groups", str(groups), "--steps", str(steps), "--heartbeat-s", str(heartbeat_s),
                                    "--log", str(out / "membership.jsonl"), "--linger-s", "2",
-                                   "--ranks", str(ranks)],
+                                   "--ranks", str(ranks), "--heal-attempts", str(heal_attempts),
+                                   "--marks", str(rep)],
                                   stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
     agents = []
     try:
@@ -52,6 +57,11 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
             agents.append(subprocess.Popen(torchrun_command(ranks, argv, restarts=restarts), env=env, stdout=f,
                                            stderr=subprocess.STDOUT, start_new_session=True))
         while lighthouse.poll() is None and any(a.poll() is None for a in agents):
+            for g, agent in enumerate(agents):  # an excluded group: its agent must not restart it
+                if agent.poll() is None and (rep / f"excluded-group{g}").exists():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
             time.sleep(0.1)
         deadline = time.monotonic() + GRACE_S
         final = _final_members(out)  # the groups of the last step: they save their parameters, the others stop
@@ -121,7 +131,9 @@ def summarize(rows: list[dict], replicas: int, tokens_per_step: int) -> dict:
             "group_steps_lost": sum(replicas - len(x["members"]) for x in committed),
             "heals": [{"step": x["step"], "group": int(g), **h} for x in rows if x["committed"]
                       for g, h in x["heal"].items()],
-            "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None]}
+            "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None],
+            "excluded": [{"step": x["step"], "group": int(g), **e} for x in rows
+                         for g, e in x.get("excluded", {}).items()]}
 
 
 def report(out: Path, groups: int, steps: int) -> int:
@@ -136,7 +148,11 @@ def report(out: Path, groups: int, steps: int) -> int:
             print(f"step {r['step']}: replica group(s) {r['dropped']} dropped; {len(r['members'])} of {groups} "
                   "groups went on", flush=True)
         if not r["committed"]:
-            print(f"step {r['step']}: round {r['round']} failed (a member died mid-step); retried", flush=True)
+            print(f"step {r['step']}: round {r['round']} failed (a member died mid-step or a heal failed); retried",
+                  flush=True)
+        for g, e in r.get("excluded", {}).items():
+            print(f"step {r['step']}: replica group {g} excluded after {e['failed_heals']} consecutive failed heals "
+                  f"(last: {e['reason']}); its agent was stopped and the other groups went on", flush=True)
         for g, h in r["heal"].items():
             if r["committed"]:
                 print(f"step {r['step']}: replica group {g} healed from a live group in {h['seconds']:.3f} s "

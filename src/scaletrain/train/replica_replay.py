@@ -135,7 +135,9 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
     else:
         print(f"replayed {summary['steps']} steps ({summary['rounds']} rounds, {summary['failed_rounds']} failed) of "
               f"{out} in {seconds:.1f} s; groups dropped: {summary['drops'] or 'none'}; heals: "
-              f"{summary['heals'] or 'none'}; tokens lost {summary['tokens_lost']}")
+              f"{summary['heals'] or 'none'}; tokens lost {summary['tokens_lost']}"
+              + "".join(f"; group {e['group']} excluded at step {e['step']} after {e['failed_heals']} failed heals"
+                        for e in summary["excluded"]))
         print(f"largest parameter difference {worst:.3g} ({bound}): "
               + ("PASS" if summary["pass"] else "FAIL"))
     return 0 if summary["pass"] else 1
