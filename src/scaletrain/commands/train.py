@@ -265,6 +265,11 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
             return 0
         if found is None:
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
+            if args.init_from is not None:  # the imported weights, once: every group and the replay start from them
+                from scaletrain.train.replica_init import write_start
+                from scaletrain.train.runners.replicas import GroupModel
+
+                write_start(GroupModel(cfg, replay=True).trainer, Path(args.init_from), out)
         p = cfg.parallel
         code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s,
                                ranks=cfg.world_size // p.replicas, heal_attempts=p.heal_attempts)
@@ -299,10 +304,9 @@ def complete_step(out: Path, cfg: Config) -> int | None:
 
 def check_replica_run(args, out: Path) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
-    if args.rdzv_endpoint or args.nnodes != 1 or args.init_from is not None:
-        raise UserError("parallel.replicas > 1 runs on one machine and starts from its own or a --reshard checkpoint: "
-                        "--nnodes/--rdzv-endpoint and --init-from are not supported with it (`scaletrain replay` "
-                        "starts from step 0 or a checkpoint in --out: Hugging Face weights are neither)")
+    if args.rdzv_endpoint or args.nnodes != 1:
+        raise UserError("parallel.replicas > 1 runs on one machine: --nnodes/--rdzv-endpoint are not supported with "
+                        "it (the lighthouse and the groups' agents are local)")
     from scaletrain.train.checkpoint_dirs import latest
 
     if args.reshard and (out / "membership.jsonl").exists():

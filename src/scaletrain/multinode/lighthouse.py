@@ -12,9 +12,10 @@ takes the slowest rank's seconds. The membership log `OUT/membership.jsonl` has 
 round, step, members, behind (healed), each heal's seconds, bytes and resent chunks, dropped groups,
 committed, and on the first row of a launch that resumed from a checkpoint `resumed_from` (its step; the rows of
 later steps before it were recomputed, multinode/replicas.py `effective_rows`), `checkpoint` (its folder, as group
-0 put it in the store under `start`) and, for a `--reshard` start from another layout, `from_layout`. `scaletrain
-replay --out OUT` recomputes the committed rounds in one process (train/replica_replay.py), from that checkpoint
-when the log has no rounds before it.
+0 put it in the store under `start`) and, for a `--reshard` start from another layout, `from_layout`; a fresh
+launch from imported weights (`--init-from`) has `init_from` and `start_checkpoint` there (train/replica_init.py).
+`scaletrain replay --out OUT` recomputes the committed rounds in one process (train/replica_replay.py), from that
+checkpoint when the log has no rounds before it.
 A group whose heal failed in `heal_attempts` consecutive rounds where it was behind (its receiving rank reported the
 failure, `healfail/R/G/I`: a chunk corrupt on every resend, a state it could not load) is excluded: its later
 requests are ignored, `excluded/G` in the store tells its processes to stop, `excluded-group{G}` in `--marks` tells
@@ -161,8 +162,9 @@ class Lighthouse:
                     row["excluded"] = excluded
                 if r == 0 and step > 1:  # every group loaded the checkpoint of step - 1: a whole-job resume
                     row["resumed_from"] = step - 1
-                    if self.store.check(["start"]):  # its folder name, and the layout it was written with
-                        row.update(json.loads(self.store.get("start")))
+                # its folder name and the layout it was written with; or (step 1) the imported weights' start checkpoint
+                if r == 0 and self.store.check(["start"]):
+                    row.update(json.loads(self.store.get("start")))
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if ok:

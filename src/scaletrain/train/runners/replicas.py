@@ -59,9 +59,11 @@ from scaletrain.config import Config
 from scaletrain.distributed.comm import all_gather_single
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient, ordered_sum
+from scaletrain.errors import CheckpointError
 from scaletrain.parallel.zero import ZeroOptimizer
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
+from scaletrain.train.replica_init import start_checkpoint, start_record
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.trainer import Trainer, TrainResult
 
@@ -181,7 +183,7 @@ class GroupModel:
 class ReplicaRunner:
     """One replica group's process: the `make_trainer` interface (`step`, `n_params`, `run()`, `full_state()`)."""
 
-    def __init__(self, cfg: Config, out: Path | None, reshard: bool = False):
+    def __init__(self, cfg: Config, out: Path | None, reshard: bool = False, init_from: str | Path | None = None):
         self.cfg, self.out = cfg, out
         self.group = int(os.environ[REPLICA_ENV])
         self.model = GroupModel(cfg)
@@ -202,14 +204,16 @@ class ReplicaRunner:
             t = cfg.train  # the group's ranks write the checkpoint together (each its ZeRO shard)
             self.saver = ckpt.Saver(out / "checkpoints", self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
             if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restarted group heals instead
-                self._resume(reshard)
+                self._resume(reshard, init_from is not None)
 
-    def _resume(self, reshard: bool) -> None:
+    def _resume(self, reshard: bool, init: bool = False) -> None:
         """A whole-job launch: load the newest complete checkpoint (any group's; they are one state), or with
         `reshard` a checkpoint of another layout's run (train/resume.py reads it into this group's layout)."""
         assert self.out is not None
         found, _ = ckpt.usable_latest(self.out / "checkpoints")
         if found is None:
+            if init:  # --init-from: the imported weights, as the launcher wrote them
+                self._start_from_init()
             return
         t = self.model.trainer
         meta = ckpt.read_meta(found)
@@ -225,6 +229,18 @@ class ReplicaRunner:
             start = {"checkpoint": found.name, **({"from_layout": extra["layout"]["from"]} if extra else {})}
             self.client.store.set("start", json.dumps(start))  # the lighthouse's first row records it
             resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
+
+    def _start_from_init(self) -> None:
+        """A fresh launch with `--init-from`: read the start checkpoint the launcher wrote of the imported weights
+        (train/replica_init.py) into this rank's layout; group 0 names it to the lighthouse for the log's first row."""
+        assert self.out is not None
+        found = start_checkpoint(self.out)
+        if found is None:
+            raise CheckpointError(f"{self.out}: no start checkpoint of the imported weights (the launcher writes it)")
+        t = self.model.trainer
+        resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
+        if self.group == 0 and self.rank == 0:
+            self.client.store.set("start", json.dumps(start_record(self.out, found)))
 
     def _save(self, q: Quorum) -> None:
         """Write the checkpoint of the step just committed (this group is the quorum's lowest member)."""
