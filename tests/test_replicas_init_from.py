@@ -39,6 +39,13 @@ def _tiny_gpt2(directory) -> None:
     model.save_pretrained(directory)
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf")
+    _tiny_gpt2(directory)
+    return directory
+
+
 def _one_process(hf_dir, out) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """The plain Trainer of the same run in one process, started from `hf_dir` by its own --init-from path."""
     from scaletrain.config import validate
@@ -53,11 +60,10 @@ def _one_process(hf_dir, out) -> tuple[dict[int, float], dict[str, torch.Tensor]
     return result.losses, trainer.full_state()
 
 
-def test_replica_run_from_hugging_face_weights_equals_one_process_from_them_and_its_replay(tmp_path, capsys):
+def test_replica_run_from_hugging_face_weights_equals_one_process_from_them_and_its_replay(hf_dir, tmp_path, capsys):
     from scaletrain.interop.hf import read_hf_weights
 
-    hf_dir, out = tmp_path / "hf", tmp_path / "run"
-    _tiny_gpt2(hf_dir)
+    out = tmp_path / "run"
     p = _train(out, {**RUN, **REPLICAS}, "", "--init-from", str(hf_dir))
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"initialised from {hf_dir}" in p.stdout  # said once, by the launcher
@@ -88,6 +94,14 @@ def test_replica_run_from_hugging_face_weights_equals_one_process_from_them_and_
     assert summary["pass"] and summary["steps"] == 3
     print(f"one process vs replica run: losses {loss_diff:.3g}, parameters {param_diff:.3g}; replay vs run: "
           f"{max(summary['max_abs_diff'].values()):.3g}")
+
+
+def test_init_from_into_groups_of_several_processes_is_refused_in_one_line(hf_dir, tmp_path, capsys):
+    sets = [x for k, v in {**RUN, **REPLICAS, "parallel.tp": 2}.items() for x in ("--set", f"{k}={v}")]
+    assert main(["train", "--out", str(tmp_path / "o"), "--init-from", str(hf_dir), *sets]) == 2
+    err = capsys.readouterr().err
+    assert "--init-from with parallel.replicas (2) needs groups of one process" in err and "got 2 processes" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 def test_replay_of_a_run_whose_start_checkpoint_is_gone_is_one_line(tmp_path, capsys):

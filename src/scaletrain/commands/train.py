@@ -194,7 +194,7 @@ def cmd_train(args) -> int:
     set_user_command(args)  # the command as the user gave it, for the run report
     multinode_launcher.check_arguments(args)
     if cfg.parallel.replicas > 1:
-        check_replica_run(args, Path(args.out))
+        check_replica_run(args, Path(args.out), cfg)
     if cfg.parallel.sync != "bsp" and (args.rdzv_endpoint or args.restarts):
         raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
                         f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
@@ -302,11 +302,16 @@ def complete_step(out: Path, cfg: Config) -> int | None:
     return step if step >= cfg.train.steps else None
 
 
-def check_replica_run(args, out: Path) -> None:
+def check_replica_run(args, out: Path, cfg: Config) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
     if args.rdzv_endpoint or args.nnodes != 1:
         raise UserError("parallel.replicas > 1 runs on one machine: --nnodes/--rdzv-endpoint are not supported with "
                         "it (the lighthouse and the groups' agents are local)")
+    if args.init_from is not None and cfg.world_size > cfg.parallel.replicas:
+        per = cfg.world_size // cfg.parallel.replicas
+        raise UserError(f"--init-from with parallel.replicas ({cfg.parallel.replicas}) needs groups of one process "
+                        f"(parallel.dp = replicas, no tp or pp; got {per} processes per group): groups of several "
+                        "processes starting from imported weights have no test yet")
     from scaletrain.train.checkpoint_dirs import latest
 
     if args.reshard and (out / "membership.jsonl").exists():
