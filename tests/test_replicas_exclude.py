@@ -77,8 +77,9 @@ def test_group_whose_heal_always_fails_is_excluded_and_the_others_finish_equal_t
     assert main(["replay", "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["pass"] and [e["group"] for e in summary["excluded"]] == [0]
-    print(f"excluded at step {row['step']} (dropped at {drop}); replay vs run: "
-          f"{max(summary['max_abs_diff'].values()):.3g}")
+    resumed = next(r for r in rows[ex[0] + 1:] if r["committed"])  # the first step committed after it
+    print(f"excluded at step {row['step']} (dropped at {drop}); first failed heal to the next committed step: "
+          f"{resumed['time'] - healing[0]['time']:.2f} s; replay vs run: {max(summary['max_abs_diff'].values()):.3g}")
 
 
 @pytest.mark.parametrize("sets, message", [
