@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from nodes import TwoHosts
 
 from scaletrain.distributed.launch import free_port
@@ -209,6 +210,58 @@ def test_stopped_or_killed_node_is_named_and_the_job_resumes_exactly(hosts, long
     assert hosts.wait(a, 300) == 0, hosts.output("job-0")
     assert hosts.wait(b, 60) == 0, hosts.output("job-b3-1")
     assert [computed(r) for r in rows(out)] == [computed(r) for r in long_ref()]
+
+
+# fp64 replica groups (docs/fault_tolerance.md): one group per host
+REPLICAS = {**BASE, "train.dtype": "fp64", "train.global_batch": 4, "train.steps": 12, "parallel.dp": 2,
+            "parallel.replicas": 2, "parallel.heartbeat_s": 2, "train.checkpoint_every": 0}
+
+
+def test_replica_groups_on_two_hosts_heal_across_them_and_equal_their_replay(hosts, tmp_path):
+    """`parallel.replicas=2` with `--nnodes 2`: host a runs the lighthouse and group 0, host b group 1. Group 1 is
+    SIGKILLed after joining step 3's quorum; group 0 trains on alone; host b's agent restarts group 1, which heals
+    from group 0 across the hosts (the first chunk corrupted once, detected and resent) and rejoins. Both groups
+    end bit-equal and equal to the replay of the membership log (fp64, the one-process-group bound)."""
+    from scaletrain.config import load_config
+    from scaletrain.train.replica_replay import TOLERANCE, load_log, replay_rounds
+
+    out, port = tmp_path / "run", free_port()
+    # steps without group 1 take >= 3 s, so that its restart (a fresh python and torch) finds the run still going
+    env = {"SCALETRAIN_FT_FAULT": "kill:1:3,corrupt:0:0", "SCALETRAIN_FT_PACE_S": "3"}
+    a, b = train_nodes(hosts, port, REPLICAS, [tmp_path, tmp_path], str(out), "ft", ("--restarts", "1"), env=env)
+    assert hosts.wait(a, 240) == 0, hosts.output("ft-0")
+    assert hosts.wait(b, 60) == 0, hosts.output("ft-1")
+    if hosts.isolated:  # each host names its groups and the interface their cross-group sums and heals use
+        assert "replica groups [0] of 2, lighthouse node-a:" in hosts.output("ft-0")[1]
+        assert "replica groups [1] of 2" in hosts.output("ft-1")[1] and ", gloo on stmn" in hosts.output("ft-1")[1]
+    rows_ = load_log(out)
+    committed = [r for r in rows_ if r["committed"]]
+    assert [r["step"] for r in committed] == list(range(1, 13))
+    assert next(r for r in committed if r["step"] == 3)["members"] == [0]
+    healed = [r for r in committed if r["behind"]]
+    assert len(healed) == 1 and healed[0]["behind"] == [1] and healed[0]["heal"]["1"]["retries"] == 1
+    assert committed[-1]["members"] == [0, 1]
+    finals = {f.stem: torch.load(f, weights_only=True)["params"] for f in (out / "replicas").glob("final-*.pt")}
+    assert sorted(finals) == ["final-group0", "final-group1"]
+    assert all(torch.equal(finals["final-group0"][k], finals["final-group1"][k]) for k in finals["final-group0"])
+    mine = replay_rounds(load_config(out / "config.yaml"), rows_)
+    assert max(float((mine[k] - finals["final-group0"][k]).abs().max()) for k in mine) <= TOLERANCE
+
+
+def test_replica_runs_on_several_nodes_refuse_what_cannot_be_split(tmp_path, capsys):
+    """Each node runs whole replica groups, and the lighthouse's host is named as the others reach it."""
+    from scaletrain.cli import main
+
+    base = ["train", "--out", str(tmp_path / "r"), "--nnodes", "2", *sets({**REPLICAS, "parallel.dp": 3,
+                                                                          "parallel.replicas": 3,
+                                                                          "train.global_batch": 6})]
+    assert main([*base, "--rdzv-endpoint", "node-a:29400"]) == 2
+    assert "parallel.replicas (3) must be a multiple of --nnodes (2)" in capsys.readouterr().err
+    base = ["train", "--out", str(tmp_path / "r"), "--nnodes", "2", *sets(REPLICAS)]
+    assert main([*base, "--rdzv-endpoint", "127.0.0.1:29400"]) == 2
+    assert "--rdzv-endpoint 127.0.0.1:29400 is a loopback address: with parallel.replicas > 1" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_private_out_on_each_node_fails_at_start_with_exit_2(hosts, tmp_path):

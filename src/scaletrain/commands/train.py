@@ -209,7 +209,9 @@ def cmd_train(args) -> int:
     from scaletrain.distributed.launch import LauncherLines
 
     with LauncherLines() as said:  # what this command prints before the ranks start: OUT/logs/launcher.log
-        if args.rdzv_endpoint:  # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher
+        # several nodes share --out: the job's rank 0 takes the lock, not every node's launcher (replica groups: the
+        # launcher of the lighthouse's host)
+        if args.rdzv_endpoint and not (cfg.parallel.replicas > 1 and _runs_lighthouse(args)):
             return _launch(args, cfg, out, nproc, resume_args, said)
         with lock_run(out) or contextlib.nullcontext():  # one run per folder (guards.py), until the ranks have stopped
             return _launch(args, cfg, out, nproc, resume_args, said)
@@ -263,7 +265,7 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
         if found is not None and int(found.name.split("_")[-1]) >= cfg.train.steps:
             print(f"run in {out} is already complete ({cfg.train.steps} steps); nothing to do", flush=True)
             return 0
-        if found is None:
+        if found is None and _runs_lighthouse(args):
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
             if args.init_from is not None:  # the imported weights, once: every group and the replay start from them
                 from scaletrain.train.replica_init import write_start
@@ -272,8 +274,9 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
                 write_start(GroupModel(cfg, replay=True).trainer, Path(args.init_from), out)
         p = cfg.parallel
         code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s,
-                               ranks=cfg.world_size // p.replicas, heal_attempts=p.heal_attempts)
-        if cfg.train.report:  # the groups train without an output folder: the launcher writes the report
+                               ranks=cfg.world_size // p.replicas, nnodes=args.nnodes, endpoint=args.rdzv_endpoint,
+                               heal_attempts=p.heal_attempts)
+        if cfg.train.report and _runs_lighthouse(args):  # the groups have no output folder: the launcher writes it
             from scaletrain.report.observers import safely
             from scaletrain.report.run_page import write_report
 
@@ -286,6 +289,16 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
     if args.rdzv_endpoint:
         return multinode_launcher.launch_nodes(args.nnodes, nproc, args.rdzv_endpoint, argv, out, args.restarts)
     return launch_local(nproc, argv, out, args.restarts)
+
+
+def _runs_lighthouse(args) -> bool:
+    """Whether this launcher runs the replica run's lighthouse (one machine, or the rendezvous host of several):
+    it writes the run's config.yaml and report."""
+    if not args.rdzv_endpoint:
+        return True
+    from scaletrain.multinode import network
+
+    return network.is_this_host(network.split_endpoint(args.rdzv_endpoint)[0])
 
 
 def complete_step(out: Path, cfg: Config) -> int | None:
@@ -304,14 +317,12 @@ def complete_step(out: Path, cfg: Config) -> int | None:
 
 def check_replica_run(args, out: Path, cfg: Config) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
-    if args.rdzv_endpoint or args.nnodes != 1:
-        raise UserError("parallel.replicas > 1 runs on one machine: --nnodes/--rdzv-endpoint are not supported with "
-                        "it (the lighthouse and the groups' agents are local)")
-    if args.init_from is not None and cfg.world_size > cfg.parallel.replicas:
+    if args.init_from is not None and (cfg.world_size > cfg.parallel.replicas or args.nnodes != 1):
         per = cfg.world_size // cfg.parallel.replicas
         raise UserError(f"--init-from with parallel.replicas ({cfg.parallel.replicas}) needs groups of one process "
-                        f"(parallel.dp = replicas, no tp or pp; got {per} processes per group): groups of several "
-                        "processes starting from imported weights have no test yet")
+                        f"on one machine (parallel.dp = replicas, no tp or pp, no --nnodes; got {per} processes per "
+                        f"group, --nnodes {args.nnodes}): other replica runs from imported weights have no test yet")
+    check_replica_nodes(args, cfg.parallel.replicas)
     from scaletrain.train.checkpoint_dirs import latest
 
     if args.reshard and (out / "membership.jsonl").exists():
@@ -322,6 +333,22 @@ def check_replica_run(args, out: Path, cfg: Config) -> None:
     if (out / "membership.jsonl").exists() and latest(out / "checkpoints") is None:
         raise UserError(f"{out} holds a replica run (membership.jsonl) without a complete checkpoint to resume from "
                         "(set train.checkpoint_every): use a new --out")
+
+
+def check_replica_nodes(args, replicas: int) -> None:
+    """Replica groups on several machines (multinode/replicas.py): each node runs a whole number of groups, and the
+    rendezvous host is named as the other nodes reach it (its launcher runs the lighthouse there)."""
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        return
+    if replicas % args.nnodes:
+        raise UserError(f"parallel.replicas ({replicas}) must be a multiple of --nnodes ({args.nnodes}): each node "
+                        "runs the same number of whole replica groups")
+    from scaletrain.multinode import network
+
+    host, _ = network.split_endpoint(args.rdzv_endpoint)
+    if args.nnodes > 1 and (host == "localhost" or network.is_loopback(host)):
+        raise UserError(f"--rdzv-endpoint {args.rdzv_endpoint} is a loopback address: with parallel.replicas > 1 "
+                        "name the host that runs the lighthouse as the other nodes reach it (its name or address)")
 
 
 def refuse_if_too_big(cfg: Config, nproc: int) -> None:

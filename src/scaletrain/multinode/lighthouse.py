@@ -177,18 +177,34 @@ class Lighthouse:
         self.store.set("finished", "1")
 
 
+def claim_node(address: str, timeout_s: float = 300.0) -> int:
+    """A multi-node replica run: the index of a node other than the lighthouse's host (node 0): 1, 2, ... in the
+    order the nodes' launchers reach the store at `address` (waiting up to `timeout_s` for it to be up)."""
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return store.add("nodes", 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scaletrain.multinode.lighthouse")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--groups", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--heartbeat-s", type=float, required=True)
+    p.add_argument("--claim-node", metavar="HOST:PORT", default=None,
+                   help="print this node's index in a multi-node replica run (its launcher asks) and exit")
+    p.add_argument("--port", type=int)
+    p.add_argument("--groups", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--heartbeat-s", type=float)
     p.add_argument("--ranks", type=int, default=1, help="processes per replica group")
-    p.add_argument("--log", required=True)
+    p.add_argument("--log")
     p.add_argument("--heal-attempts", type=int, default=3, help="consecutive failed heals that exclude a group")
     p.add_argument("--marks", default=None, help="folder for excluded-group{G} files (the launcher stops their agent)")
     p.add_argument("--linger-s", type=float, default=30.0, help="keep the store up after the run for late readers")
     args = p.parse_args(argv)
+    if args.claim_node is not None:
+        print(claim_node(args.claim_node))
+        return 0
+    if None in (args.port, args.groups, args.steps, args.heartbeat_s, args.log):
+        p.error("--port, --groups, --steps, --heartbeat-s and --log are required")
+    # the store's server listens on every interface (groups of a multi-node run connect from other machines)
     store = dist.TCPStore("127.0.0.1", args.port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
     store.add("round", 0)

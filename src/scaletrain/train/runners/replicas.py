@@ -368,6 +368,8 @@ class ReplicaRunner:
                 if self.saver is not None and self.group == q.members[0] and (
                         (every and self.step % every == 0) or self.step == last):
                     self._save(q)
+                if self.step >= last:  # the last step is committed: the lighthouse's store may close any moment
+                    break
         finally:
             self.client.close()
             if log is not None:
