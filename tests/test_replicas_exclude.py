@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 24
 RUN = {**TINY, "train.steps": STEPS, "train.global_batch": 4, "train.checkpoint_every": 0, "parallel.dp": 2,
        "parallel.replicas": 2, "parallel.heartbeat_s": 2.0, "parallel.heal_attempts": 2, "train.report": False}
-STALL_S = 120  # the run takes 20 to 40 s on the loaded 2-core box (a group restart is most of it); a stalled one never ends
+STALL_S = 120  # the run takes 20 to 40 s on the loaded 2-core box (mostly a group restart); a stalled one: never
 
 
 def _train_or_stall(out, overrides: dict, fault: str, *extra: str, pace: float) -> subprocess.CompletedProcess:
@@ -105,3 +105,37 @@ def test_heal_attempts_is_accepted_with_replicas():
     from scaletrain.config import validate
 
     assert validate(cfg, 2).parallel.heal_attempts == 5
+
+
+def test_lighthouse_excludes_after_consecutive_failed_heals_only(tmp_path):
+    """The lighthouse's count, without processes: a failed heal counts, a round the group commits resets the count,
+    a round that failed for another reason (no heal failure reported) leaves it; the third failure in a row excludes
+    the group (marked for the launcher, told through the store) and its later requests are ignored."""
+    import torch.distributed as dist
+
+    from scaletrain.multinode.lighthouse import Lighthouse
+
+    store = dist.HashStore()
+    lh = Lighthouse(store, 3, 20, 5.0, tmp_path / "membership.jsonl", heal_attempts=3, marks=tmp_path)
+
+    def round_(r: int, reason: str | None, ok: bool) -> dict:  # group 2 behind in round r, groups 0 and 1 live
+        for g in (0, 1, 2):
+            store.set(f"done/{r}/{g}/0", "1" if ok else "0")
+        if reason is not None:
+            store.set(f"healfail/{r}/2/0", reason)
+        return lh.count_heals(r, 5, [0, 1, 2], [2], ok)
+
+    assert round_(0, "chunk 0 failed its checksum 3 times", False) == {} and lh.failed_heals[2] == 1
+    assert round_(1, None, False) == {} and lh.failed_heals[2] == 1  # a member died mid-step: not the heal's fault
+    assert round_(2, "bad chunk", False) == {} and lh.failed_heals[2] == 2
+    assert round_(3, None, True) == {} and lh.failed_heals[2] == 0  # healed and committed
+    assert round_(4, "bad", False) == {} and round_(5, "bad", False) == {}
+    assert not (tmp_path / "excluded-group2").exists()
+    assert round_(6, "the received state does not load: size mismatch", False) == {
+        "2": {"failed_heals": 3, "reason": "the received state does not load: size mismatch"}}
+    said = store.get("excluded/2").decode()
+    assert said == (tmp_path / "excluded-group2").read_text().strip()
+    assert said.startswith("replica group 2 excluded at step 5 after 3 consecutive failed heals (last: the received")
+    for g in (0, 1, 2):
+        store.set(f"req/7/{g}", "5")
+    assert lh._requests(7) == {0: 5, 1: 5}
