@@ -66,7 +66,8 @@ def test_replica_run_from_hugging_face_weights_equals_one_process_from_them_and_
     out = tmp_path / "run"
     p = _train(out, {**RUN, **REPLICAS}, "", "--init-from", str(hf_dir))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"initialised from {hf_dir}" in p.stdout  # said once, by the launcher
+    assert p.stdout.count(f"initialised from {hf_dir}") == 1  # said once, by the launcher
+    assert f"every group started from the weights of {hf_dir.resolve()}" in p.stdout
     rows = load_log(out)
     assert rows[0]["init_from"] == str(hf_dir.resolve())
     assert rows[0]["start_checkpoint"] == "replicas/init/step_00000000" and "resumed_from" not in rows[0]

@@ -209,6 +209,9 @@ def report(out: Path, groups: int, steps: int) -> int:
     for r in rows:
         if r.get("resumed_from") is not None:
             print(f"step {r['resumed_from']}: resumed from its checkpoint (a whole-job restart)", flush=True)
+        if r.get("start_checkpoint"):
+            print(f"step 0: every group started from the weights of {r.get('init_from', '?')}, written once as "
+                  f"{out / r['start_checkpoint']} (the replay starts from it)", flush=True)
         if r["dropped"]:
             print(f"step {r['step']}: replica group(s) {r['dropped']} dropped; {len(r['members'])} of {groups} "
                   "groups went on", flush=True)
