@@ -108,21 +108,23 @@ def test_heal_attempts_is_accepted_with_replicas():
 
 
 def test_lighthouse_excludes_after_consecutive_failed_heals_only(tmp_path):
-    """The lighthouse's count, without processes: a failed heal counts, a round the group commits resets the count,
-    a round that failed for another reason (no heal failure reported) leaves it; the third failure in a row excludes
-    the group (marked for the launcher, told through the store) and its later requests are ignored."""
+    """The lighthouse's count, without processes (groups of 2 ranks; the heal fails on rank 1 only): a failed heal
+    counts, a round the group commits resets the count, a round that failed for another reason (no heal failure
+    reported) leaves it; the third failure in a row excludes the group (marked for the launcher, told through the
+    store) and its later requests are ignored."""
     import torch.distributed as dist
 
     from scaletrain.multinode.lighthouse import Lighthouse
 
     store = dist.HashStore()
-    lh = Lighthouse(store, 3, 20, 5.0, tmp_path / "membership.jsonl", heal_attempts=3, marks=tmp_path)
+    lh = Lighthouse(store, 3, 20, 5.0, tmp_path / "membership.jsonl", ranks=2, heal_attempts=3, marks=tmp_path)
 
     def round_(r: int, reason: str | None, ok: bool) -> dict:  # group 2 behind in round r, groups 0 and 1 live
         for g in (0, 1, 2):
-            store.set(f"done/{r}/{g}/0", "1" if ok else "0")
+            for i in (0, 1):
+                store.set(f"done/{r}/{g}/{i}", "1" if ok else "0")
         if reason is not None:
-            store.set(f"healfail/{r}/2/0", reason)
+            store.set(f"healfail/{r}/2/1", reason)
         return lh.count_heals(r, 5, [0, 1, 2], [2], ok)
 
     assert round_(0, "chunk 0 failed its checksum 3 times", False) == {} and lh.failed_heals[2] == 1
@@ -139,3 +141,30 @@ def test_lighthouse_excludes_after_consecutive_failed_heals_only(tmp_path):
     for g in (0, 1, 2):
         store.set(f"req/7/{g}", "5")
     assert lh._requests(7) == {0: 5, 1: 5}
+
+
+def test_every_rank_of_an_excluded_group_stops_with_the_lighthouse_line():
+    """A group of 2 ranks: local rank 0 meets the exclusion when it asks to join and hands the line to rank 1
+    (distributed/quorum.py), so both stop with it (GroupExcluded: one line, exit 2)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from scaletrain.distributed.launch import free_port
+    from scaletrain.distributed.quorum import GroupExcluded, QuorumClient
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    host.add("round", 0)
+    line = "replica group 0 excluded at step 4 after 3 consecutive failed heals (last: bad chunk)"
+    host.set("excluded/0", line)
+    clients = [QuorumClient(f"127.0.0.1:{port}", 0, 5.0, 10.0, local_rank=i) for i in (0, 1)]
+    try:
+        for c in clients:  # rank 0 first: it hands the line on; rank 1 reads it
+            with pytest.raises(GroupExcluded) as e:
+                c.join(2)
+            assert str(e.value) == line + "; the other groups go on without it"
+        assert not host.check(["req/0/0"])  # an excluded group does not ask again
+    finally:
+        for c in clients:
+            c.close()
