@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 14
 RUN = {**TINY, "train.steps": STEPS, "train.global_batch": 4, "train.checkpoint_every": 0, "parallel.dp": 2,
        "parallel.replicas": 2, "parallel.heartbeat_s": 2.0, "parallel.heal_attempts": 2, "train.report": False}
-STALL_S = 150  # the run takes 20 to 40 s on the loaded 2-core box (mostly a group restart); a stalled one: never
+STALL_S = 150  # the run takes 20 to 70 s on the loaded 2-core box (mostly process starts); a stalled one: never
 
 
 def _train_or_stall(out, overrides: dict, fault: str, *extra: str, pace: float) -> subprocess.CompletedProcess:
