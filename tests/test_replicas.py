@@ -140,8 +140,8 @@ def test_frozen_group_is_dropped_within_the_heartbeat_bound(tmp_path):
 @pytest.mark.parametrize("sets, message", [
     ({"parallel.dp": 4, "parallel.replicas": 3}, "parallel.replicas (3) must divide parallel.dp (4)"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.sync": "ps"}, "is for parallel.sync=bsp"),
-    ({"parallel.dp": 4, "parallel.replicas": 2}, "with 2 data-parallel ranks per group needs parallel.zero=2"),
-    ({"parallel.dp": 4, "parallel.replicas": 2, "parallel.zero": 3}, "ZeRO-3 inside a group is not built"),
+    ({"parallel.dp": 4, "parallel.replicas": 2, "parallel.zero": 3, "train.precision": "fp8",
+      "train.fp8_all_gather": True}, "with ZeRO-3 groups needs train.fp8_all_gather=false"),
     ({"parallel.dp": 6, "parallel.replicas": 2, "parallel.zero": 2, "train.global_batch": 12},
      "with 3 processes per group (dp=6) needs groups of 2 ranks"),
     ({"parallel.dp": 2, "parallel.replicas": 2, "parallel.zero": 2}, "one process per group has nothing to shard"),

@@ -292,8 +292,8 @@ class ParallelConfig:
     replicas: int = 1
     """Fault-tolerant replica groups (docs/fault_tolerance.md): the data-parallel dimension split into this many
     groups that train on through the death of a group (a per-step quorum, torchft-style; a restarted group heals from
-    a live one). 1 = off. A group is one process (dp = replicas) or two ranks with ZeRO-2 (dp = 2 x replicas,
-    zero = 2); no tp/pp/ep/cp inside a group."""
+    a live one). 1 = off. A group is one process (dp = replicas) or two data-parallel ranks (dp = 2 x replicas,
+    any parallel.zero); no tp/pp/ep/cp inside a group."""
     heal_attempts: int = 3
     """parallel.replicas > 1: the lighthouse excludes a replica group from the run after this many consecutive failed
     heals (each a round where the group was behind and its heal from a live group failed: a chunk corrupt on every

@@ -50,7 +50,8 @@ def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
 @rule("combinations")
 def replicas(cfg: Config, world_size: int | None) -> list[str]:
     """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, of two
-    data-parallel ranks with ZeRO-2 inside the group, of two tensor-parallel ranks or of two 1F1B pipeline stages."""
+    data-parallel ranks (plain dp or ZeRO-1/2/3 inside the group), of two tensor-parallel ranks or of two 1F1B
+    pipeline stages."""
     p, t = cfg.parallel, cfg.train
     if p.replicas == 1:
         return []
@@ -62,7 +63,7 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     dps = p.dp // p.replicas  # data-parallel ranks per group; a group's processes: dps x tp
     if p.pp > 2 or p.ep > 1 or p.cp > 1 or p.tp > 2 or (p.tp > 1 and dps > 1) or (p.pp > 1 and dps * p.tp > 1):
         errors.append(f"parallel.replicas ({p.replicas}): a replica group is data-parallel only (one process or 2 "
-                      f"ranks with ZeRO-2), 2 tensor-parallel ranks or 2 pipeline stages (got dp/replicas={dps}, "
+                      f"data-parallel ranks), 2 tensor-parallel ranks or 2 pipeline stages (got dp/replicas={dps}, "
                       f"tp={p.tp}, pp={p.pp}, ep={p.ep}, cp={p.cp}): expert and context parallelism and groups of "
                       "more than 2 processes are not built inside a group")
     elif p.pp > 1 and (p.schedule != "1f1b" or p.virtual_stages != 1 or p.zero or p.partition == "time"):
@@ -83,11 +84,9 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
         errors.append(f"parallel.replicas ({p.replicas}) with {dps} processes per group (dp={p.dp}) needs groups of "
                       "2 ranks: larger groups are not built (the replay would need the ring order of gloo's "
                       "reduce-scatter)")
-    elif dps == 2 and p.zero != 2:
-        errors.append(f"parallel.replicas ({p.replicas}) with 2 data-parallel ranks per group needs parallel.zero=2 "
-                      f"(got zero={p.zero}): ZeRO-3 inside a group is not built (its parameters live as shards "
-                      "re-gathered per unit), plain dp and ZeRO-1 groups run and replay but have no test in the suite "
-                      "yet (docs/fault_tolerance.md)")
+    elif dps == 2 and p.zero == 3 and t.fp8_all_gather:
+        errors.append(f"parallel.replicas ({p.replicas}) with ZeRO-3 groups needs train.fp8_all_gather=false: the "
+                      "replay computes with the exact parameters, not their float8 all-gather")
     procs = dps * p.tp * p.pp
     if procs > 1 and (t.dtype not in ("fp32", "fp64") or cfg.optim.name != "adamw"):
         errors.append(f"parallel.replicas ({p.replicas}) with {procs} processes per group needs train.dtype "

@@ -22,6 +22,10 @@ all-gathers the parameters. A restarted group heals rank by rank: rank I receive
 the parameters, its optimizer state) from rank I of the source group, and the group all-gathers its parameters.
 The replay recomputes a group's gradient as its engine does: per micro-batch, the two ranks' gradients added (a sum
 of two is the same in either order), accumulated over the micro-batches.
+ZeRO-3 groups (parallel.zero = 3) reduce-scatter per unit and micro-batch as ZeRO-2 does (the same replay), keep
+their parameters as shards gathered per unit (nothing to all-gather after the step or a heal: a heal sends rank I's
+parameter shard); plain dp and ZeRO-1 groups reduce once after the last micro-batch (the replay adds each rank's
+accumulated gradient) and a heal sends rank I's whole state (plain dp) or its ZeRO-1 shard.
 
 Groups of two tensor-parallel ranks (parallel.tp = 2, parallel.dp = replicas): both ranks read the group's rows;
 rank I of every member adds its own tp slice's gradients (and its copy of the replicated parameters') in member
@@ -145,13 +149,13 @@ class GroupModel:
 
     def group_grad(self, step: int, group: int) -> torch.Tensor:
         """The replay: group `group`'s whole gradient (and loss) as its engine computes it. One data-parallel rank
-        (one process, or tp ranks: their slices at whole width): its local_grad. Two with ZeRO-2: per micro-batch
+        (one process, or tp ranks: their slices at whole width): its local_grad. Two with ZeRO-2 or -3: per micro-batch
         the ranks' gradients added in rank order (the reduce-scatter), accumulated over the micro-batches into a
         zero buffer (the shard accumulator). Two with plain dp or ZeRO-1: each rank's gradient accumulated over
         its micro-batches, then the ranks' added in rank order (the one reduction after the last micro-batch)."""
         if self.dps == 1:
             return self.local_grad(step, group)
-        if self.cfg.parallel.zero != 2:
+        if self.cfg.parallel.zero not in (2, 3):
             return ordered_sum([self._rank_grad(step, group, i) for i in range(self.dps)])
         t = self.trainer
         micro = [self._micro(step, group, i) for i in range(self.dps)]
@@ -299,29 +303,31 @@ class ReplicaRunner:
 
     def _heal_state(self) -> dict:
         """What this rank sends to the same local rank of a group that is behind: the whole training state (a group
-        of one process), or its ZeRO-2 shard: its slice of the parameters (and masters), its optimizer state."""
+        of one process, plain dp), or its ZeRO shard: its slice of the parameters (ZeRO-3: its persistent parameter
+        shard) and masters, its optimizer state."""
         t = self.model.trainer
         z = t.engine.optimizer
         if not isinstance(z, ZeroOptimizer):
             return training_state(t.model, z, self.step)
-        return {"shards": [g.own(g.full).clone() for g in z.groups],
+        return {"shards": [_param_shard(z, g).clone() for g in z.groups],
                 "masters": [g.master.clone() for g in z.groups] if z.main_grads else [],
                 "optimizer": z.opt.state_dict(), "step": self.step}
 
     def _load_heal(self, state: dict) -> int:
-        """Load a verified heal payload; a ZeRO-2 group then all-gathers its parameters (both ranks heal at once)."""
+        """Load a verified heal payload; a ZeRO-1/2 group then all-gathers its parameters (both ranks heal at once)."""
         t = self.model.trainer
         z = t.engine.optimizer
         if not isinstance(z, ZeroOptimizer):
             return load_training_state(t.model, z, state)
         with torch.no_grad():
             for g, shard in zip(z.groups, state["shards"]):
-                g.own(g.full).copy_(shard)
+                _param_shard(z, g).copy_(shard)
             for g, master in zip(z.groups, state["masters"]):
                 g.master.copy_(master)
             z.opt.load_state_dict(state["optimizer"])
-            for g in z.groups:
-                all_gather_single(g.full, g.own(g.full).clone(), group=z.group)
+            if z.stage != 3:  # ZeRO-3 gathers each unit's parameters from the shards when it runs
+                for g in z.groups:
+                    all_gather_single(g.full, g.own(g.full).clone(), group=z.group)
         return int(state["step"])
 
     def run(self) -> TrainResult:
@@ -414,6 +420,12 @@ class ReplicaRunner:
             while True:
                 time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
+
+
+def _param_shard(z: ZeroOptimizer, g) -> torch.Tensor:
+    """This rank's slice of a flat group's parameters: ZeRO-3's persistent shard (its flat buffer is released between
+    uses), or the owned slice of ZeRO-1/2's full buffer."""
+    return g.param_shard if z.stage == 3 else g.own(g.full)
 
 
 def _fault(group: int, rank: int = 0, ranks: int = 1) -> tuple[str, int] | None:
