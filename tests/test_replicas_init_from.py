@@ -97,11 +97,13 @@ def test_replica_run_from_hugging_face_weights_equals_one_process_from_them_and_
           f"{max(summary['max_abs_diff'].values()):.3g}")
 
 
-def test_init_from_into_groups_of_several_processes_is_refused_in_one_line(hf_dir, tmp_path, capsys):
-    sets = [x for k, v in {**RUN, **REPLICAS, "parallel.tp": 2}.items() for x in ("--set", f"{k}={v}")]
+@pytest.mark.parametrize("extra", [{"parallel.tp": 2}, {"model.dropout": 0.1}])
+def test_init_from_into_untested_replica_runs_is_refused_in_one_line(hf_dir, tmp_path, capsys, extra):
+    sets = [x for k, v in {**RUN, **REPLICAS, **extra}.items() for x in ("--set", f"{k}={v}")]
     assert main(["train", "--out", str(tmp_path / "o"), "--init-from", str(hf_dir), *sets]) == 2
     err = capsys.readouterr().err
-    assert "--init-from with parallel.replicas (2) needs groups of one process" in err and "got 2 processes" in err
+    assert "--init-from with parallel.replicas (2) needs dense groups of one process" in err
+    assert f"got {2 if extra.get('parallel.tp') else 1} processes per group" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 

@@ -317,11 +317,14 @@ def complete_step(out: Path, cfg: Config) -> int | None:
 
 def check_replica_run(args, out: Path, cfg: Config) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
-    if args.init_from is not None and (cfg.world_size > cfg.parallel.replicas or args.nnodes != 1):
+    m = cfg.model
+    if args.init_from is not None and (cfg.world_size > cfg.parallel.replicas or args.nnodes != 1 or m.dropout
+                                       or m.moe.experts):
         per = cfg.world_size // cfg.parallel.replicas
-        raise UserError(f"--init-from with parallel.replicas ({cfg.parallel.replicas}) needs groups of one process "
-                        f"on one machine (parallel.dp = replicas, no tp or pp, no --nnodes; got {per} processes per "
-                        f"group, --nnodes {args.nnodes}): other replica runs from imported weights have no test yet")
+        raise UserError(f"--init-from with parallel.replicas ({cfg.parallel.replicas}) needs dense groups of one "
+                        f"process on one machine without dropout (got {per} processes per group, --nnodes "
+                        f"{args.nnodes}, model.dropout={m.dropout}, model.moe.experts={m.moe.experts}): other replica "
+                        "runs from imported weights have no test yet")
     check_replica_nodes(args, cfg.parallel.replicas)
     from scaletrain.train.checkpoint_dirs import latest
 

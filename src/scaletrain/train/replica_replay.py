@@ -31,12 +31,15 @@ TP_RTOL, TP_ATOL = 1e-9, 1e-11
 products, so they differ by rounding (~1e-15 per step) as any tp layout differs from one process. The bound is
 docs/verify.md's for fp64 layouts against one process, element-wise |run - replay| <= TP_ATOL + TP_RTOL |replay|
 (set before measuring). Groups of pipeline stages use the same bound: the run adds the tied embedding's two
-gradients once per step, one process once per micro-batch."""
+gradients once per step, one process once per micro-batch; groups of two expert-parallel ranks too (an expert's
+weight gradient sums both ranks' slots in one matmul in the run, one rank's at a time in the replay)."""
 
 
 def _split(cfg: Config) -> bool:
-    """Groups whose matmuls or stages are split across ranks (tp or pp inside): the replay's bound is TP_*."""
-    return cfg.parallel.tp > 1 or cfg.parallel.pp > 1
+    """Groups whose matmuls or stages are split across ranks (tp or pp inside), or whose experts are (ep2 groups: an
+    expert's weight gradient is one matmul over both ranks' slots in the run, one per rank in the replay): the
+    replay's bound is TP_*."""
+    return cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1
 
 
 def within(cfg: Config, mine: torch.Tensor, saved: torch.Tensor) -> bool:

@@ -50,8 +50,8 @@ def noise_scale(cfg: Config, world_size: int | None) -> list[str]:
 @rule("combinations")
 def replicas(cfg: Config, world_size: int | None) -> list[str]:
     """parallel.replicas (train/runners/replicas.py): fault-tolerant replica groups of one process, of two
-    data-parallel ranks (plain dp or ZeRO-1/2/3 inside the group), of two tensor-parallel ranks or of two 1F1B
-    pipeline stages."""
+    data-parallel ranks (plain dp or ZeRO-1/2/3 inside the group), of two expert-parallel ranks (MoE, ep=2), of two
+    tensor-parallel ranks or of two 1F1B pipeline stages."""
     p, t = cfg.parallel, cfg.train
     if p.replicas == 1:
         return []
@@ -61,11 +61,18 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
         return [f"parallel.replicas ({p.replicas}) must divide parallel.dp ({p.dp})"]
     errors = []
     dps = p.dp // p.replicas  # data-parallel ranks per group; a group's processes: dps x tp
-    if p.pp > 2 or p.ep > 1 or p.cp > 1 or p.tp > 2 or (p.tp > 1 and dps > 1) or (p.pp > 1 and dps * p.tp > 1):
+    ep_group = p.ep == 2 and dps == 2 and p.tp == 1 and p.pp == 1 and p.cp == 1  # ep2 over the group's 2 dp ranks
+    if p.pp > 2 or (p.ep > 1 and not ep_group) or p.cp > 1 or p.tp > 2 or (p.tp > 1 and dps > 1) or (
+            p.pp > 1 and dps * p.tp > 1):
         errors.append(f"parallel.replicas ({p.replicas}): a replica group is data-parallel only (one process or 2 "
-                      f"data-parallel ranks), 2 tensor-parallel ranks or 2 pipeline stages (got dp/replicas={dps}, "
-                      f"tp={p.tp}, pp={p.pp}, ep={p.ep}, cp={p.cp}): expert and context parallelism and groups of "
-                      "more than 2 processes are not built inside a group")
+                      f"data-parallel ranks), 2 expert-parallel ranks (dp = 2 x replicas, ep=2), 2 tensor-parallel "
+                      f"ranks or 2 pipeline stages (got dp/replicas={dps}, tp={p.tp}, pp={p.pp}, ep={p.ep}, "
+                      f"cp={p.cp}): context parallelism, other ep and groups of more than 2 processes are not built "
+                      "inside a group")
+    elif ep_group and p.zero:
+        errors.append(f"parallel.replicas ({p.replicas}) with ep=2 groups needs parallel.zero=0 (got zero={p.zero}): "
+                      "the experts are already sharded over the group's 2 ranks; ZeRO of the dense part inside an ep "
+                      "group is not built")
     elif p.pp > 1 and (p.schedule != "1f1b" or p.virtual_stages != 1 or p.zero or p.partition == "time"):
         errors.append(f"parallel.replicas ({p.replicas}) with pp={p.pp} groups needs parallel.schedule=1f1b, "
                       f"parallel.virtual_stages=1, parallel.zero=0 and a parallel.partition other than time (got "
@@ -101,9 +108,18 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     if p.offload != "none" or p.heartbeat_s <= 0:
         errors.append(f"parallel.replicas > 1 needs parallel.offload=none and parallel.heartbeat_s > 0 (the bound "
                       f"within which a dead group is dropped); got offload={p.offload}, heartbeat_s={p.heartbeat_s}")
-    if t.dtype == "fp16" or cfg.model.moe.experts or cfg.model.dropout:
-        errors.append("parallel.replicas > 1 does not support train.dtype=fp16, MoE or dropout yet (their per-step "
-                      "state is not in the quorum's replay)")
+    if t.dtype == "fp16":
+        errors.append("parallel.replicas > 1 does not support train.dtype=fp16 (its loss scaler's per-step state is "
+                      "not in the quorum's replay)")
+    dropout = cfg.model.dropout > 0 or (cfg.model.moe.experts and cfg.model.moe.expert_dropout > 0)
+    if (cfg.model.moe.experts or dropout) and dps * p.tp * p.pp > 1 and not ep_group:
+        errors.append(f"parallel.replicas ({p.replicas}): MoE and dropout are built for groups of one process and ep=2 "
+                      f"groups only (got dp/replicas={dps}, tp={p.tp}, pp={p.pp}, zero={p.zero}): not tested with "
+                      "2 data-parallel ranks (any ZeRO stage), tp or pp inside a group")
+    if dropout and cfg.model.dropout_impl != "global":
+        errors.append(f"parallel.replicas > 1 with dropout needs model.dropout_impl=global (got "
+                      f"{cfg.model.dropout_impl}): torch's masks depend on the process's RNG, which a healed group and "
+                      "the replay cannot redraw")
     if t.on_nan != "stop" or t.log_noise_scale or t.eval_every:
         errors.append("parallel.replicas > 1 needs train.on_nan=stop, no train.log_noise_scale and "
                       "train.eval_every=0")

@@ -64,6 +64,9 @@ from scaletrain.distributed.comm import all_gather_single
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient, ordered_sum
 from scaletrain.errors import CheckpointError
+from scaletrain.model.moe import begin_step as begin_moe_step
+from scaletrain.model.moe import moe_modules
+from scaletrain.parallel.experts import ExpertParallelOptimizer
 from scaletrain.parallel.zero import ZeroOptimizer
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
@@ -99,7 +102,7 @@ def group_config(cfg: Config, replay: bool = False) -> Config:
     process of `scaletrain replay`, which computes every rank's gradient itself, at whole width, all stages)."""
     p = cfg.parallel
     if replay:
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, pp=1, replicas=1, zero=0,
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, tp=1, pp=1, ep=1, replicas=1, zero=0,
                                                                      microbatches=0))
     # a pipeline's schedule runs the micro-batches of the group's rows (those of one dp rank of the whole run)
     micro = (p.microbatches or cfg.grad_accum) if p.pp > 1 else p.microbatches
@@ -108,7 +111,10 @@ def group_config(cfg: Config, replay: bool = False) -> Config:
 
 
 def _grads(opt) -> list[torch.Tensor]:
-    """The gradients this rank reduces across groups: the whole gradients, or its ZeRO shard's."""
+    """The gradients this rank reduces across groups: the whole gradients, or its ZeRO shard's; under expert
+    parallelism (ep2 groups) the dense parameters' (all-reduced over the group) then this rank's experts'."""
+    if isinstance(opt, ExpertParallelOptimizer):
+        return [g for part in opt.parts for g in _grads(part)]
     return [g.shard_grad for g in opt.groups] if isinstance(opt, ZeroOptimizer) else opt.grads
 
 
@@ -132,17 +138,46 @@ class GroupModel:
 
     def _flat(self, loss: torch.Tensor) -> torch.Tensor:
         grads = _grads(self.opt)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
+        loss = loss.reshape(1).to(grads[0].dtype) + self._aux_loss()
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
         self.opt.zero_grad()
         return flat
+
+    def _aux_loss(self) -> float:
+        """This rank's share of the weighted MoE auxiliary and z-losses of the forward just run (0 without MoE), per
+        token of the group: added to the logged loss as the Trainer adds them (they are already in the gradient)."""
+        w = self.cfg.model.moe
+        if not w.experts:
+            return 0.0
+        aux_weight = 1.0 if w.aux_loss == "importance" else w.aux_loss_weight  # importance's aux is weighted
+        return sum(aux_weight * m.stats.aux + w.z_loss_weight * m.stats.z
+                   for m in moe_modules(self.trainer.model)) / self.tokens
 
     def local_grad(self, step: int, group: int) -> torch.Tensor:
         """This rank's part of its group's gradient of the mean token loss over the group's rows, flattened, with
         this rank's part of that loss appended: the whole gradient (a group of one process) or its ZeRO shard."""
         return self._rank_grad(step, group, self.dp_rank)
 
+    def _first_row(self, group: int, rank: int) -> int:
+        """The global batch row of data-parallel rank `rank` of group `group`'s first row of a step."""
+        cfg = self.cfg
+        return (group * self.dps + rank) * (cfg.train.global_batch // cfg.parallel.dp)
+
+    def _begin(self, step: int, first_row: int) -> None:
+        """The per-step state of the model's random streams, as the Trainer sets it (train/trainer.py): MoE routers'
+        noise and random routing (model/moe.py) and layout-independent dropout (model/dropout.py) are keyed by
+        (seed, step, global row of the rank's first row), so a group, a healed group and the replay draw the same
+        numbers for the same rows; the MoE layers' statistics are reset."""
+        t, cfg = self.trainer, self.cfg
+        if cfg.model.moe.experts:
+            begin_moe_step(t.model, cfg.train.seed, step, first_row)
+        if t.engine.dropout is not None:
+            d = t.engine.dropout
+            d.seed, d.step, d.base_row = cfg.train.seed, step, first_row
+
     def _rank_grad(self, step: int, group: int, rank: int) -> torch.Tensor:
         t = self.trainer
+        self._begin(step, self._first_row(group, rank))
         with t.own_rng():
             loss = t.engine.forward_backward(self._micro(step, group, rank), 1.0 / self.tokens)
         return self._flat(loss)
@@ -163,6 +198,7 @@ class GroupModel:
         for m in range(len(micro[0])):
             parts = []
             for i in range(self.dps):
+                self._begin(step, self._first_row(group, i) + m * self.cfg.train.micro_batch)
                 with t.own_rng():
                     parts.append(self._flat(t.engine.forward_backward([micro[i][m]], 1.0 / self.tokens)))
             reduced = ordered_sum(parts)
@@ -175,9 +211,10 @@ class GroupModel:
         for g in _grads(self.opt):
             g.copy_(mean[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
-        if not isinstance(self.opt, ZeroOptimizer):  # plain dp over several ranks drops .grad in zero_grad
-            for p, g in zip(self.opt.params, self.opt.grads):
-                p.grad = g
+        for part in self.opt.parts:  # plain dp over several ranks drops .grad in zero_grad
+            if not isinstance(part, ZeroOptimizer):
+                for p, g in zip(part.params, part.grads):
+                    p.grad = g
         norm = self.opt.clip_grad_norm(self.cfg.train.grad_clip)
         self.opt.step(lr_at(step, self.cfg.train) * self.trainer.lr_scale)
         self.opt.zero_grad()
@@ -274,10 +311,18 @@ class ReplicaRunner:
                 self.client.store.set(f"healed/{q.round}/{self.rank}", "1")
         elif self.group in q.behind:
             state, stats = recv_state(src, link)
+            self._check_slice(state)
             return state, {"seconds": stats.seconds, "retries": stats.retries, "bytes": stats.bytes}
         else:
             self.client.wait(f"healed/{q.round}/{self.rank}", self.cfg.parallel.timeout_s)
         return None
+
+    def _check_slice(self, state: dict) -> None:
+        """A verified heal payload of an ep2 group holds the sender's experts: refused (the round fails, nothing is
+        loaded) unless they are this rank's (both ranks' expert weights have the same names and shapes)."""
+        if "ep_rank" in state and state["ep_rank"] != self.model.trainer.mesh.local_rank("ep"):
+            raise RuntimeError(f"replica group {self.group}: the heal sent ep rank {state['ep_rank']}'s experts to "
+                               f"ep rank {self.model.trainer.mesh.local_rank('ep')}")
 
     def _phase(self, q: Quorum) -> dict | None:
         """The round's heal phase, agreed by the group's ranks: the heal's stats (None if not behind); RuntimeError
@@ -307,6 +352,9 @@ class ReplicaRunner:
         shard) and masters, its optimizer state."""
         t = self.model.trainer
         z = t.engine.optimizer
+        if isinstance(z, ExpertParallelOptimizer):  # ep2 groups: its experts' slice and the dense copy, both parts'
+            return {"model": t.model.state_dict(), "optimizer": [o.state_dict() for o in z.parts],  # AdamW state
+                    "ep_rank": t.mesh.local_rank("ep"), "step": self.step}
         if not isinstance(z, ZeroOptimizer):
             return training_state(t.model, z, self.step)
         return {"shards": [_param_shard(z, g).clone() for g in z.groups],
@@ -317,6 +365,11 @@ class ReplicaRunner:
         """Load a verified heal payload; a ZeRO-1/2 group then all-gathers its parameters (both ranks heal at once)."""
         t = self.model.trainer
         z = t.engine.optimizer
+        if isinstance(z, ExpertParallelOptimizer):
+            t.model.load_state_dict(state["model"])
+            for part, part_state in zip(z.parts, state["optimizer"]):
+                part.load_state_dict(part_state)
+            return int(state["step"])
         if not isinstance(z, ZeroOptimizer):
             return load_training_state(t.model, z, state)
         with torch.no_grad():
