@@ -83,6 +83,8 @@ IGNORED: tuple[Unused, ...] = (
            "parallel.pp > 1 (a pipeline schedule)", lambda c: f"parallel.pp={c.parallel.pp}"),
     Unused("parallel.cp_mode", lambda c: c.parallel.cp > 1, "parallel.cp > 1 (how attention is split over the "
            "context-parallel ranks)", lambda c: f"parallel.cp={c.parallel.cp}"),
+    Unused("parallel.heal_attempts", lambda c: c.parallel.replicas > 1, "parallel.replicas > 1 (the lighthouse "
+           "excludes a replica group whose heal keeps failing)", lambda c: f"parallel.replicas={c.parallel.replicas}"),
     Unused("parallel.vertical_sync", lambda c: c.parallel.schedule == "pipedream", "parallel.schedule=pipedream "
            "(PipeDream's weight versions)", lambda c: f"parallel.schedule={c.parallel.schedule}"),
     # training: fp16's dynamic loss scaler (train/trainer.py), the schedule, evaluation

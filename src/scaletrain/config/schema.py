@@ -294,6 +294,11 @@ class ParallelConfig:
     groups that train on through the death of a group (a per-step quorum, torchft-style; a restarted group heals from
     a live one). 1 = off. A group is one process (dp = replicas) or two data-parallel ranks (dp = 2 x replicas,
     any parallel.zero); no tp/pp/ep/cp inside a group."""
+    heal_attempts: int = 3
+    """parallel.replicas > 1: the lighthouse excludes a replica group from the run after this many consecutive failed
+    heals (each a round where the group was behind and its heal from a live group failed: a chunk corrupt on every
+    resend, a state it cannot load), so a heal that fails the same way every round cannot stall the live groups; the
+    excluded group's process stops with a one-line error and its agent is not restarted (docs/fault_tolerance.md)."""
     slow_ranks: str = ""
     """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
     forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""

@@ -13,7 +13,9 @@ node k runs the agents of groups k*R/N .. (k+1)*R/N - 1, with gloo on the interf
 (GLOO_SOCKET_IFNAME, as a multi-node job's ranks get it), so a group's cross-group sums and heals go between
 machines and its own ranks stay on one. --out is shared: the host writes the membership log, each group its rows
 and final parameters. A node that is lost takes its groups with it: the others go on without them (a group's agent
-restarts a dead group, not a dead machine). Torch-free: the lighthouse and the groups import torch, this launcher
+restarts a dead group, not a dead machine). A group the lighthouse excluded (its heal failed `parallel.heal_attempts`
+rounds in a row; it writes `replicas/excluded-group{g}`) has its agent stopped at once, so it is not restarted; its
+process stops itself with the lighthouse's line. Torch-free: the lighthouse and the groups import torch, this launcher
 does not.
 """
 
@@ -39,7 +41,7 @@ REPLICA_ENV = "SCALETRAIN_REPLICA"
 
 
 def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, steps: int, heartbeat_s: float,
-                    ranks: int = 1, nnodes: int = 1, endpoint: str | None = None) -> int:
+                    ranks: int = 1, nnodes: int = 1, endpoint: str | None = None, heal_attempts: int = 3) -> int:
     """Run this machine's replica groups of `scaletrain <argv>` (`ranks` processes each, one torchrun agent per
     group; all of them, or with `endpoint` this node's share of `nnodes`); the exit code for the user (0: every
     step committed)."""
@@ -55,11 +57,14 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
         env_all["GLOO_SOCKET_IFNAME"] = local_address(host).interface
     lighthouse, lh_log = None, None
     if here:
+        for mark in rep.glob("excluded-group*"):  # a whole-job resume gives every group a fresh start
+            mark.unlink()
         lh_log = open(logs / "lighthouse.log", "w")
         lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain.multinode.lighthouse", "--port", str(port),
                                        "--groups", str(groups), "--steps", str(steps), "--heartbeat-s",
                                        str(heartbeat_s), "--log", str(out / "membership.jsonl"), "--linger-s", "2",
-                                       "--ranks", str(ranks)],
+                                       "--ranks", str(ranks), "--heal-attempts", str(heal_attempts),
+                                       "--marks", str(rep)],
                                       stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
     agents: list[subprocess.Popen] = []
     mine: list[int] = []
@@ -81,6 +86,11 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
         # the run goes on while the lighthouse does (on another node: until its log has the last step)
         while (lighthouse.poll() is None if lighthouse is not None else _log_steps(out) < steps) and \
                 any(a.poll() is None for a in agents):
+            for g, agent in zip(mine, agents):  # an excluded group: its agent must not restart it
+                if agent.poll() is None and (rep / f"excluded-group{g}").exists():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
             time.sleep(0.1)
         deadline = time.monotonic() + GRACE_S
         final = [g for g in _final_members(out, steps, None if here else deadline) if g in mine]
@@ -186,7 +196,9 @@ def summarize(rows: list[dict], replicas: int, tokens_per_step: int) -> dict:
             "group_steps_lost": sum(replicas - len(x["members"]) for x in committed),
             "heals": [{"step": x["step"], "group": int(g), **h} for x in rows if x["committed"]
                       for g, h in x["heal"].items()],
-            "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None]}
+            "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None],
+            "excluded": [{"step": x["step"], "group": int(g), **e} for x in rows
+                         for g, e in x.get("excluded", {}).items()]}
 
 
 def report(out: Path, groups: int, steps: int) -> int:
@@ -197,11 +209,18 @@ def report(out: Path, groups: int, steps: int) -> int:
     for r in rows:
         if r.get("resumed_from") is not None:
             print(f"step {r['resumed_from']}: resumed from its checkpoint (a whole-job restart)", flush=True)
+        if r.get("start_checkpoint"):
+            print(f"step 0: every group started from the weights of {r.get('init_from', '?')}, written once as "
+                  f"{out / r['start_checkpoint']} (the replay starts from it)", flush=True)
         if r["dropped"]:
             print(f"step {r['step']}: replica group(s) {r['dropped']} dropped; {len(r['members'])} of {groups} "
                   "groups went on", flush=True)
         if not r["committed"]:
-            print(f"step {r['step']}: round {r['round']} failed (a member died mid-step); retried", flush=True)
+            print(f"step {r['step']}: round {r['round']} failed (a member died mid-step or a heal failed); retried",
+                  flush=True)
+        for g, e in r.get("excluded", {}).items():
+            print(f"step {r['step']}: replica group {g} excluded after {e['failed_heals']} consecutive failed heals "
+                  f"(last: {e['reason']}); its agent was stopped and the other groups went on", flush=True)
         for g, h in r["heal"].items():
             if r["committed"]:
                 print(f"step {r['step']}: replica group {g} healed from a live group in {h['seconds']:.3f} s "
