@@ -176,12 +176,15 @@ def read_log(out: Path) -> list[dict]:
 def effective_rows(rows: list[dict]) -> list[dict]:
     """The committed rounds whose steps the run's parameters went through, in order: a launch that resumed from
     the checkpoint of step N (its first row has `resumed_from`: N) recomputed the steps after N, so the committed
-    rows of those steps from before the resume are dropped."""
+    rows of those steps from before the resume are dropped. Likewise a step committed again: every member of its
+    earlier commit died before any other group healed from it (the lighthouse numbers a round's step from the live
+    groups' completed steps), so that update is lost with them and the later commit replaces it."""
     out: list[dict] = []
     for r in rows:
         if r.get("resumed_from") is not None:
             out = [x for x in out if x["step"] <= r["resumed_from"]]
         if r["committed"]:
+            out = [x for x in out if x["step"] < r["step"]]
             out.append(r)
     return out
 
