@@ -112,6 +112,23 @@ def test_replay_of_full_quorums_equals_the_single_process_trainer():
     assert _max_diff(params, ref) <= 1e-12
 
 
+def test_a_step_committed_again_replaces_the_commit_whose_members_all_died():
+    """Group 0 alone commits step 3 and dies before healing anyone; group 1 (still at step 2) computes step 3 again:
+    the first update is lost with group 0, so the replay goes through the second commit only (and a resume's
+    rows after its checkpoint go as before)."""
+    from scaletrain.multinode.replicas import effective_rows
+
+    def row(step, members, committed=True, **extra):
+        return {"step": step, "members": members, "committed": committed, **extra}
+
+    rows = [row(1, [0, 1]), row(2, [0, 1]), row(3, [0, 1], False), row(3, [0]), row(3, [1]), row(4, [0, 1])]
+    assert [(r["step"], r["members"]) for r in effective_rows(rows)] == [(1, [0, 1]), (2, [0, 1]), (3, [1]),
+                                                                         (4, [0, 1])]
+    resumed = [*rows, row(3, [0, 1], resumed_from=2), row(4, [0, 1])]
+    assert [(r["step"], r["members"]) for r in effective_rows(resumed)] == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1]),
+                                                                            (4, [0, 1])]
+
+
 def test_killed_group_is_dropped_restarts_heals_through_a_corrupt_chunk_and_the_run_equals_its_replay(tmp_path):
     out = tmp_path / "run"
     run = {**RUN, "train.steps": 16, "train.checkpoint_every": 1, "train.keep_checkpoints": 100}

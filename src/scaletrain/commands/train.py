@@ -194,7 +194,7 @@ def cmd_train(args) -> int:
     set_user_command(args)  # the command as the user gave it, for the run report
     multinode_launcher.check_arguments(args)
     if cfg.parallel.replicas > 1:
-        check_replica_run(args, Path(args.out), cfg.parallel.replicas)
+        check_replica_run(args, Path(args.out), cfg)
     if cfg.parallel.sync != "bsp" and (args.rdzv_endpoint or args.restarts):
         raise UserError(f"--nnodes/--rdzv-endpoint and --restarts are for parallel.sync=bsp runs; parallel.sync="
                         f"{cfg.parallel.sync} supervises its own ranks on one machine (docs/async.md)")
@@ -267,9 +267,15 @@ def _launch(args, cfg: Config, out: Path, nproc: int, resume_args: dict, said) -
             return 0
         if found is None and _runs_lighthouse(args):
             (out / "config.yaml").write_text(cfg.to_yaml())  # what `scaletrain replay` rebuilds the groups from
+            if args.init_from is not None:  # the imported weights, once: every group and the replay start from them
+                from scaletrain.train.replica_init import write_start
+                from scaletrain.train.runners.replicas import GroupModel
+
+                write_start(GroupModel(cfg, replay=True).trainer, Path(args.init_from), out)
         p = cfg.parallel
         code = launch_replicas(p.replicas, argv, out, args.restarts, cfg.train.steps, p.heartbeat_s,
                                ranks=cfg.world_size // p.replicas, nnodes=args.nnodes, endpoint=args.rdzv_endpoint,
+                               heal_attempts=p.heal_attempts,
                                missing_rows=p.missing_rows)
         if cfg.train.report and _runs_lighthouse(args):  # the groups have no output folder: the launcher writes it
             from scaletrain.report.observers import safely
@@ -310,13 +316,17 @@ def complete_step(out: Path, cfg: Config) -> int | None:
     return step if step >= cfg.train.steps else None
 
 
-def check_replica_run(args, out: Path, replicas: int) -> None:
+def check_replica_run(args, out: Path, cfg: Config) -> None:
     """What a parallel.replicas > 1 run cannot do yet: one line, exit 2, before anything starts."""
-    if args.init_from is not None:
-        raise UserError("parallel.replicas > 1 starts from its own or a --reshard checkpoint: --init-from is not "
-                        "supported with it (`scaletrain replay` starts from step 0 or a checkpoint in --out: Hugging "
-                        "Face weights are neither)")
-    check_replica_nodes(args, replicas)
+    m = cfg.model
+    if args.init_from is not None and (cfg.world_size > cfg.parallel.replicas or args.nnodes != 1 or m.dropout
+                                       or m.moe.experts):
+        per = cfg.world_size // cfg.parallel.replicas
+        raise UserError(f"--init-from with parallel.replicas ({cfg.parallel.replicas}) needs dense groups of one "
+                        f"process on one machine without dropout (got {per} processes per group, --nnodes "
+                        f"{args.nnodes}, model.dropout={m.dropout}, model.moe.experts={m.moe.experts}): other replica "
+                        "runs from imported weights have no test yet")
+    check_replica_nodes(args, cfg.parallel.replicas)
     from scaletrain.train.checkpoint_dirs import latest
 
     if args.reshard and (out / "membership.jsonl").exists():

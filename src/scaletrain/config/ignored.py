@@ -86,6 +86,8 @@ IGNORED: tuple[Unused, ...] = (
     Unused("parallel.missing_rows", lambda c: c.parallel.replicas > 1, "parallel.replicas > 1 (what a step without "
            "every replica group does with the missing groups' rows)",
            lambda c: f"parallel.replicas={c.parallel.replicas}"),
+    Unused("parallel.heal_attempts", lambda c: c.parallel.replicas > 1, "parallel.replicas > 1 (the lighthouse "
+           "excludes a replica group whose heal keeps failing)", lambda c: f"parallel.replicas={c.parallel.replicas}"),
     Unused("parallel.vertical_sync", lambda c: c.parallel.schedule == "pipedream", "parallel.schedule=pipedream "
            "(PipeDream's weight versions)", lambda c: f"parallel.schedule={c.parallel.schedule}"),
     # training: fp16's dynamic loss scaler (train/trainer.py), the schedule, evaluation

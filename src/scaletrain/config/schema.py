@@ -302,6 +302,11 @@ class ParallelConfig:
     groups' rows, at the step's usual lr: a smaller batch) or `reassign`s them to the live groups, round-robin (every
     step uses the whole global batch, the mean over all R groups' rows; the lr is unchanged; the live groups compute
     more). docs/fault_tolerance.md, "The missing group's share of the batch"."""
+    heal_attempts: int = 3
+    """parallel.replicas > 1: the lighthouse excludes a replica group from the run after this many consecutive failed
+    heals (each a round where the group was behind and its heal from a live group failed: a chunk corrupt on every
+    resend, a state it cannot load), so a heal that fails the same way every round cannot stall the live groups; the
+    excluded group's process stops with a one-line error and its agent is not restarted (docs/fault_tolerance.md)."""
     slow_ranks: str = ""
     """Straggler injection for experiments: `1:0.5` makes data-parallel rank (worker) 1 sleep 0.5 x its measured
     forward+backward time after each of its steps, i.e. 50% slower; a comma list for several."""

@@ -16,10 +16,14 @@ to join and hands the quorum to the group's other ranks through the store (`qof/
 count, N the join); each rank I of the members forms the cross-group gloo group of local rank I (its ZeRO shard's
 ordered sum, its heal) and reports its own outcome, so a round commits only when every rank of every member did.
 
+A group whose heal keeps failing is excluded by the lighthouse (`parallel.heal_attempts` consecutive failed heals,
+each reported by the receiving rank in `healfail/R/G/I`): `join` then raises `GroupExcluded` with the lighthouse's
+line (`excluded/G`), so its process stops with that one line instead of asking to join forever.
+
 Keys in the store: `hb/G/I` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `qof/G/A/N`,
 `phase/R/G/I` (the heal phase's outcome, agreed inside a group), `ready/R/G/I` (a member's gradient is computed:
 parallel.missing_rows=reassign), `done/R/G/I`, `heal/R/G/I` (seconds, bytes,
-resent chunks), `healed/R/I`, `commit/R`, `finished`.
+resent chunks), `healfail/R/G/I` (why a heal failed), `excluded/G`, `healed/R/I`, `commit/R`, `finished`.
 """
 
 from __future__ import annotations
@@ -35,8 +39,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from scaletrain.errors import UserError
+
 LIGHTHOUSE_ENV = "SCALETRAIN_LIGHTHOUSE"  # host:port of the lighthouse's store (set by multinode/replicas.py)
 REPLICA_ENV = "SCALETRAIN_REPLICA"  # this process's replica group id
+
+
+class GroupExcluded(UserError):
+    """The lighthouse excluded this replica group (its heal failed `parallel.heal_attempts` rounds in a row): the
+    process stops with the lighthouse's one line and exit 2; the other groups go on."""
 
 
 @dataclass(frozen=True)
@@ -93,13 +104,27 @@ class QuorumClient:
                     return None
                 time.sleep(0.002)
             q = json.loads(self.store.get(key))
+            if q is not None and "excluded" in q:
+                raise GroupExcluded(q["excluded"])
             return Quorum(**q) if q is not None else None
-        q = self._join(completed)
+        try:
+            q = self._join(completed)
+        except GroupExcluded as e:  # the group's other ranks stop with the same line
+            self.store.set(key, json.dumps({"excluded": str(e)}))
+            raise
         self.store.set(key, json.dumps(dataclasses.asdict(q) if q is not None else None))
         return q
 
+    def check_excluded(self) -> None:
+        """Raise GroupExcluded (the lighthouse's line) once the lighthouse has excluded this group (checked before
+        each request: an excluded group's requests are ignored, so it sees quorums without it until it asks again)."""
+        key = f"excluded/{self.group}"
+        if self.store.check([key]):
+            raise GroupExcluded(self.store.get(key).decode() + "; the other groups go on without it")
+
     def _join(self, completed: int) -> Quorum | None:
         while not self.finished():
+            self.check_excluded()
             r = self.store.add("round", 0)
             self.store.set(f"req/{r}/{self.group}", str(completed))
             key = f"quorum/{r}"
@@ -174,6 +199,11 @@ class QuorumClient:
                 return False
             time.sleep(0.002)
         return all(self.store.get(k) == b"1" for k in keys)
+
+    def heal_failed(self, q: Quorum, reason: str) -> None:
+        """Tell the lighthouse why this rank's heal in round q failed (it counts a group's consecutive failures)."""
+        line = (reason.strip().splitlines() or ["no reason given"])[0][:300]
+        self.store.set(f"healfail/{q.round}/{self.group}/{self.local_rank}", line)
 
     def commit(self, q: Quorum, ok: bool, heal: dict | None = None) -> bool:
         """Report this member's outcome (and its heal's stats); the lighthouse's decision for the round (True:

@@ -14,9 +14,15 @@ committed, `rows` (parallel.missing_rows=reassign, a step without every group: m
 it computed, distributed/rows.py),
 and on the first row of a launch that resumed from a checkpoint `resumed_from` (its step; the rows of
 later steps before it were recomputed, multinode/replicas.py `effective_rows`), `checkpoint` (its folder, as group
-0 put it in the store under `start`) and, for a `--reshard` start from another layout, `from_layout`. `scaletrain
-replay --out OUT` recomputes the committed rounds in one process (train/replica_replay.py), from that checkpoint
-when the log has no rounds before it.
+0 put it in the store under `start`) and, for a `--reshard` start from another layout, `from_layout`; a fresh
+launch from imported weights (`--init-from`) has `init_from` and `start_checkpoint` there (train/replica_init.py).
+`scaletrain replay --out OUT` recomputes the committed rounds in one process (train/replica_replay.py), from that
+checkpoint when the log has no rounds before it.
+A group whose heal failed in `heal_attempts` consecutive rounds where it was behind (its receiving rank reported the
+failure, `healfail/R/G/I`: a chunk corrupt on every resend, a state it could not load) is excluded: its later
+requests are ignored, `excluded/G` in the store tells its processes to stop, `excluded-group{G}` in `--marks` tells
+the launcher to stop its agent, and the round's row gets `excluded`: {G: {failed_heals, reason}}. A heal that fails
+the same way every round would otherwise fail every round for the live groups too, and the run would stall.
 """
 
 from __future__ import annotations
@@ -36,9 +42,13 @@ POLL_S = 0.002
 
 class Lighthouse:
     def __init__(self, store: dist.Store, groups: int, steps: int, heartbeat_s: float, log: Path,
-                 start_s: float = 120.0, ranks: int = 1, reassign: bool = False):
+                 start_s: float = 120.0, ranks: int = 1, heal_attempts: int = 3, marks: Path | None = None,
+                 reassign: bool = False):
         self.store, self.groups, self.steps, self.heartbeat_s = store, groups, steps, heartbeat_s
         self.log, self.start_s, self.ranks = log, start_s, ranks
+        self.heal_attempts, self.marks = heal_attempts, marks
+        self.failed_heals: dict[int, int] = {}  # group -> consecutive rounds whose heal of it failed
+        self.excluded: set[int] = set()  # groups excluded after heal_attempts failed heals: their requests are ignored
         self.reassign = reassign  # parallel.missing_rows=reassign: a missing group's rows go to a live member
         self.beats: dict[tuple[int, int], tuple[int, float]] = {}  # (group, rank) -> (counter, when it last moved)
 
@@ -57,7 +67,7 @@ class Lighthouse:
 
     def _requests(self, r: int) -> dict[int, int]:
         keys = {g: f"req/{r}/{g}" for g in range(self.groups)}
-        return {g: int(self.store.get(k)) for g, k in keys.items() if self.store.check([k])}
+        return {g: int(self.store.get(k)) for g, k in keys.items() if g not in self.excluded and self.store.check([k])}
 
     def close_round(self, r: int, previous: list[int] | None) -> dict[int, int]:
         """Wait until round r can close; the requests (group -> completed steps) it closes with."""
@@ -98,6 +108,38 @@ class Lighthouse:
         return {"seconds": max(h["seconds"] for h in got), "bytes": sum(h["bytes"] for h in got),
                 "retries": sum(h["retries"] for h in got)}
 
+    def heal_failure(self, r: int, g: int) -> str | None:
+        """Why group g's heal in round r failed (its first failing rank's one line), or None when no rank of it
+        reported a failed heal. Waits until every rank of g reported its outcome or g stopped heartbeating: a rank
+        writes `healfail/...` before `done/...`, and the sender's failure can end the round first."""
+        done = [f"done/{r}/{g}/{i}" for i in range(self.ranks)]
+        while not self.store.check(done) and self.alive(g):
+            time.sleep(POLL_S)
+        keys = [f"healfail/{r}/{g}/{i}" for i in range(self.ranks)]
+        return next((self.store.get(k).decode() for k in keys if self.store.check([k])), None)
+
+    def count_heals(self, r: int, step: int, members: list[int], behind: list[int], ok: bool) -> dict[str, dict]:
+        """Round r's effect on the consecutive failed heals of each group; the groups it excludes (with their count
+        and the last failure's reason), told to stop through the store and the launcher's marks."""
+        excluded = {}
+        for g in members:
+            reason = self.heal_failure(r, g) if g in behind and not ok else None
+            if reason is None:
+                if ok:
+                    self.failed_heals[g] = 0
+                continue
+            self.failed_heals[g] = self.failed_heals.get(g, 0) + 1
+            if self.failed_heals[g] < self.heal_attempts:
+                continue
+            self.excluded.add(g)
+            excluded[str(g)] = {"failed_heals": self.failed_heals[g], "reason": reason}
+            line = (f"replica group {g} excluded at step {step} after {self.failed_heals[g]} consecutive failed "
+                    f"heals (last: {reason})")
+            if self.marks is not None:  # first, so the launcher stops the agent before the process hears it
+                (self.marks / f"excluded-group{g}").write_text(line + "\n")
+            self.store.set(f"excluded/{g}", line)
+        return excluded
+
     def run(self) -> None:
         previous: list[int] | None = None  # who the next round waits for
         last: list[int] = list(range(self.groups))  # the members of the last committed step
@@ -126,10 +168,13 @@ class Lighthouse:
                        "dropped": dropped, "committed": ok, "time": t0}
                 if "rows" in quorum:
                     row["rows"] = quorum["rows"]
+                if excluded := self.count_heals(r, step, members, behind, ok):
+                    row["excluded"] = excluded
                 if r == 0 and step > 1:  # every group loaded the checkpoint of step - 1: a whole-job resume
                     row["resumed_from"] = step - 1
-                    if self.store.check(["start"]):  # its folder name, and the layout it was written with
-                        row.update(json.loads(self.store.get("start")))
+                # its folder name and the layout it was written with; or (step 1) the imported weights' start checkpoint
+                if r == 0 and self.store.check(["start"]):
+                    row.update(json.loads(self.store.get("start")))
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if ok:
@@ -137,7 +182,7 @@ class Lighthouse:
                     previous = last = members
                 else:
                     pg_id, members_of_pg = -1, None
-                    previous = [g for g in members if self.alive(g)]
+                    previous = [g for g in members if g not in self.excluded and self.alive(g)]
                 r += 1
         self.store.set("finished", "1")
 
@@ -161,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=1, help="processes per replica group")
     p.add_argument("--log")
     p.add_argument("--missing-rows", choices=("skip", "reassign"), default="skip", help="parallel.missing_rows")
+    p.add_argument("--heal-attempts", type=int, default=3, help="consecutive failed heals that exclude a group")
+    p.add_argument("--marks", default=None, help="folder for excluded-group{G} files (the launcher stops their agent)")
     p.add_argument("--linger-s", type=float, default=30.0, help="keep the store up after the run for late readers")
     args = p.parse_args(argv)
     if args.claim_node is not None:
@@ -173,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                           timeout=timedelta(seconds=300))
     store.add("round", 0)
     Lighthouse(store, args.groups, args.steps, args.heartbeat_s, Path(args.log), ranks=args.ranks,
+               heal_attempts=args.heal_attempts, marks=Path(args.marks) if args.marks else None),
                reassign=args.missing_rows == "reassign").run()
     time.sleep(args.linger_s)  # groups still read `finished` and their commit
     return 0

@@ -13,7 +13,9 @@ node k runs the agents of groups k*R/N .. (k+1)*R/N - 1, with gloo on the interf
 (GLOO_SOCKET_IFNAME, as a multi-node job's ranks get it), so a group's cross-group sums and heals go between
 machines and its own ranks stay on one. --out is shared: the host writes the membership log, each group its rows
 and final parameters. A node that is lost takes its groups with it: the others go on without them (a group's agent
-restarts a dead group, not a dead machine). Torch-free: the lighthouse and the groups import torch, this launcher
+restarts a dead group, not a dead machine). A group the lighthouse excluded (its heal failed `parallel.heal_attempts`
+rounds in a row; it writes `replicas/excluded-group{g}`) has its agent stopped at once, so it is not restarted; its
+process stops itself with the lighthouse's line. Torch-free: the lighthouse and the groups import torch, this launcher
 does not.
 """
 
@@ -40,7 +42,8 @@ REPLICA_ENV = "SCALETRAIN_REPLICA"
 
 
 def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, steps: int, heartbeat_s: float,
-                    ranks: int = 1, nnodes: int = 1, endpoint: str | None = None, missing_rows: str = "skip") -> int:
+                    ranks: int = 1, nnodes: int = 1, endpoint: str | None = None, heal_attempts: int = 3,
+                    missing_rows: str = "skip") -> int:
     """Run this machine's replica groups of `scaletrain <argv>` (`ranks` processes each, one torchrun agent per
     group; all of them, or with `endpoint` this node's share of `nnodes`); the exit code for the user (0: every
     step committed)."""
@@ -56,11 +59,14 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
         env_all["GLOO_SOCKET_IFNAME"] = local_address(host).interface
     lighthouse, lh_log = None, None
     if here:
+        for mark in rep.glob("excluded-group*"):  # a whole-job resume gives every group a fresh start
+            mark.unlink()
         lh_log = open(logs / "lighthouse.log", "w")
         lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain.multinode.lighthouse", "--port", str(port),
                                        "--groups", str(groups), "--steps", str(steps), "--heartbeat-s",
                                        str(heartbeat_s), "--log", str(out / "membership.jsonl"), "--linger-s", "2",
-                                       "--ranks", str(ranks), "--missing-rows", missing_rows],
+                                       "--ranks", str(ranks), "--heal-attempts", str(heal_attempts),
+                                       "--marks", str(rep), "--missing-rows", missing_rows],
                                       stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
     agents: list[subprocess.Popen] = []
     mine: list[int] = []
@@ -82,6 +88,11 @@ def launch_replicas(groups: int, argv: list[str], out: Path, restarts: int, step
         # the run goes on while the lighthouse does (on another node: until its log has the last step)
         while (lighthouse.poll() is None if lighthouse is not None else _log_steps(out) < steps) and \
                 any(a.poll() is None for a in agents):
+            for g, agent in zip(mine, agents):  # an excluded group: its agent must not restart it
+                if agent.poll() is None and (rep / f"excluded-group{g}").exists():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
             time.sleep(0.1)
         deadline = time.monotonic() + GRACE_S
         final = [g for g in _final_members(out, steps, None if here else deadline) if g in mine]
@@ -167,12 +178,15 @@ def read_log(out: Path) -> list[dict]:
 def effective_rows(rows: list[dict]) -> list[dict]:
     """The committed rounds whose steps the run's parameters went through, in order: a launch that resumed from
     the checkpoint of step N (its first row has `resumed_from`: N) recomputed the steps after N, so the committed
-    rows of those steps from before the resume are dropped."""
+    rows of those steps from before the resume are dropped. Likewise a step committed again: every member of its
+    earlier commit died before any other group healed from it (the lighthouse numbers a round's step from the live
+    groups' completed steps), so that update is lost with them and the later commit replaces it."""
     out: list[dict] = []
     for r in rows:
         if r.get("resumed_from") is not None:
             out = [x for x in out if x["step"] <= r["resumed_from"]]
         if r["committed"]:
+            out = [x for x in out if x["step"] < r["step"]]
             out.append(r)
     return out
 
@@ -190,7 +204,9 @@ def summarize(rows: list[dict], replicas: int, tokens_per_step: int) -> dict:
             "tokens_reassigned": sum((computed_groups(x) - len(x["members"])) * group_tokens for x in committed),
             "heals": [{"step": x["step"], "group": int(g), **h} for x in rows if x["committed"]
                       for g, h in x["heal"].items()],
-            "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None]}
+            "resumes": [x["resumed_from"] for x in rows if x.get("resumed_from") is not None],
+            "excluded": [{"step": x["step"], "group": int(g), **e} for x in rows
+                         for g, e in x.get("excluded", {}).items()]}
 
 
 def report(out: Path, groups: int, steps: int) -> int:
@@ -201,11 +217,18 @@ def report(out: Path, groups: int, steps: int) -> int:
     for r in rows:
         if r.get("resumed_from") is not None:
             print(f"step {r['resumed_from']}: resumed from its checkpoint (a whole-job restart)", flush=True)
+        if r.get("start_checkpoint"):
+            print(f"step 0: every group started from the weights of {r.get('init_from', '?')}, written once as "
+                  f"{out / r['start_checkpoint']} (the replay starts from it)", flush=True)
         if r["dropped"]:
             print(f"step {r['step']}: replica group(s) {r['dropped']} dropped; {len(r['members'])} of {groups} "
                   "groups went on" + ("; its rows reassigned to the live groups" if r.get("rows") else ""), flush=True)
         if not r["committed"]:
-            print(f"step {r['step']}: round {r['round']} failed (a member died mid-step); retried", flush=True)
+            print(f"step {r['step']}: round {r['round']} failed (a member died mid-step or a heal failed); retried",
+                  flush=True)
+        for g, e in r.get("excluded", {}).items():
+            print(f"step {r['step']}: replica group {g} excluded after {e['failed_heals']} consecutive failed heals "
+                  f"(last: {e['reason']}); its agent was stopped and the other groups went on", flush=True)
         for g, h in r["heal"].items():
             if r["committed"]:
                 print(f"step {r['step']}: replica group {g} healed from a live group in {h['seconds']:.3f} s "

@@ -7,7 +7,9 @@ It costs the steps committed without that group until it is a member again (each
 batch, `tokens_per_step / R` tokens, with parallel.missing_rows=skip; with `reassign` its rows were computed by
 live groups, counted as tokens reassigned, and nothing is lost); the heal is the row
 where it rejoins behind, with the receiving side's seconds, bytes and chunks resent after a bad checksum. Steps
-recomputed after a whole-job resume count once (multinode/replicas.py `effective_rows`).
+recomputed after a whole-job resume count once (multinode/replicas.py `effective_rows`). A group the lighthouse
+excluded after `parallel.heal_attempts` consecutive failed heals never rejoins; the section names it, the step and
+the last heal's failure.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def replicas_section(run: RunData) -> Section:
                       f.heal["retries"] if f.heal else "-"] for f in found], id="replica-failures"))
     else:
         s.add(Text("No replica group failed: every committed step had every group.", "note"))
+    for x in rows:
+        for g, e in x.get("excluded", {}).items():
+            s.add(Text(f"Replica group {g} was excluded at step {x['step']} after {e['failed_heals']} consecutive "
+                       f"failed heals (last: {e['reason']}); its agent was stopped and the other groups went on "
+                       "without it.", "error"))
     lost = sum(f.tokens_lost for f in found)
     failed = sum(not x["committed"] for x in rows)
     resumes = [x["resumed_from"] for x in rows if x.get("resumed_from") is not None]

@@ -22,6 +22,7 @@ from scaletrain.errors import CheckpointError
 from scaletrain.multinode.replicas import effective_rows
 from scaletrain.multinode.replicas import summarize as summarize_log
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.replica_init import start_checkpoint
 from scaletrain.train.runners.replicas import GroupModel
 
 TOLERANCE = 1e-12
@@ -67,12 +68,16 @@ def replay_rounds(cfg: Config, rows: list[dict], out: Path | None = None) -> dic
     """The parameters after the committed rounds of `rows` (after a whole-job resume: those the resumed run went
     through, `effective_rows`), computed in this process. A run that started from a checkpoint of step N (`--reshard`
     from another layout's run: the log's first row has `resumed_from` N and no rounds of steps 1..N) is replayed from
-    that checkpoint, `out/checkpoints/step_N`, read into the replay's one process by the reshard path."""
+    that checkpoint, `out/checkpoints/step_N`, read into the replay's one process by the reshard path; one started from
+imported weights (`--init-from`: the first row has `start_checkpoint`) from the checkpoint of step 0 the launcher
+wrote of them (train/replica_init.py)."""
     committed = effective_rows(rows)
     start = rows[0].get("resumed_from") if rows else None
     found = None
     if start and not any(r["step"] <= start for r in committed):
         found = _start_checkpoint(out, int(start))
+    elif rows and rows[0].get("start_checkpoint"):  # a run started from imported weights (--init-from)
+        found = _init_checkpoint(out, rows[0])
     model = GroupModel(cfg, replay=True)
     step = _load_start(model, found) if found is not None else 0
     for row in committed:
@@ -93,6 +98,15 @@ def _start_checkpoint(out: Path | None, step: int) -> Path:
     if found is None or not (found / ckpt.COMPLETE).exists():
         raise CheckpointError(f"membership log: the run started from the checkpoint of step {step}, which is not "
                               f"in {out}/checkpoints (keep it, train.keep_checkpoints, to replay the run)")
+    return found
+
+
+def _init_checkpoint(out: Path | None, row: dict) -> Path:
+    """The start checkpoint of the imported weights the log's first row names (CheckpointError if it is gone)."""
+    found = start_checkpoint(out) if out is not None else None
+    if found is None or str(found.relative_to(out)) != row["start_checkpoint"]:
+        raise CheckpointError(f"membership log: the run started from the weights of {row.get('init_from', '?')}, "
+                              f"written as {row['start_checkpoint']}, which is not complete in {out}")
     return found
 
 
@@ -143,7 +157,9 @@ def cmd_replay_replicas(out: Path, cfg: Config, as_json: bool) -> int:
               f"{out} in {seconds:.1f} s; groups dropped: {summary['drops'] or 'none'}; heals: "
               f"{summary['heals'] or 'none'}; tokens lost {summary['tokens_lost']}"
               + (f"; rows reassigned: {summary['group_steps_reassigned']} group-steps "
-                 f"({summary['tokens_reassigned']} tokens)" if summary["group_steps_reassigned"] else ""))
+                 f"({summary['tokens_reassigned']} tokens)" if summary["group_steps_reassigned"] else "")
+              + "".join(f"; group {e['group']} excluded at step {e['step']} after {e['failed_heals']} failed heals"
+                        for e in summary["excluded"]))
         print(f"largest parameter difference {worst:.3g} ({bound}): "
               + ("PASS" if summary["pass"] else "FAIL"))
     return 0 if summary["pass"] else 1

@@ -108,6 +108,9 @@ def replicas(cfg: Config, world_size: int | None) -> list[str]:
     if p.sync != "bsp":
         errors.append(f"parallel.replicas > 1 is for parallel.sync=bsp (got {p.sync!r}): the asynchronous modes "
                       "supervise their own workers")
+    if p.heal_attempts < 1:
+        errors.append(f"parallel.heal_attempts must be >= 1, got {p.heal_attempts}: the number of consecutive failed "
+                      "heals after which the lighthouse excludes a replica group")
     if p.offload != "none" or p.heartbeat_s <= 0:
         errors.append(f"parallel.replicas > 1 needs parallel.offload=none and parallel.heartbeat_s > 0 (the bound "
                       f"within which a dead group is dropped); got offload={p.offload}, heartbeat_s={p.heartbeat_s}")

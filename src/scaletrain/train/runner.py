@@ -27,7 +27,7 @@ def make_trainer(cfg: Config, out: Path | None, env: DistEnv | None, progress: b
     if cfg.parallel.replicas > 1:  # one fault-tolerant replica group (train/runners/replicas.py)
         from scaletrain.train.runners.replicas import ReplicaRunner
 
-        return ReplicaRunner(cfg, out, reshard=reshard)
+        return ReplicaRunner(cfg, out, reshard=reshard, init_from=init_from)
     if sync != "bsp":
         refuse_reshard(cfg, reshard, init_from)
     if sync == "ps":

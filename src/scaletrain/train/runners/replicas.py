@@ -67,12 +67,14 @@ from scaletrain.distributed.comm import all_gather_single
 from scaletrain.distributed.heal import Link, load_training_state, recv_state, send_state, training_state
 from scaletrain.distributed.quorum import LIGHTHOUSE_ENV, REPLICA_ENV, Quorum, QuorumClient, ordered_sum
 from scaletrain.distributed.rows import divisor, rows_of
+from scaletrain.errors import CheckpointError
 from scaletrain.model.moe import begin_step as begin_moe_step
 from scaletrain.model.moe import moe_modules
 from scaletrain.parallel.experts import ExpertParallelOptimizer
 from scaletrain.parallel.zero import ZeroOptimizer
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import resume
+from scaletrain.train.replica_init import start_checkpoint, start_record
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.trainer import Trainer, TrainResult
 
@@ -81,10 +83,11 @@ FAULT_ENV = "SCALETRAIN_FT_FAULT"
 process when it has joined the quorum of step S, on its first attempt only (a restarted group is not hit again);
 `hold:G:S` makes it write `OUT/replicas/held-group{G}` there and sleep while its heartbeat goes on (the run stalls
 until it is killed: a whole-job kill at a known step); `corrupt:G:0` makes group G, when it sends a heal, corrupt
-the first chunk once (the receiver must detect it)."""
+the first chunk once (the receiver must detect it); `corrupt:G:all` makes it corrupt every chunk of every heal it
+sends on every resend (each heal fails: the lighthouse excludes the receiver after parallel.heal_attempts rounds)."""
 PACE_ENV = "SCALETRAIN_FT_PACE_S"
 """Fault drills: each committed step with fewer than all groups takes at least this many seconds (so the restart of
-a tiny model's group finds the run still going)."""
+a tiny model's group finds the run still going); not once every missing group was excluded by the lighthouse."""
 
 
 def ranks_per_group(cfg: Config) -> int:
@@ -225,7 +228,7 @@ class GroupModel:
 class ReplicaRunner:
     """One replica group's process: the `make_trainer` interface (`step`, `n_params`, `run()`, `full_state()`)."""
 
-    def __init__(self, cfg: Config, out: Path | None, reshard: bool = False):
+    def __init__(self, cfg: Config, out: Path | None, reshard: bool = False, init_from: str | Path | None = None):
         self.cfg, self.out = cfg, out
         self.group = int(os.environ[REPLICA_ENV])
         self.model = GroupModel(cfg)
@@ -246,14 +249,16 @@ class ReplicaRunner:
             t = cfg.train  # the group's ranks write the checkpoint together (each its ZeRO shard)
             self.saver = ckpt.Saver(out / "checkpoints", self.rank, t.keep_checkpoints, t.checkpoint_async, p.timeout_s)
             if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a restarted group heals instead
-                self._resume(reshard)
+                self._resume(reshard, init_from is not None)
 
-    def _resume(self, reshard: bool) -> None:
+    def _resume(self, reshard: bool, init: bool = False) -> None:
         """A whole-job launch: load the newest complete checkpoint (any group's; they are one state), or with
         `reshard` a checkpoint of another layout's run (train/resume.py reads it into this group's layout)."""
         assert self.out is not None
         found, _ = ckpt.usable_latest(self.out / "checkpoints")
         if found is None:
+            if init:  # --init-from: the imported weights, as the launcher wrote them
+                self._start_from_init()
             return
         t = self.model.trainer
         meta = ckpt.read_meta(found)
@@ -269,6 +274,18 @@ class ReplicaRunner:
             start = {"checkpoint": found.name, **({"from_layout": extra["layout"]["from"]} if extra else {})}
             self.client.store.set("start", json.dumps(start))  # the lighthouse's first row records it
             resume.trim_metrics(self.out, self.step)  # the steps after the checkpoint are computed again
+
+    def _start_from_init(self) -> None:
+        """A fresh launch with `--init-from`: read the start checkpoint the launcher wrote of the imported weights
+        (train/replica_init.py) into this rank's layout; group 0 names it to the lighthouse for the log's first row."""
+        assert self.out is not None
+        found = start_checkpoint(self.out)
+        if found is None:
+            raise CheckpointError(f"{self.out}: no start checkpoint of the imported weights (the launcher writes it)")
+        t = self.model.trainer
+        resume.load_engine(t.engine, found, streams={t.rng_stream: t.rng})
+        if self.group == 0 and self.rank == 0:
+            self.client.store.set("start", json.dumps(start_record(self.out, found)))
 
     def _save(self, q: Quorum) -> None:
         """Write the checkpoint of the step just committed (this group is the quorum's lowest member)."""
@@ -289,7 +306,8 @@ class ReplicaRunner:
         link = Link(self.client.process_group(q))  # the cross-group group of this local rank
         src = q.members.index(q.source)
         if self.group == q.source:
-            tamper = _flip_first_chunk if self.fault is not None and self.fault[0] == "corrupt" else None
+            kind = self.fault[0] if self.fault is not None else None
+            tamper = {"corrupt": _flip_first_chunk, "corrupt-all": _flip_every_chunk}.get(kind)
             try:
                 for g in q.behind:
                     send_state(self._heal_state(), q.members.index(g), link, tamper=tamper)
@@ -317,13 +335,19 @@ class ReplicaRunner:
         try:
             got = self._heal(q) if q.behind else None
             ok = True
-        except RuntimeError:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
+        except RuntimeError as e:  # a peer died during the transfer, or a chunk stayed corrupt: not joined
             got, ok = None, False
+            if self.group in q.behind:  # the lighthouse excludes a group whose heals keep failing
+                self.client.heal_failed(q, str(e) or type(e).__name__)
         if not self.client.agree(q, ok, self.model.ranks, self.cfg.parallel.timeout_s):
             raise RuntimeError(f"replica group {self.group}: the heal of round {q.round} failed on a rank")
         if got is None:
             return None
-        self.step = self._load_heal(got[0])
+        try:
+            self.step = self._load_heal(got[0])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:  # a verified state this rank cannot load
+            self.client.heal_failed(q, f"the received state does not load: {e}")
+            raise RuntimeError(f"replica group {self.group}: the healed state does not load") from e
         return got[1]
 
     def _heal_state(self) -> dict:
@@ -373,7 +397,7 @@ class ReplicaRunner:
                 q = self.client.join(self.step)
                 if q is None:
                     break
-                if self.fault is not None and self.fault[1] == q.step and self.fault[0] != "corrupt":
+                if self.fault is not None and self.fault[1] == q.step and not self.fault[0].startswith("corrupt"):
                     self._drill()
                 t0 = time.perf_counter()
                 try:
@@ -395,7 +419,7 @@ class ReplicaRunner:
                 loss = mean[-1].clone()
                 if self.model.dps > 1:  # the group's loss: its data-parallel ranks' parts (tp ranks: the whole)
                     dist.all_reduce(loss, group=self.model.trainer.dp_group)
-                if len(q.members) < self.cfg.parallel.replicas:
+                if self.pace and not self._all_missing_excluded(q):
                     time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
                 self.step = q.step
                 row = {"step": q.step, "loss": float(loss), "grad_norm": float(norm), "members": q.members,
@@ -448,6 +472,11 @@ class ReplicaRunner:
         with open(self.out / "metrics.jsonl", "a") as f:  # one short line, appended: whole or absent
             f.write(json.dumps(line) + "\n")
 
+    def _all_missing_excluded(self, q: Quorum) -> bool:
+        """Whether every group missing from q was excluded by the lighthouse (the fault drills' pace then stops)."""
+        missing = set(range(self.cfg.parallel.replicas)) - set(q.members)
+        return all(self.client.store.check([f"excluded/{g}"]) for g in missing)
+
     def _drill(self) -> None:
         assert self.fault is not None
         if self.fault[0] == "hold":
@@ -466,7 +495,8 @@ def _param_shard(z: ZeroOptimizer, g) -> torch.Tensor:
 
 def _fault(group: int, rank: int = 0, ranks: int = 1) -> tuple[str, int] | None:
     """This process's drill from FAULT_ENV (a comma list of `kill:G:S`, `stop:G:S`, or `corrupt:G:0`: as the heal
-    source, group G corrupts the first chunk it sends once), on the first attempt only. In a group of several
+    source, group G corrupts the first chunk it sends once; `corrupt:G:all`: every chunk, every time), on the first
+    attempt only. In a group of several
     processes `kill` and `stop` hit its last rank only (its agent then stops the others, or the group's heartbeat
     names it dead); `hold` and `corrupt` every rank."""
     spec = os.environ.get(FAULT_ENV, "")
@@ -474,9 +504,16 @@ def _fault(group: int, rank: int = 0, ranks: int = 1) -> tuple[str, int] | None:
         return None
     for item in spec.split(","):
         kind, g, step = item.split(":")
+        if kind == "corrupt" and step == "all":
+            kind, step = "corrupt-all", "0"
         if int(g) == group and (kind not in ("kill", "stop") or rank == ranks - 1):
             return kind, int(step)
     return None
+
+
+def _flip_every_chunk(index: int, attempt: int, chunk: torch.Tensor) -> torch.Tensor:
+    chunk[0] ^= 0xFF
+    return chunk
 
 
 def _flip_first_chunk(index: int, attempt: int, chunk: torch.Tensor) -> torch.Tensor:
