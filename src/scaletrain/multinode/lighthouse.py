@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                           timeout=timedelta(seconds=300))
     store.add("round", 0)
     Lighthouse(store, args.groups, args.steps, args.heartbeat_s, Path(args.log), ranks=args.ranks,
-               heal_attempts=args.heal_attempts, marks=Path(args.marks) if args.marks else None),
+               heal_attempts=args.heal_attempts, marks=Path(args.marks) if args.marks else None,
                reassign=args.missing_rows == "reassign").run()
     time.sleep(args.linger_s)  # groups still read `finished` and their commit
     return 0
