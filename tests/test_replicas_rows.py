@@ -76,7 +76,7 @@ def test_reassigned_rows_of_an_moe_model_with_dropout_draw_the_missing_groups_ra
     assert _max_diff(replay_rounds(cfg, full), replay_rounds(cfg, moved)) == 0.0
 
 
-def test_reassigned_run_through_a_kill_and_heal_equals_the_uninterrupted_run_and_its_replay(tmp_path, plain):
+def test_reassigned_run_through_a_kill_and_heal_equals_the_uninterrupted_run_and_its_replay(tmp_path, capsys, plain):
     out = tmp_path / "run"
     # group 0 is SIGKILLed after joining step 3's quorum and restarted (--restarts 1); steps without every group take
     # >= 2 s so that the restart finds the run still going; it heals from group 1 and rejoins
@@ -109,9 +109,13 @@ def test_reassigned_run_through_a_kill_and_heal_equals_the_uninterrupted_run_and
     losses, params = plain
     assert all(abs(r["loss"] - losses[r["step"]]) <= TP_ATOL + TP_RTOL * abs(losses[r["step"]]) for r in survivor)
     assert _within(params, finals["final-group1"])
-    # the replay of the membership log recomputes exactly what was computed (the run's own bound, 1e-12)
+    # `scaletrain replay` recomputes exactly what the membership log says was computed (the run's own bound, 1e-12)
     cfg = load_config(out / "config.yaml")
-    assert _max_diff(replay_rounds(cfg, rows), finals["final-group1"]) <= TOLERANCE
+    capsys.readouterr()
+    assert main(["replay", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["pass"] and max(summary["max_abs_diff"].values()) <= TOLERANCE
+    assert (summary["tokens_lost"], summary["group_steps_reassigned"]) == (0, back - 3)
     # the launcher, the replay command and the report say "rows reassigned", with no tokens lost
     assert "its rows reassigned to the live groups" in p.stdout and "group-steps lost 0" in p.stdout
     assert f"rows reassigned: {back - 3} group-steps computed by live groups" in p.stdout
