@@ -21,8 +21,8 @@ each reported by the receiving rank in `healfail/R/G/I`): `join` then raises `Gr
 line (`excluded/G`), so its process stops with that one line instead of asking to join forever.
 
 Keys in the store: `hb/G/I` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `qof/G/A/N`,
-`phase/R/G/I` (the heal phase's outcome, agreed inside a group), `ready/R/G/I` (a member's gradient is computed:
-parallel.missing_rows=reassign), `done/R/G/I`, `heal/R/G/I` (seconds, bytes,
+`phase/R/G/I` (the heal phase's outcome, agreed inside a group), `ready/R/G/I` (a member's gradient is computed),
+`done/R/G/I`, `heal/R/G/I` (seconds, bytes,
 resent chunks), `healfail/R/G/I` (why a heal failed), `excluded/G`, `healed/R/I`, `commit/R`, `finished`.
 """
 
@@ -153,7 +153,7 @@ class QuorumClient:
         moves (Q - 1) x the bytes of a ring all-reduce's 2 (Q - 1) / Q: the price of an exactly replayable sum."""
         if len(q.members) == 1:
             return flat.clone()
-        if q.rows and not self._ready(q):  # reassigned rows: a member died before every member had its gradient
+        if not self._ready(q):  # a member died or froze before every member had its gradient
             self.pg_id = -1
             return None
         parts = [torch.empty_like(flat) for _ in q.members]
@@ -165,9 +165,10 @@ class QuorumClient:
         return ordered_sum(parts)
 
     def _ready(self, q: Quorum) -> bool:
-        """parallel.missing_rows=reassign: members compute unequal shares (one takes over a missing group's rows), so
-        wait until every member has its gradient (`ready/R/G/I`) before the all-gather, whose timeout then covers
-        the transfer only. Bounded by liveness, not time: False when the lighthouse fails the round (a member died or
+        """Wait until every member has its gradient (`ready/R/G/I`) before the all-gather, whose timeout (2 x
+        heartbeat_s) then covers the transfer only: members' compute times differ (a first step's warm-up, a healed
+        group's step, a share of reassigned rows, a slower machine), and a wait inside the collective would fail the
+        round on a timer. Bounded by liveness instead: False when the lighthouse fails the round (a member died or
         froze: its heartbeat stopped)."""
         self.store.set(f"ready/{q.round}/{self.group}/{self.local_rank}", "1")
         keys = [f"ready/{q.round}/{g}/{self.local_rank}" for g in q.members]
