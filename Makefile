@@ -33,7 +33,7 @@ browser:
 
 # -rs: every skipped test is listed with its reason; under CI only tests marked gpu may skip (tests/conftest.py)
 test: $(STAMP) browser
-	$(BIN)/python -m pytest tests -rs
+	$(BIN)/python -m pytest tests -rs --durations=30
 
 # ruff, and the import contracts of pyproject.toml (layers, torch-free modules, no cycles; docs/architecture.md)
 lint: $(STAMP)
