@@ -541,8 +541,12 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, tmp_path, monkeypatch):
         timers.append(threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)))
         timers[0].start()
         time.sleep(60)
-        raise AssertionError("SIGINT did not arrive")
+        raise AssertionError(f"SIGINT did not arrive (handler now {signal.getsignal(signal.SIGINT)})")
 
+    # what a SIGINT meets in this process (an earlier test or library that changed it would make the test fail for
+    # that reason, not for the CLI's): Python's handler, and SIGINT not blocked in the main thread
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGINT is blocked in the main thread"
     monkeypatch.setattr(draw, "draw_timeline", slow_draw)
     code = call(["report", "timeline", "--out", str(tmp_path / "t.png")])
     timers[0].join()
