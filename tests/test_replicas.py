@@ -59,11 +59,20 @@ def _tree(root: int) -> list[int]:
 
 
 def train_at_once(root, runs: dict) -> dict:
-    """Start replica runs at the same time (CI time: the kill drills mostly wait for a restart) and wait for them:
-    runs {name: (overrides, fault, extra args, pace)} -> {name: (folder, exit code, output)}. A run that takes more
+    """Run replica runs side by side (CI time: the kill drills mostly wait for a restart) and wait for them:
+    runs {name: (overrides, fault, extra args, pace)} -> {name: (folder, exit code, output)}. Each starts once the one
+    before has committed its first round (or ended, or after 60 s): start-ups (a score of processes importing torch on
+    2 cores) starved a first round's collectives past their timeout when all began at once. A run that takes more
     than 300 s is killed whole (launcher, lighthouse, agents, groups)."""
     started = {}
     for name, (overrides, fault, extra, pace) in runs.items():
+        if started:  # the previous run's first round is in its membership log
+            before, (proc, _) = list(started)[-1], list(started.values())[-1]
+            deadline = time.monotonic() + 60
+            log_of = root / before / "membership.jsonl"
+            while proc.poll() is None and time.monotonic() < deadline and not (
+                    log_of.is_file() and log_of.read_text().strip()):
+                time.sleep(0.2)
         env = {**os.environ, "SCALETRAIN_FT_FAULT": fault, "SCALETRAIN_FT_PACE_S": str(pace)}
         cmd = [sys.executable, "-m", "scaletrain", "train", "--out", str(root / name), *_sets(overrides), *extra]
         log = open(root / f"{name}.log", "w")

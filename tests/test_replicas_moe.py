@@ -30,8 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # the groups' one thread eac
 # every random stream of an MoE step on: router noise, random routing, expert dropout, dropout
 MOE = {**TINY, "model.moe.experts": 4, "model.moe.group_tokens": 16, "model.moe.router_noise": 0.1,
        "model.moe.random_routing": True, "model.moe.expert_dropout": 0.1, "model.dropout": 0.1,
-       "train.micro_batch": 1, "train.checkpoint_every": 0, "train.report": False, "parallel.heartbeat_s": 4.0}
-# heartbeat_s with room for two runs starting at once on 2 cores (a starved heartbeat drops a live group)
+       "train.micro_batch": 1, "train.checkpoint_every": 0, "train.report": False, "parallel.heartbeat_s": 2.0}
 ONE = {**MOE, "train.micro_batch": 2, "parallel.dp": 2, "parallel.replicas": 2}  # groups of one process
 EP = {**MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.replicas": 2}  # groups of 2 expert-parallel ranks
 

@@ -20,7 +20,9 @@ A group whose heal keeps failing is excluded by the lighthouse (`parallel.heal_a
 each reported by the receiving rank in `healfail/R/G/I`): `join` then raises `GroupExcluded` with the lighthouse's
 line (`excluded/G`), so its process stops with that one line instead of asking to join forever.
 
-Keys in the store: `hb/G/I` (heartbeat counter), `round`, `req/R/G` (completed steps), `quorum/R`, `qof/G/A/N`,
+Keys in the store: `hb/G/I` (heartbeat counter), `life/G/I` (incarnations: +1 at each start of the process),
+`round`, `reqlife/R/G` (the incarnation that asked to join round R), `req/R/G` (completed steps), `quorum/R`,
+`qof/G/A/N`,
 `phase/R/G/I` (the heal phase's outcome, agreed inside a group), `ready/R/G/I` (a member's gradient is computed),
 `done/R/G/I`, `heal/R/G/I` (seconds, bytes,
 resent chunks), `healfail/R/G/I` (why a heal failed), `excluded/G`, `healed/R/I`, `commit/R`, `finished`.
@@ -80,6 +82,9 @@ class QuorumClient:
         self.pg: dist.ProcessGroup | None = None
         self.pg_id = -1
         self._stop = threading.Event()
+        # this process's incarnation of its group (1 at the first start, +1 at each restart by its agent): a round's
+        # member that is restarted is dead for that round even though its heartbeat moves again
+        self.life = self._beat.add(f"life/{group}/{local_rank}", 1)
         self._beat.add(self.beat_key, 1)
         threading.Thread(target=self._heartbeat, name="replica-heartbeat", daemon=True).start()
 
@@ -126,6 +131,7 @@ class QuorumClient:
         while not self.finished():
             self.check_excluded()
             r = self.store.add("round", 0)
+            self.store.set(f"reqlife/{r}/{self.group}", str(self.life))  # before the request: the lighthouse reads both
             self.store.set(f"req/{r}/{self.group}", str(completed))
             key = f"quorum/{r}"
             while not self.store.check([key]):

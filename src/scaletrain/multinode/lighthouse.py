@@ -38,6 +38,10 @@ import torch.distributed as dist
 from scaletrain.distributed.rows import assign_rows
 
 POLL_S = 0.002
+FIRST_ROUND_GRACE = 5
+"""A member's first round after its process (re)started may go this many heartbeat bounds without a heartbeat before
+the round fails: its first step initialises lazily (and a heal's first step follows a transfer); later rounds use
+the bound itself."""
 
 
 class Lighthouse:
@@ -51,19 +55,22 @@ class Lighthouse:
         self.excluded: set[int] = set()  # groups excluded after heal_attempts failed heals: their requests are ignored
         self.reassign = reassign  # parallel.missing_rows=reassign: a missing group's rows go to a live member
         self.beats: dict[tuple[int, int], tuple[int, float]] = {}  # (group, rank) -> (counter, when it last moved)
+        self.proven: dict[int, int | None] = {}  # group -> its incarnation that committed a round (past its first)
+        self.born: dict[int, int | None] = {}  # the incarnations of the current round's members
 
-    def alive(self, g: int) -> bool:
-        """Whether every rank of group g heartbeats (one frozen or dead rank stalls its group's collectives)."""
-        return all([self._rank_alive(g, i) for i in range(self.ranks)])  # a list: every counter is read
+    def alive(self, g: int, bound_s: float | None = None) -> bool:
+        """Whether every rank of group g heartbeats (one frozen or dead rank stalls its group's collectives): each
+        counter moved within `bound_s` (default heartbeat_s)."""
+        return all([self._rank_alive(g, i, bound_s or self.heartbeat_s) for i in range(self.ranks)])  # every counter
 
-    def _rank_alive(self, g: int, i: int) -> bool:
+    def _rank_alive(self, g: int, i: int, bound_s: float) -> bool:
         now = time.monotonic()
         count = self.store.add(f"hb/{g}/{i}", 0)
         last = self.beats.get((g, i))
         if last is None or count != last[0]:
             self.beats[(g, i)] = (count, now)
             return count > 0
-        return now - last[1] < self.heartbeat_s
+        return now - last[1] < bound_s
 
     def _requests(self, r: int) -> dict[int, int]:
         keys = {g: f"req/{r}/{g}" for g in range(self.groups)}
@@ -87,16 +94,31 @@ class Lighthouse:
             time.sleep(POLL_S)
 
     def decide(self, r: int, members: list[int]) -> bool:
-        """Commit round r iff every rank of every member reported ok (a dead member that never reports fails it)."""
+        """Commit round r iff every rank of every member reported ok (a dead member that never reports fails it). A
+        member is dead for the round when its heartbeat stopped or when its agent restarted it (its incarnation is
+        not the one that asked to join: the new one heartbeats, but it joins a later round and never reports this
+        one, which members waiting for its gradient would otherwise wait for forever)."""
         keys = {(g, i): f"done/{r}/{g}/{i}" for g in members for i in range(self.ranks)}
+        born = {g: int(self.store.get(f"reqlife/{r}/{g}")) if self.store.check([f"reqlife/{r}/{g}"]) else None
+                for g in members}
+        self.born = born
         while True:
             done = {gi: self.store.get(k) for gi, k in keys.items() if self.store.check([k])}
             if any(v != b"1" for v in done.values()):
                 return False
             if len(done) == len(keys):
                 return True
-            if any(not self.alive(g) for g in members if any((g, i) not in done for i in range(self.ranks))):
-                return False
+            for g in members:
+                if all((g, i) in done for i in range(self.ranks)):
+                    continue
+                restarted = born[g] is not None and self.store.add(f"life/{g}/0", 0) != born[g]
+                # a process's first round (its first step: lazy initialisation, a heal) may hold its heartbeat thread
+                # off for seconds (seen at step 1 on a busy 2-core machine): FIRST_ROUND_GRACE x the bound
+                bound = self.heartbeat_s * (1 if self.proven.get(g) == born[g] else FIRST_ROUND_GRACE)
+                if restarted or not self.alive(g, bound):  # the lighthouse's log says why the round fails
+                    print(f"round {r}: group {g} " + ("was restarted" if restarted else
+                                                      f"stopped heartbeating for {bound:g} s"), flush=True)
+                    return False
             time.sleep(POLL_S)
 
     def heal_stats(self, r: int, g: int) -> dict | None:
@@ -180,6 +202,7 @@ class Lighthouse:
                 if ok:
                     completed = step
                     previous = last = members
+                    self.proven.update({g: self.born[g] for g in members})  # these incarnations have stepped
                 else:
                     pg_id, members_of_pg = -1, None
                     previous = [g for g in members if g not in self.excluded and self.alive(g)]
