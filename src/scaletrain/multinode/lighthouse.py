@@ -56,7 +56,6 @@ class Lighthouse:
         self.reassign = reassign  # parallel.missing_rows=reassign: a missing group's rows go to a live member
         self.beats: dict[tuple[int, int], tuple[int, float]] = {}  # (group, rank) -> (counter, when it last moved)
         self.proven: dict[int, int | None] = {}  # group -> its incarnation that committed a round (past its first)
-        self.born: dict[int, int | None] = {}  # the incarnations of the current round's members
 
     def alive(self, g: int, bound_s: float | None = None) -> bool:
         """Whether every rank of group g heartbeats (one frozen or dead rank stalls its group's collectives): each
@@ -93,15 +92,17 @@ class Lighthouse:
                 self.alive(g)
             time.sleep(POLL_S)
 
-    def decide(self, r: int, members: list[int]) -> bool:
+    def incarnations(self, r: int, members: list[int]) -> dict[int, int | None]:
+        """The incarnation of each member that asked to join round r (`reqlife/R/G`; None if it did not say)."""
+        return {g: int(self.store.get(f"reqlife/{r}/{g}")) if self.store.check([f"reqlife/{r}/{g}"]) else None
+                for g in members}
+
+    def decide(self, r: int, members: list[int], born: dict[int, int | None]) -> bool:
         """Commit round r iff every rank of every member reported ok (a dead member that never reports fails it). A
         member is dead for the round when its heartbeat stopped or when its agent restarted it (its incarnation is
         not the one that asked to join: the new one heartbeats, but it joins a later round and never reports this
         one, which members waiting for its gradient would otherwise wait for forever)."""
         keys = {(g, i): f"done/{r}/{g}/{i}" for g in members for i in range(self.ranks)}
-        born = {g: int(self.store.get(f"reqlife/{r}/{g}")) if self.store.check([f"reqlife/{r}/{g}"]) else None
-                for g in members}
-        self.born = born
         while True:
             done = {gi: self.store.get(k) for gi, k in keys.items() if self.store.check([k])}
             if any(v != b"1" for v in done.values()):
@@ -182,7 +183,8 @@ class Lighthouse:
                 self.store.set(f"quorum/{r}", json.dumps(quorum))
                 self.store.add("round", 1)
                 t0 = time.time()
-                ok = self.decide(r, members)
+                born = self.incarnations(r, members)
+                ok = self.decide(r, members, born)
                 self.store.set(f"commit/{r}", "1" if ok else "0")
                 heal = {g: h for g in behind if (h := self.heal_stats(r, g)) is not None}
                 dropped = sorted(set(last) - set(members)) if ok else []
@@ -202,7 +204,7 @@ class Lighthouse:
                 if ok:
                     completed = step
                     previous = last = members
-                    self.proven.update({g: self.born[g] for g in members})  # these incarnations have stepped
+                    self.proven.update({g: born[g] for g in members})  # these incarnations have stepped
                 else:
                     pg_id, members_of_pg = -1, None
                     previous = [g for g in members if g not in self.excluded and self.alive(g)]
